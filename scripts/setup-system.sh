@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs the host packages agentenv needs: runsc from bookworm-backports,
+# iptables, mmdebstrap (base template), redis (cluster tests).
+# Idempotent: does nothing when everything is already present.
+set -euo pipefail
+
+need=()
+command -v runsc >/dev/null || need+=(runsc)
+command -v iptables >/dev/null || need+=(iptables)
+command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v ip >/dev/null || need+=(iproute2)
+[ ${#need[@]} -eq 0 ] && exit 0
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "setup-system: root is needed to install: ${need[*]}" >&2
+  exit 1
+fi
+
+# runsc from bookworm's own suite cannot start a networked sandbox on this
+# kernel; the backports build can. Add the suite to the existing Debian entry.
+src=/etc/apt/sources.list.d/debian.sources
+if [ -f "$src" ] && ! grep -q 'bookworm-backports' "$src"; then
+  sed -i '0,/^Suites: bookworm bookworm-updates$/s//Suites: bookworm bookworm-updates bookworm-backports/' "$src"
+fi
+if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+  echo 'deb http://deb.debian.org/debian bookworm-backports main' > /etc/apt/sources.list.d/bookworm-backports.list
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+rest=()
+for p in "${need[@]}"; do [ "$p" = runsc ] || rest+=("$p"); done
+[ ${#rest[@]} -eq 0 ] || apt-get install -y -qq --no-install-recommends "${rest[@]}" >/dev/null
+if [[ " ${need[*]} " == *" runsc "* ]]; then
+  apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
+fi
+# The redis package starts a system service; tests start their own servers.
+if command -v systemctl >/dev/null && systemctl is-active -q redis-server 2>/dev/null; then
+  systemctl disable --now redis-server >/dev/null 2>&1 || true
+fi
+echo "setup-system: installed ${need[*]}"

@@ -1,0 +1,111 @@
+"""Node configuration: one TOML file plus ``AENV_*`` environment overrides.
+
+Defaults work with no file. Precedence: environment > TOML file > defaults.
+The file is ``$AENV_CONFIG`` or ``$AENV_HOME/config.toml`` when it exists.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HOME = Path("/var/lib/aenv")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or malformed."""
+
+
+@dataclass
+class Config:
+    home: Path = DEFAULT_HOME
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Domain for `<port>-<sandboxID>.<domain>` Host routing in the proxy.
+    domain: str = "localhost"
+    node_id: str = ""
+    # Where templates (rootfs trees) live; shared between homes in tests.
+    images_dir: Path | None = None
+    # Where built envd runtime bundles are cached.
+    bundle_dir: Path | None = None
+    # Capacity: sandboxes this node runs at once.
+    max_sandboxes: int = 64
+    default_timeout: int = 300
+    max_timeout: int = 24 * 3600
+    default_cpu_count: int = 2
+    default_memory_mb: int = 512
+    # Network slots: names start with this prefix; host addresses come from this /16.
+    net_prefix: str = "aenv"
+    net_pool_cidr: str = "10.11.0.0/16"
+    net_pool_low: int = 4
+    net_pool_high: int = 8
+    log_level: str = "info"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def secrets_dir(self) -> Path:
+        return self.home / "secrets"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "db"
+
+    @property
+    def templates_dir(self) -> Path:
+        return (self.images_dir or self.home / "images") / "templates"
+
+    @property
+    def bundles_dir(self) -> Path:
+        return self.bundle_dir or self.home / "cache" / "bundles"
+
+
+def _coerce(name: str, raw: Any, kind: Any) -> Any:
+    text = str(raw)
+    try:
+        if kind in (Path, "Path", "Path | None"):
+            return Path(text) if text else None
+        if kind in (int, "int"):
+            return int(text)
+        if kind in (bool, "bool"):
+            return text.lower() in ("1", "true", "yes", "on")
+        return text
+    except ValueError as exc:
+        raise ConfigError(f"config {name}: cannot read {raw!r} as {kind}") from exc
+
+
+def load_config(overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults, then the TOML file, then ``AENV_*`` variables, then ``overrides``."""
+    values: dict[str, Any] = {}
+    home = Path(os.environ.get("AENV_HOME", str(DEFAULT_HOME)))
+    if overrides and overrides.get("home"):
+        home = Path(overrides["home"])
+    path = Path(os.environ.get("AENV_CONFIG", str(home / "config.toml")))
+    if path.is_file():
+        try:
+            values.update(tomllib.loads(path.read_text()))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+    known = {f.name: f for f in fields(Config) if f.name != "extra"}
+    for name in known:
+        env = os.environ.get(f"AENV_{name.upper()}")
+        if env is not None:
+            values[name] = env
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = value
+    values["home"] = home
+    extra = {k: v for k, v in values.items() if k not in known}
+    kwargs = {k: _coerce(k, v, known[k].type) for k, v in values.items() if k in known}
+    cfg = Config(**kwargs, extra=extra)
+    if not cfg.node_id:
+        cfg.node_id = os.uname().nodename
+    if cfg.net_pool_low > cfg.net_pool_high:
+        raise ConfigError("net_pool_low must not exceed net_pool_high")
+    return cfg
