@@ -1,0 +1,61 @@
+"""The runtime driver protocol: what the orchestrator may ask of an isolation engine.
+
+The orchestrator speaks only in these terms; each driver (gVisor today, a VM
+driver later) owns its engine's flags, files and processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+class RuntimeFailure(RuntimeError):
+    """The engine refused or failed an operation; the message says why."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a driver needs to start one sandbox."""
+
+    sandbox_id: str
+    rootfs: Path  # the template's root filesystem, shared and never written
+    hostname: str
+    cpu_count: int
+    memory_mb: int
+    netns_path: str  # the sandbox's network namespace (a slot)
+    runtime_bundle: Path  # host directory mounted read-only at bundle_mount
+    bundle_mount: str
+    init_args: list[str]  # the sandbox's first process (envd)
+    init_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RuntimeSandbox:
+    sandbox_id: str
+    state: str  # engine-reported: running, paused, stopped, created
+    pid: int
+
+
+class Runtime(Protocol):
+    kind: str
+
+    @property
+    def version(self) -> str: ...
+
+    async def start(self, spec: SandboxSpec) -> RuntimeSandbox:
+        """Start the sandbox; return once its init process runs (not when envd answers)."""
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Stop the sandbox and release everything the engine holds for it. Idempotent."""
+
+    async def pause(self, sandbox_id: str) -> None: ...
+
+    async def resume(self, sandbox_id: str) -> None: ...
+
+    async def list(self) -> dict[str, RuntimeSandbox]:
+        """Every sandbox this driver's state directory knows, by ID."""
+
+    async def reconcile(self, keep: set[str]) -> list[str]:
+        """Destroy every sandbox and leftover not in ``keep``; return what was removed."""

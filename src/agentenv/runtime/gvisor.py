@@ -1,0 +1,216 @@
+"""The gVisor driver: every sandbox is a runsc sandbox with its own application kernel.
+
+This module alone knows runsc's flags and files. Per sandbox it keeps an OCI
+bundle directory (config.json plus logs) under ``<run_dir>/sandboxes/<id>``;
+runsc's own state lives in ``<run_dir>/runsc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
+from .oci import build_spec
+
+log = logging.getLogger(__name__)
+
+RUNSC = shutil.which("runsc") or "/usr/bin/runsc"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# runsc refuses a networked sandbox when it believes it is in the root netns,
+# and it tells by /proc/sys/net existing, which it does in every netns on this
+# kernel. A private mount namespace with an empty tmpfs there gets past it.
+_MASK_PROC_SYS_NET = 'mount -t tmpfs none /proc/sys/net && exec "$0" "$@"'
+
+
+class GVisorRuntime:
+    kind = "gvisor"
+
+    def __init__(self, run_dir: Path, cgroup_parent: str = "aenv", platform: str = "systrap"):
+        self.run_dir = run_dir
+        self.state_dir = run_dir / "runsc"
+        self.sandboxes_dir = run_dir / "sandboxes"
+        self.cgroup_parent = cgroup_parent
+        self.platform = platform
+        self._version: str | None = None
+        for d in (self.state_dir, self.sandboxes_dir):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    # -- engine facts ---------------------------------------------------------
+
+    @property
+    def version(self) -> str:
+        if self._version is None:
+            import subprocess
+
+            out = subprocess.run([RUNSC, "--version"], capture_output=True, text=True, check=False)
+            first = out.stdout.splitlines()[0] if out.stdout else "unknown"
+            self._version = first.removeprefix("runsc version ").strip()
+        return self._version
+
+    def _global_flags(self, log_file: Path | None = None) -> list[str]:
+        flags = [
+            f"--root={self.state_dir}",
+            f"--platform={self.platform}",
+            "--network=sandbox",
+            # The writable root layer lives in sandbox memory, so it is part of
+            # every checkpoint and never touches the shared template.
+            "--overlay2=root:memory",
+            # Checkpoints drop connected TCP endpoints instead of failing.
+            "--net-disconnect-ok",
+        ]
+        if log_file is not None:
+            flags.append(f"--log={log_file}")
+        return flags
+
+    def bundle_dir(self, sandbox_id: str) -> Path:
+        return self.sandboxes_dir / sandbox_id
+
+    def _cgroups_path(self, sandbox_id: str) -> str:
+        return f"/{self.cgroup_parent}/{sandbox_id}"
+
+    # -- running runsc --------------------------------------------------------
+
+    async def _runsc(self, *args: str, check: bool = True, limit: float = 30) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            RUNSC, *self._global_flags(), *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), limit)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+        if check and proc.returncode != 0:
+            raise RuntimeFailure(f"runsc {args[0]} failed: {_last_line(err)}")
+        return out.decode()
+
+    async def _runsc_creating(self, bundle: Path, *args: str) -> None:
+        """Run a runsc command that creates a sandbox process (run, restore).
+
+        The sandbox inherits this command's stdio for its whole life, so it gets
+        files of its own, never the server's pipes.
+        """
+        log_file = bundle / "runsc.log"
+        with open(bundle / "console.log", "ab") as console:
+            proc = await asyncio.create_subprocess_exec(
+                "unshare", "--mount", "--propagation", "private", "--",
+                "/bin/sh", "-c", _MASK_PROC_SYS_NET,
+                RUNSC, *self._global_flags(log_file), *args,
+                stdin=asyncio.subprocess.DEVNULL, stdout=console, stderr=console,
+                start_new_session=True,
+            )
+            try:
+                code = await asyncio.wait_for(proc.wait(), 60)
+            except BaseException:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                raise
+        if code != 0:
+            why = _tail(log_file) or _tail(bundle / "console.log")
+            raise RuntimeFailure(f"runsc {args[0]} failed: {why}")
+
+    # -- Runtime protocol -----------------------------------------------------
+
+    async def start(self, spec: SandboxSpec) -> RuntimeSandbox:
+        bundle = self.bundle_dir(spec.sandbox_id)
+        bundle.mkdir(parents=True, exist_ok=True, mode=0o700)
+        config = build_spec(spec, self._cgroups_path(spec.sandbox_id))
+        (bundle / "config.json").write_text(json.dumps(config))
+        try:
+            await self._runsc_creating(
+                bundle, "run", "--detach", f"--bundle={bundle}", spec.sandbox_id
+            )
+            state = await self.state(spec.sandbox_id)
+        except BaseException:
+            await asyncio.shield(self.destroy(spec.sandbox_id))
+            raise
+        if state is None:
+            raise RuntimeFailure(f"sandbox {spec.sandbox_id} exited right after start")
+        return state
+
+    async def state(self, sandbox_id: str) -> RuntimeSandbox | None:
+        try:
+            out = await self._runsc("state", sandbox_id)
+        except RuntimeFailure:
+            return None
+        data = json.loads(out)
+        return RuntimeSandbox(data["id"], data.get("status", "unknown"), int(data.get("pid") or 0))
+
+    async def destroy(self, sandbox_id: str) -> None:
+        await self._runsc("delete", "--force", sandbox_id, check=False)
+        await asyncio.to_thread(self._remove_leftovers, sandbox_id)
+
+    def _remove_leftovers(self, sandbox_id: str) -> None:
+        shutil.rmtree(self.bundle_dir(sandbox_id), ignore_errors=True)
+        remove_cgroup(self._cgroups_path(sandbox_id))
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self._runsc("pause", sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self._runsc("resume", sandbox_id)
+
+    async def list(self) -> dict[str, RuntimeSandbox]:
+        out = await self._runsc("list", "--format=json")
+        items = json.loads(out) or []
+        return {
+            i["id"]: RuntimeSandbox(i["id"], i.get("status", "unknown"), int(i.get("pid") or 0))
+            for i in items
+        }
+
+    async def reconcile(self, keep: set[str]) -> list[str]:
+        """Remove runsc sandboxes, bundle dirs and cgroups of sandboxes not in ``keep``."""
+        removed = []
+        for sandbox_id, sandbox in (await self.list()).items():
+            if sandbox_id not in keep or sandbox.state == "stopped":
+                await self.destroy(sandbox_id)
+                removed.append(sandbox_id)
+        for leftover in self.sandboxes_dir.iterdir():
+            if leftover.name not in keep:
+                await self.destroy(leftover.name)
+                if leftover.name not in removed:
+                    removed.append(leftover.name)
+        await asyncio.to_thread(self._remove_stray_cgroups, keep)
+        return removed
+
+    def _remove_stray_cgroups(self, keep: set[str]) -> None:
+        for parent in CGROUP_ROOT.glob(f"*/{self.cgroup_parent}"):
+            for child in parent.iterdir():
+                if child.is_dir() and child.name not in keep:
+                    remove_cgroup(f"/{self.cgroup_parent}/{child.name}")
+            if not keep:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+
+
+def remove_cgroup(path: str) -> None:
+    """Remove a cgroup from every v1 hierarchy (or the v2 one). Idempotent."""
+    rel = path.strip("/")
+    for candidate in [CGROUP_ROOT / rel, *CGROUP_ROOT.glob(f"*/{rel}")]:
+        if candidate.is_dir():
+            with contextlib.suppress(OSError):
+                os.rmdir(candidate)
+
+
+def _last_line(err: bytes) -> str:
+    lines = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(ln for ln in text.splitlines()[-lines:] if ln.strip())

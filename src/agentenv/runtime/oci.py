@@ -1,0 +1,75 @@
+"""OCI runtime spec for one sandbox (the config.json runsc reads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import SandboxSpec
+
+# Docker's default capability set minus NET_RAW: root inside keeps the
+# privileges package managers and sudo need, and no raw sockets.
+CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+]
+CPU_PERIOD_US = 100_000
+PIDS_LIMIT = 4096
+MIB = 1024 * 1024
+
+
+def host_memory_limit(memory_mb: int) -> int:
+    """The hard limit on the host cgroup, in bytes.
+
+    gVisor's sentry shares the cgroup with the workload and the host OOM killer
+    takes the whole sandbox down, so the host limit carries headroom; the
+    requested figure is enforced per process inside by envd's OOM guard.
+    """
+    return (memory_mb + max(128, memory_mb // 4)) * MIB
+
+
+def build_spec(spec: SandboxSpec, cgroups_path: str) -> dict[str, Any]:
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    env.update(spec.init_env)
+    caps = list(CAPABILITIES)
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": list(spec.init_args),
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": "/",
+            "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1 << 20, "soft": 1 << 20}],
+        },
+        # Not read-only: runsc puts a private writable overlay over it, and the
+        # template directory underneath is never written.
+        "root": {"path": str(spec.rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": spec.bundle_mount, "type": "bind",
+             "source": str(spec.runtime_bundle), "options": ["rbind", "ro"]},
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                {"type": "network", "path": spec.netns_path},
+            ],
+            "resources": {
+                "memory": {"limit": host_memory_limit(spec.memory_mb)},
+                "cpu": {"quota": spec.cpu_count * CPU_PERIOD_US, "period": CPU_PERIOD_US},
+                "pids": {"limit": PIDS_LIMIT},
+            },
+            "cgroupsPath": cgroups_path,
+        },
+    }
