@@ -1,0 +1,72 @@
+"""The node's ASGI application: REST API, auth, errors, body limits, sandbox proxy."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI
+from starlette.types import ASGIApp
+
+from .. import __version__
+from ..config import Config
+from ..network import SlotPool
+from ..orchestrator import SandboxManager, SandboxStore
+from ..runtime import GVisorRuntime
+from ..templates import TemplateRegistry
+from .auth import load_or_create_api_key
+from .errors import install_error_handlers
+from .limits import BodyLimitMiddleware
+from .proxy import SandboxProxy
+from .routes import public, require_api_key, router
+
+log = logging.getLogger(__name__)
+API_BODY_LIMIT = 1 << 20  # 1 MiB: far above any sandbox request, far below harm
+
+
+def build_manager(config: Config) -> SandboxManager:
+    config.home.mkdir(parents=True, exist_ok=True, mode=0o755)
+    runtime = GVisorRuntime(config.run_dir, cgroup_parent=config.net_prefix)
+    slots = SlotPool(
+        prefix=config.net_prefix,
+        pool_cidr=config.net_pool_cidr,
+        low=config.net_pool_low,
+        high=config.net_pool_high,
+        capacity=config.max_sandboxes,
+    )
+    return SandboxManager(
+        config, runtime, slots, TemplateRegistry(config.templates_dir),
+        SandboxStore(config.db_path),
+    )
+
+
+def create_app(config: Config) -> ASGIApp:
+    api_key = load_or_create_api_key(config.secrets_dir)
+    manager = build_manager(config)
+    proxy_holder: dict[str, SandboxProxy] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await manager.start()
+        log.info("node %s serving on %s:%d (home %s)", config.node_id, config.host, config.port,
+                 config.home)
+        try:
+            yield
+        finally:
+            await proxy_holder["proxy"].close()
+            await manager.close(destroy=True)
+            manager.store.close()
+
+    app = FastAPI(title="agentenv node API", version=__version__, lifespan=lifespan)
+    app.state.config = config
+    app.state.api_key = api_key
+    app.state.manager = manager
+    install_error_handlers(app)
+    app.include_router(public)
+    app.include_router(router, dependencies=[Depends(require_api_key)])
+    limited = BodyLimitMiddleware(app, API_BODY_LIMIT)
+    proxy = SandboxProxy(limited, manager.endpoint, config.domain)
+    proxy_holder["proxy"] = proxy
+    manager.on_removed.append(proxy.forget)
+    return proxy

@@ -1,0 +1,1 @@
+"""The ``aenv`` command line."""

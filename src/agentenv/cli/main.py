@@ -1,0 +1,45 @@
+"""``aenv``: the agentenv command line."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="aenv", help="agentenv: isolated, snapshot-able sandboxes for agents.",
+    no_args_is_help=True, pretty_exceptions_enable=False,
+)
+
+
+@app.command()
+def server(
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+    home: Annotated[Path | None, typer.Option(help="State directory (AENV_HOME).")] = None,
+) -> None:
+    """Run a node server in the foreground."""
+    import uvicorn
+
+    from ..api.app import create_app
+    from ..config import ConfigError, load_config
+
+    try:
+        config = load_config({"host": host, "port": port, "home": home})
+    except ConfigError as exc:
+        typer.echo(f"aenv: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asgi = create_app(config)
+    typer.echo(f"agentenv node on http://{config.host}:{config.port}  "
+               f"(API key in {config.secrets_dir / 'api-key'})", err=True)
+    uvicorn.run(asgi, host=config.host, port=config.port, log_level="warning",
+                lifespan="on", timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,79 @@
+"""Sandbox records, their states, and the errors the orchestrator raises."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import string
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SandboxState(enum.StrEnum):
+    CREATING = "creating"
+    RUNNING = "running"
+    KILLED = "killed"
+
+
+# Which transitions exist; anything else is a 409.
+TRANSITIONS: dict[SandboxState, set[SandboxState]] = {
+    SandboxState.CREATING: {SandboxState.RUNNING, SandboxState.KILLED},
+    SandboxState.RUNNING: {SandboxState.KILLED},
+    SandboxState.KILLED: set(),
+}
+
+
+class OrchestratorError(Exception):
+    status = 500
+
+
+class BadRequest(OrchestratorError):
+    status = 400
+
+
+class NotFound(OrchestratorError):
+    status = 404
+
+
+class Conflict(OrchestratorError):
+    status = 409
+
+
+class CapacityExceeded(OrchestratorError):
+    status = 503
+
+
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_sandbox_id() -> str:
+    """20 characters of [a-z0-9] (~103 bits): unguessable, URL- and DNS-label-safe."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+
+
+@dataclass
+class SandboxRecord:
+    sandbox_id: str
+    template_id: str
+    alias: str
+    state: SandboxState
+    node_id: str
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    started_at: float
+    end_at: float
+    auto_pause: bool = False
+    internet: bool = True
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    envd_token: str = ""
+    slot_index: int = 0
+    slot_address: str = ""
+
+    def expired(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.time()) >= self.end_at
+
+    def public_metadata(self) -> dict[str, Any]:
+        return dict(self.metadata)

@@ -1,0 +1,288 @@
+"""The sandbox lifecycle on one node: create, list, kill, TTL, restart reconciliation.
+
+States move creating -> running -> killed; every move is checked against
+``TRANSITIONS``. Records are written to the store before side effects begin so
+a crash at any point leaves something the next start can clean up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import Config
+from ..envd.bundle import build_bundle, envd_command
+from ..network import SlotPool, SlotPoolExhausted
+from ..runtime import Runtime, RuntimeFailure, SandboxSpec
+from ..templates import TemplateNotFound, TemplateRegistry
+from .envd_client import ENVD_PORT, EnvdClient, EnvdUnavailable
+from .models import (
+    TRANSITIONS,
+    BadRequest,
+    CapacityExceeded,
+    Conflict,
+    NotFound,
+    OrchestratorError,
+    SandboxRecord,
+    SandboxState,
+    new_sandbox_id,
+)
+from .store import SandboxStore
+
+log = logging.getLogger(__name__)
+BUNDLE_MOUNT = "/.aenv"
+MAX_METADATA_ENTRIES = 64
+MAX_ENV_ENTRIES = 256
+
+
+@dataclass
+class CreateRequest:
+    template: str
+    timeout: int | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = False
+    internet: bool = True
+
+
+class SandboxManager:
+    def __init__(
+        self,
+        config: Config,
+        runtime: Runtime,
+        slots: SlotPool,
+        templates: TemplateRegistry,
+        store: SandboxStore,
+    ):
+        self.config = config
+        self.runtime = runtime
+        self.slots = slots
+        self.templates = templates
+        self.store = store
+        self.envd = EnvdClient()
+        self._records: dict[str, SandboxRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._bundle: Path | None = None
+        self._init_argv: list[str] = []
+        self._init_env: dict[str, str] = {}
+        self._ttl_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        # Called with a sandbox ID once it is gone (the proxy drops its connections).
+        self.on_removed: list[Callable[[str], None]] = []
+
+    # -- start / stop ---------------------------------------------------------
+
+    async def start(self) -> None:
+        self._bundle = await asyncio.to_thread(build_bundle, self.config.bundles_dir)
+        self._init_argv, self._init_env = envd_command(BUNDLE_MOUNT, ENVD_PORT)
+        await self._reconcile()
+        self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
+
+    async def close(self, destroy: bool = True) -> None:
+        """Stop background work; with ``destroy``, kill every sandbox and free every slot."""
+        if self._ttl_task:
+            self._ttl_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ttl_task
+        for task in list(self._tasks):
+            task.cancel()
+        if destroy:
+            await asyncio.gather(
+                *(self.kill(sid) for sid in list(self._records)), return_exceptions=True
+            )
+            await self.slots.close()
+            await self.runtime.reconcile(keep=set())
+        await self.envd.close()
+
+    async def _reconcile(self) -> None:
+        """Adopt sandboxes that survived a server crash; remove everything else."""
+        alive = await self.runtime.list()
+        keep: dict[str, SandboxRecord] = {}
+        for record in self.store.all():
+            running = alive.get(record.sandbox_id)
+            if record.state is SandboxState.RUNNING and running and running.state == "running":
+                keep[record.sandbox_id] = record
+            else:
+                log.info("reconcile: dropping sandbox %s (%s)", record.sandbox_id, record.state)
+                self.store.delete(record.sandbox_id)
+        removed = await self.runtime.reconcile(set(keep))
+        if removed:
+            log.info("reconcile: removed %d orphaned runtime sandboxes", len(removed))
+        await self.slots.start({r.slot_index: r.internet for r in keep.values()})
+        self._records = keep
+        for record in keep.values():
+            log.info("reconcile: adopted running sandbox %s", record.sandbox_id)
+
+    # -- queries --------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        record = self._records.get(sandbox_id)
+        if record is None or record.state is SandboxState.KILLED:
+            raise NotFound(f"sandbox '{sandbox_id}' not found")
+        return record
+
+    def list(self) -> list[SandboxRecord]:
+        return [r for r in self._records.values() if r.state is not SandboxState.KILLED]
+
+    def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        """Where the node reaches ``port`` inside a running sandbox."""
+        record = self.get(sandbox_id)
+        if record.state is not SandboxState.RUNNING:
+            raise Conflict(f"sandbox '{sandbox_id}' is {record.state}")
+        return record.slot_address, port
+
+    # -- commands -------------------------------------------------------------
+
+    async def create(self, req: CreateRequest) -> SandboxRecord:
+        timeout = self._check_timeout(req.timeout)
+        _check_str_map("metadata", req.metadata, MAX_METADATA_ENTRIES)
+        _check_str_map("envVars", req.env_vars, MAX_ENV_ENTRIES)
+        try:
+            template = self.templates.get(req.template)
+        except TemplateNotFound as exc:
+            raise NotFound(str(exc)) from exc
+        if len(self.list()) >= self.config.max_sandboxes:
+            raise CapacityExceeded(
+                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
+            )
+        now = time.time()
+        record = SandboxRecord(
+            sandbox_id=new_sandbox_id(),
+            template_id=template.template_id,
+            alias=template.alias,
+            state=SandboxState.CREATING,
+            node_id=self.config.node_id,
+            cpu_count=template.cpu_count or self.config.default_cpu_count,
+            memory_mb=template.memory_mb or self.config.default_memory_mb,
+            disk_size_mb=template.disk_size_mb,
+            started_at=now,
+            end_at=now + timeout,
+            auto_pause=req.auto_pause,
+            internet=req.internet,
+            metadata=dict(req.metadata),
+            env_vars=dict(req.env_vars),
+            envd_token=secrets.token_urlsafe(32),
+        )
+        self._records[record.sandbox_id] = record
+        self.store.put(record)
+        # The work runs as its own task: a client that hangs up mid-create does
+        # not leave a half-built sandbox; the task finishes or cleans up.
+        task = asyncio.create_task(self._build(record, template.rootfs))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _build(self, record: SandboxRecord, rootfs: Path) -> SandboxRecord:
+        slot = None
+        started = False
+        try:
+            try:
+                slot = await self.slots.acquire(internet=record.internet)
+            except SlotPoolExhausted as exc:
+                raise CapacityExceeded(f"no network slot free: {exc}") from exc
+            record.slot_index, record.slot_address = slot.index, slot.address
+            self.store.put(record)
+            assert self._bundle is not None
+            spec = SandboxSpec(
+                sandbox_id=record.sandbox_id,
+                rootfs=rootfs,
+                hostname=f"sbx-{record.sandbox_id[:8]}",
+                cpu_count=record.cpu_count,
+                memory_mb=record.memory_mb,
+                netns_path=slot.netns_path,
+                runtime_bundle=self._bundle,
+                bundle_mount=BUNDLE_MOUNT,
+                init_args=self._init_argv,
+                init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(record.memory_mb)},
+            )
+            started = True
+            await self.runtime.start(spec)
+            await self.envd.wait_ready(slot.address)
+            await self.envd.init(slot.address, record.envd_token, record.env_vars)
+            self._transition(record, SandboxState.RUNNING)
+            return record
+        except BaseException as exc:
+            log.warning("create %s failed: %s", record.sandbox_id, exc)
+            await asyncio.shield(self._teardown(record, slot, started))
+            if isinstance(exc, RuntimeFailure | EnvdUnavailable):
+                raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
+            raise
+
+    async def kill(self, sandbox_id: str) -> None:
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            if record.state is SandboxState.CREATING:
+                raise Conflict(f"sandbox '{sandbox_id}' is still being created")
+            slot = self.slots.get(record.slot_index) if record.slot_index else None
+            await asyncio.shield(self._teardown(record, slot, True))
+
+    async def set_timeout(self, sandbox_id: str, ttl: int | None) -> SandboxRecord:
+        seconds = self._check_timeout(ttl)
+        record = self.get(sandbox_id)
+        record.end_at = time.time() + seconds
+        self.store.put(record)
+        return record
+
+    # -- internals ------------------------------------------------------------
+
+    async def _teardown(self, record: SandboxRecord, slot, started: bool) -> None:
+        record.state = SandboxState.KILLED
+        if started:
+            try:
+                await self.runtime.destroy(record.sandbox_id)
+            except Exception:
+                log.exception("destroy %s failed", record.sandbox_id)
+        if slot is not None:
+            try:
+                await self.slots.release(slot)
+            except Exception:
+                log.exception("release of slot %s failed", slot.index)
+        self.store.delete(record.sandbox_id)
+        self._records.pop(record.sandbox_id, None)
+        self._locks.pop(record.sandbox_id, None)
+        for listener in self.on_removed:
+            listener(record.sandbox_id)
+
+    def _transition(self, record: SandboxRecord, to: SandboxState) -> None:
+        if to not in TRANSITIONS[record.state]:
+            raise Conflict(f"sandbox '{record.sandbox_id}' cannot go from {record.state} to {to}")
+        record.state = to
+        self.store.put(record)
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def _check_timeout(self, timeout: int | None) -> int:
+        if timeout is None:
+            return self.config.default_timeout
+        if timeout < 0:
+            raise BadRequest("timeout must not be negative")
+        if timeout > self.config.max_timeout:
+            raise BadRequest(f"timeout must be at most {self.config.max_timeout} seconds")
+        return timeout
+
+    async def _ttl_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for record in list(self._records.values()):
+                if record.state is SandboxState.RUNNING and record.expired(now):
+                    log.info("sandbox %s reached its timeout: killing", record.sandbox_id)
+                    with contextlib.suppress(OrchestratorError):
+                        await self.kill(record.sandbox_id)
+
+
+def _check_str_map(name: str, value: dict, limit: int) -> None:
+    if not isinstance(value, dict):
+        raise BadRequest(f"{name} must be an object of strings")
+    if len(value) > limit:
+        raise BadRequest(f"{name} has {len(value)} entries; at most {limit} are allowed")
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise BadRequest(f"{name} must map strings to strings")

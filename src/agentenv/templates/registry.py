@@ -1,0 +1,72 @@
+"""Finds templates on disk: ``<templates_dir>/<id>/{template.json, rootfs/}``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class TemplateNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class Template:
+    template_id: str
+    rootfs: Path
+    cpu_count: int = 2
+    memory_mb: int = 512
+    disk_size_mb: int = 0
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+    created_at: str = ""
+    build_id: str = ""
+
+    @property
+    def alias(self) -> str:
+        return self.aliases[0] if self.aliases else self.template_id
+
+
+class TemplateRegistry:
+    def __init__(self, templates_dir: Path):
+        self.templates_dir = templates_dir
+
+    def list(self) -> list[Template]:
+        if not self.templates_dir.is_dir():
+            return []
+        found = []
+        for meta in sorted(self.templates_dir.glob("*/template.json")):
+            template = self._load(meta.parent)
+            if template is not None:
+                found.append(template)
+        return found
+
+    def get(self, name: str) -> Template:
+        """By template ID, or by alias; raises TemplateNotFound."""
+        if name and "/" not in name and not name.startswith("."):
+            template = self._load(self.templates_dir / name)
+            if template is not None:
+                return template
+        for template in self.list():
+            if name in template.aliases:
+                return template
+        raise TemplateNotFound(f"template '{name}' not found")
+
+    def _load(self, directory: Path) -> Template | None:
+        try:
+            meta = json.loads((directory / "template.json").read_text())
+        except (OSError, ValueError):
+            return None
+        rootfs = directory / "rootfs"
+        if not rootfs.is_dir():
+            return None
+        return Template(
+            template_id=meta.get("templateID", directory.name),
+            rootfs=rootfs,
+            cpu_count=int(meta.get("cpuCount", 2)),
+            memory_mb=int(meta.get("memoryMB", 512)),
+            disk_size_mb=int(meta.get("diskSizeMB", 0)),
+            aliases=tuple(meta.get("aliases", [])),
+            created_at=meta.get("createdAt", ""),
+            build_id=meta.get("buildID", ""),
+        )
