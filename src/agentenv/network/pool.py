@@ -1,0 +1,357 @@
+"""SlotPool: a warm pool of network slots with low/high watermarks.
+
+* ``acquire`` takes a warm slot (no system call unless the internet switch must
+  flip) or, when none is warm, builds one on the spot.
+* ``release`` returns at once; the slot is reset (fresh sandbox netns and veth,
+  conntrack flushed, policy reset) in the background and goes back to the pool
+  while it holds fewer than ``high`` slots, otherwise it is destroyed.
+* a background task keeps at least ``low`` slots warm, never on a caller's path.
+* ``capacity`` bounds all slots that exist or are being built (acquired, warm,
+  in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from pyroute2 import IPRoute
+
+from . import nsutil
+from .rules import HostChains
+from .slot import Slot, SlotLayout, create_slot, destroy_slot, reset_slot, set_egress
+
+log = logging.getLogger(__name__)
+
+
+class SlotPoolExhausted(RuntimeError):
+    """Every slot the pool may hold is acquired."""
+
+
+class SlotPoolClosed(RuntimeError):
+    """The pool was closed or never started."""
+
+
+def install_host_rules(prefix: str, pool_cidr: str) -> None:
+    """Idempotently install the pool's root-netns rules and enable forwarding."""
+    chains = HostChains(prefix, pool_cidr)
+    nsutil.iptables_restore(chains.install(nsutil.iptables_save()))
+    nsutil.write_sysctl("net.ipv4.ip_forward", "1")
+
+
+def remove_host_rules(prefix: str) -> None:
+    text = HostChains(prefix).remove(nsutil.iptables_save())
+    if text:
+        nsutil.iptables_restore(text)
+
+
+def _leftovers(layout: SlotLayout) -> set[int]:
+    """Indices of slots (or pieces of them) that exist on the machine."""
+    found = {i for i in (layout.netns_index(n) for n in nsutil.list_netns()) if i is not None}
+    with IPRoute() as ipr:
+        for link in ipr.get_links():
+            i = layout.link_index(link.get_attr("IFLA_IFNAME") or "")
+            if i is not None:
+                found.add(i)
+    return found
+
+
+def cleanup_all(prefix: str) -> None:
+    """Remove every netns, link and host rule of ``prefix`` (synchronous, idempotent)."""
+    layout = SlotLayout(prefix, "10.0.0.0/30")  # names only; the CIDR is irrelevant here
+    for name in nsutil.list_netns():
+        if layout.netns_index(name) is not None:
+            nsutil.remove(name)
+    with IPRoute() as ipr:
+        for link in ipr.get_links():
+            if layout.link_index(link.get_attr("IFLA_IFNAME") or "") is not None:
+                with contextlib.suppress(Exception):
+                    ipr.link("del", index=link["index"])
+    remove_host_rules(prefix)
+
+
+class SlotPool:
+    def __init__(self, prefix: str, pool_cidr: str, low: int, high: int, capacity: int) -> None:
+        if not 0 <= low <= high:
+            raise ValueError("need 0 <= low <= high")
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.layout = SlotLayout(prefix, pool_cidr)
+        if capacity > self.layout.max_index:
+            raise ValueError(f"pool {pool_cidr} holds only {self.layout.max_index} slots")
+        self.prefix = prefix
+        self.pool_cidr = self.layout.pool_cidr
+        self.low, self.high, self.capacity = low, high, capacity
+        self._free: deque[Slot] = deque()
+        self._acquired: dict[int, Slot] = {}
+        self._busy: set[int] = set()  # indices under construction, reset or teardown
+        self._pending = 0  # background jobs that will put a slot into _free
+        self._direct = 0  # slots being built by acquire() itself
+        self._changed: asyncio.Condition | None = None
+        self._wake: asyncio.Event | None = None
+        self._refiller: asyncio.Task[None] | None = None
+        self._jobs: set[asyncio.Task[Any]] = set()
+        self._open = False
+        self._counts = {"created": 0, "recycled": 0, "destroyed": 0, "failures": 0}
+        self._timings: dict[str, deque[float]] = {
+            k: deque(maxlen=200) for k in ("create", "reset", "destroy", "set_internet")
+        }
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def start(self, in_use: dict[int, bool] | None = None) -> None:
+        """Install host rules, remove crash leftovers, adopt ``in_use`` slots, start refilling."""
+        if self._open:
+            return
+        in_use = dict(in_use or {})
+        await nsutil.run_in_thread(install_host_rules, self.prefix, self.pool_cidr)
+        existing = await nsutil.run_in_thread(_leftovers, self.layout)
+        for index in sorted(existing - set(in_use)):
+            log.info("network: removing leftover slot %s%d", self.prefix, index)
+            await nsutil.run_in_thread(destroy_slot, self.layout.slot(index))
+        for index, internet in sorted(in_use.items()):
+            slot = self.layout.slot(index, internet)
+            try:
+                await nsutil.run_in_thread(set_egress, slot, internet)
+            except Exception as exc:
+                log.warning("network: adopted slot %d has no working router: %s", index, exc)
+            self._acquired[index] = slot
+        self._changed = asyncio.Condition()
+        self._wake = asyncio.Event()
+        self._open = True
+        self._refiller = asyncio.create_task(self._refill_loop(), name=f"{self.prefix}-refill")
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Destroy every slot (warm and acquired) and remove the host rules."""
+        if not self._open and self._refiller is None:
+            return
+        self._open = False
+        if self._refiller is not None:
+            self._refiller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refiller
+            self._refiller = None
+        while self._jobs:
+            await asyncio.gather(*list(self._jobs), return_exceptions=True)
+        slots = list(self._free) + list(self._acquired.values())
+        self._free.clear()
+        self._acquired.clear()
+        for slot in slots:
+            try:
+                await nsutil.run_in_thread(destroy_slot, slot)
+            except Exception:
+                log.exception("network: destroying slot %d", slot.index)
+        await nsutil.run_in_thread(remove_host_rules, self.prefix)
+        await self._notify()
+
+    # --- slots ----------------------------------------------------------------
+
+    async def acquire(self, internet: bool = True) -> Slot:
+        self._check_open()
+        assert self._changed is not None
+        while True:
+            if self._free:
+                slot = self._free.popleft()
+                break
+            if self._total() < self.capacity:
+                slot = await self._build_direct(internet)
+                break
+            if self._pending:
+                async with self._changed:
+                    await self._changed.wait()
+                self._check_open()
+                continue
+            raise SlotPoolExhausted(
+                f"all {self.capacity} network slots of pool {self.prefix} are in use"
+            )
+        self._acquired[slot.index] = slot
+        self._kick()
+        if slot.internet != internet:
+            try:
+                await self.set_internet(slot, internet)
+            except BaseException:
+                self._acquired.pop(slot.index, None)
+                self._spawn(self._destroy_job(slot))
+                raise
+        return slot
+
+    async def release(self, slot: Slot) -> None:
+        """Hand ``slot`` back; it is reset or destroyed in the background."""
+        if self._acquired.pop(slot.index, None) is None:
+            raise ValueError(f"slot {slot.index} is not acquired from pool {self.prefix}")
+        self._busy.add(slot.index)
+        if self._open and len(self._free) + self._pending < self.high:
+            self._pending += 1
+            self._spawn(self._recycle_job(slot))
+        else:
+            self._spawn(self._destroy_job(slot))
+
+    async def set_internet(self, slot: Slot, allowed: bool) -> None:
+        t0 = time.perf_counter()
+        await nsutil.run_in_thread(set_egress, slot, allowed)
+        self._timings["set_internet"].append(time.perf_counter() - t0)
+        slot.internet = allowed
+        held = self._acquired.get(slot.index)
+        if held is not None:
+            held.internet = allowed
+
+    def stats(self) -> dict[str, Any]:
+        def pct(values: deque[float], q: float) -> float | None:
+            if not values:
+                return None
+            ordered = sorted(values)
+            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 2)
+
+        return {
+            "prefix": self.prefix,
+            "pool_cidr": self.pool_cidr,
+            "open": self._open,
+            "warm": len(self._free),
+            "acquired": len(self._acquired),
+            "in_flight": len(self._busy),
+            "pending": self._pending,
+            "low": self.low,
+            "high": self.high,
+            "capacity": self.capacity,
+            **self._counts,
+            "ms": {k: {"p50": pct(v, 0.5), "p90": pct(v, 0.9)} for k, v in self._timings.items()},
+        }
+
+    def acquired(self) -> dict[int, bool]:
+        """index -> internet flag of acquired slots (what a restart passes to start)."""
+        return {i: s.internet for i, s in self._acquired.items()}
+
+    async def wait_warm(self, count: int | None = None) -> None:
+        """Wait until at least ``count`` (default ``low``) slots are warm; add a timeout."""
+        want = self.low if count is None else count
+        assert self._changed is not None
+        while len(self._free) < want:
+            self._check_open()
+            async with self._changed:
+                await self._changed.wait()
+
+    # --- internals ------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise SlotPoolClosed(f"slot pool {self.prefix} is not running")
+
+    def _total(self) -> int:
+        return len(self._acquired) + len(self._free) + self._pending + self._direct
+
+    def _reserve_index(self) -> int:
+        used = self._busy | set(self._acquired) | {s.index for s in self._free}
+        for index in range(1, self.layout.max_index + 1):
+            if index not in used:
+                self._busy.add(index)
+                return index
+        raise SlotPoolExhausted(f"no free slot index in {self.pool_cidr}")
+
+    async def _timed(self, kind: str, fn: Callable[..., Any], *args: Any) -> None:
+        t0 = time.perf_counter()
+        await nsutil.run_in_thread(fn, *args)
+        self._timings[kind].append(time.perf_counter() - t0)
+
+    async def _build_direct(self, internet: bool) -> Slot:
+        index = self._reserve_index()
+        self._direct += 1
+        slot = self.layout.slot(index, internet)
+        try:
+            await self._timed("create", create_slot, slot, self.pool_cidr)
+            self._counts["created"] += 1
+            return slot
+        except BaseException:
+            self._counts["failures"] += 1
+            raise
+        finally:
+            self._direct -= 1
+            self._busy.discard(index)
+
+    async def _refill_loop(self) -> None:
+        assert self._wake is not None
+        backoff = 0.2
+        while self._open:
+            await self._wake.wait()
+            self._wake.clear()
+            while (
+                self._open
+                and len(self._free) + self._pending < self.low
+                and self._total() < self.capacity
+            ):
+                index = self._reserve_index()
+                slot = self.layout.slot(index, True)
+                self._pending += 1
+                try:
+                    await self._timed("create", create_slot, slot, self.pool_cidr)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    self._counts["failures"] += 1
+                    log.exception("network: building warm slot %d", index)
+                    self._pending -= 1
+                    self._busy.discard(index)
+                    await self._notify()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff = 0.2
+                self._counts["created"] += 1
+                self._pending -= 1
+                self._busy.discard(index)
+                if self._open:
+                    self._free.append(slot)
+                else:
+                    await nsutil.run_in_thread(destroy_slot, slot)
+                await self._notify()
+
+    async def _recycle_job(self, slot: Slot) -> None:
+        try:
+            await self._timed("reset", reset_slot, slot, True)
+        except Exception:
+            self._counts["failures"] += 1
+            log.exception("network: resetting slot %d; destroying it", slot.index)
+            self._pending -= 1
+            await self._destroy_job(slot)
+            self._kick()
+            return
+        self._counts["recycled"] += 1
+        self._pending -= 1
+        self._busy.discard(slot.index)
+        if self._open:
+            self._free.append(slot)
+        else:
+            await self._destroy_job(slot)
+        await self._notify()
+
+    async def _destroy_job(self, slot: Slot) -> None:
+        self._busy.add(slot.index)
+        try:
+            await self._timed("destroy", destroy_slot, slot)
+            self._counts["destroyed"] += 1
+        except Exception:
+            self._counts["failures"] += 1
+            log.exception("network: destroying slot %d", slot.index)
+        finally:
+            self._busy.discard(slot.index)
+        await self._notify()
+        self._kick()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    def _kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _notify(self) -> None:
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()

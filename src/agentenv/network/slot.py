@@ -1,0 +1,276 @@
+"""One network slot: the netns pair, veths, addresses, routes and router rules.
+
+Every function here is blocking (netlink + one iptables-restore) and may enter
+network namespaces; call them through :func:`nsutil.run_in_thread`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute
+from pyroute2.conntrack import Conntrack
+from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+from . import nsutil
+from .rules import (
+    GATEWAY_IP,
+    INSIDE_PREFIXLEN,
+    ROUTER_DOWN_IF,
+    ROUTER_UP_IF,
+    SANDBOX_IF,
+    SANDBOX_IP,
+    egress_rules,
+    router_rules,
+)
+
+IFNAMSIZ = 15  # usable characters of an interface name
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9]*$")
+
+
+class SlotError(RuntimeError):
+    """A slot could not be created, reset or destroyed."""
+
+
+@dataclass
+class Slot:
+    """A prepared network position for one sandbox.
+
+    ``address`` is what the host connects to; inside, the sandbox always sees
+    ``eth0`` 169.254.0.21/30 with its gateway at 169.254.0.22.
+    """
+
+    index: int
+    address: str
+    host_ip: str
+    netns: str
+    netns_path: str
+    router_netns: str
+    host_link: str
+    internet: bool = True
+
+
+class SlotLayout:
+    """Names and addresses of a pool's slots (no system state)."""
+
+    def __init__(self, prefix: str, pool_cidr: str) -> None:
+        if not _PREFIX_RE.match(prefix):
+            raise ValueError(f"network prefix {prefix!r}: use lowercase letters and digits")
+        net = ipaddress.IPv4Network(pool_cidr)
+        self.prefix = prefix
+        self.pool_cidr = str(net)
+        self._net = net
+        self.max_index = net.num_addresses // 4 - 1
+        if self.max_index < 1:
+            raise ValueError(f"pool {pool_cidr} is too small for a /30 slot")
+        longest = len(self.host_link(self.max_index))
+        if longest > IFNAMSIZ:
+            raise ValueError(
+                f"prefix {prefix!r} with pool {pool_cidr} gives interface names of "
+                f"{longest} characters (limit {IFNAMSIZ})"
+            )
+        self._link_re = re.compile(rf"^{re.escape(prefix)}h(\d+)$")
+        self._ns_re = re.compile(rf"^{re.escape(prefix)}-([sr])(\d+)$")
+
+    def host_link(self, index: int) -> str:
+        return f"{self.prefix}h{index}"
+
+    def sandbox_netns(self, index: int) -> str:
+        return f"{self.prefix}-s{index}"
+
+    def router_netns(self, index: int) -> str:
+        return f"{self.prefix}-r{index}"
+
+    def slot(self, index: int, internet: bool = True) -> Slot:
+        if not 1 <= index <= self.max_index:
+            raise ValueError(f"slot index {index} outside 1..{self.max_index}")
+        base = self._net.network_address + 4 * index
+        ns = self.sandbox_netns(index)
+        return Slot(
+            index=index,
+            address=str(base + 2),
+            host_ip=str(base + 1),
+            netns=ns,
+            netns_path=nsutil.netns_path(ns),
+            router_netns=self.router_netns(index),
+            host_link=self.host_link(index),
+            internet=internet,
+        )
+
+    def link_index(self, ifname: str) -> int | None:
+        m = self._link_re.match(ifname)
+        return int(m.group(1)) if m else None
+
+    def netns_index(self, name: str) -> int | None:
+        m = self._ns_re.match(name)
+        return int(m.group(2)) if m else None
+
+
+# --- netlink helpers -------------------------------------------------------
+
+
+def _ifindex(ipr: IPRoute, name: str) -> int | None:
+    found = ipr.link_lookup(ifname=name)
+    return found[0] if found else None
+
+
+def _up(ipr: IPRoute, name: str, address: str | None = None) -> None:
+    idx = _ifindex(ipr, name)
+    if idx is None:
+        raise SlotError(f"interface {name} missing")
+    if address:
+        ipr.addr("add", index=idx, address=address, prefixlen=INSIDE_PREFIXLEN)
+    ipr.link("set", index=idx, state="up")
+
+
+def _isolate_sysctls(router: bool) -> None:
+    """Sysctls of a fresh netns (calling thread inside it)."""
+    nsutil.write_sysctl("net.ipv6.conf.all.disable_ipv6", "1")
+    nsutil.write_sysctl("net.ipv6.conf.default.disable_ipv6", "1")
+    if router:
+        nsutil.write_sysctl("net.ipv4.ip_forward", "1")
+
+
+def _make_sandbox_side(slot: Slot, ipr_router: IPRoute) -> None:
+    """Create the sandbox netns and the dn0/eth0 veth, configured; router socket given."""
+    with nsutil.created(slot.netns):
+        _isolate_sysctls(router=False)
+        ipr_sb = IPRoute()
+    try:
+        fd = os.open(slot.netns_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            ipr_router.link(
+                "add",
+                ifname=ROUTER_DOWN_IF,
+                kind="veth",
+                peer={"ifname": SANDBOX_IF, "net_ns_fd": fd},
+            )
+        finally:
+            os.close(fd)
+        _up(ipr_sb, "lo")
+        _up(ipr_sb, SANDBOX_IF, SANDBOX_IP)
+        ipr_sb.route("add", dst="0.0.0.0/0", gateway=GATEWAY_IP)
+        _up(ipr_router, ROUTER_DOWN_IF, GATEWAY_IP)
+    finally:
+        ipr_sb.close()
+
+
+# --- slot lifecycle --------------------------------------------------------
+
+
+def slot_exists_partly(slot: Slot) -> bool:
+    if os.path.lexists(slot.netns_path) or os.path.lexists(nsutil.netns_path(slot.router_netns)):
+        return True
+    with IPRoute() as ipr:
+        return _ifindex(ipr, slot.host_link) is not None
+
+
+def create_slot(slot: Slot, pool_cidr: str) -> None:
+    """Build every piece of ``slot`` from scratch (removing leftovers of a crash first)."""
+    if slot_exists_partly(slot):
+        destroy_slot(slot)
+    try:
+        with nsutil.created(slot.router_netns):
+            _isolate_sysctls(router=True)
+            nsutil.iptables_restore(
+                router_rules(slot.address, pool_cidr, slot.internet), noflush=False
+            )
+            ipr_router = IPRoute()
+        try:
+            with IPRoute() as ipr:
+                fd = os.open(nsutil.netns_path(slot.router_netns), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    ipr.link(
+                        "add",
+                        ifname=slot.host_link,
+                        kind="veth",
+                        peer={"ifname": ROUTER_UP_IF, "net_ns_fd": fd},
+                    )
+                finally:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    nsutil.write_sysctl(f"net.ipv6.conf.{slot.host_link}.disable_ipv6", "1")
+                hidx = _ifindex(ipr, slot.host_link)
+                ipr.addr("add", index=hidx, address=slot.host_ip, prefixlen=30)
+                ipr.link("set", index=hidx, state="up")
+            _up(ipr_router, "lo")
+            _up(ipr_router, ROUTER_UP_IF, slot.address)
+            ipr_router.route("add", dst="0.0.0.0/0", gateway=slot.host_ip)
+            _make_sandbox_side(slot, ipr_router)
+        finally:
+            ipr_router.close()
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            destroy_slot(slot)
+        if isinstance(exc, (OSError, NetlinkError, RuntimeError)):
+            raise SlotError(f"creating slot {slot.index}: {exc}") from exc
+        raise
+
+
+def destroy_slot(slot: Slot) -> None:
+    """Remove every piece of ``slot``; tolerant of pieces already gone."""
+    with IPRoute() as ipr:
+        idx = _ifindex(ipr, slot.host_link)
+        if idx is not None:
+            with contextlib.suppress(NetlinkError):
+                ipr.link("del", index=idx)
+    nsutil.remove(slot.router_netns)
+    nsutil.remove(slot.netns)
+    forget_host_conntrack(slot.address)
+
+
+def set_egress(slot: Slot, allowed: bool) -> None:
+    with nsutil.entered(slot.router_netns):
+        nsutil.iptables_restore(egress_rules(allowed))
+
+
+def reset_slot(slot: Slot, internet: bool) -> None:
+    """Give ``slot`` a fresh sandbox side and policy, keeping router netns and uplink.
+
+    The old sandbox netns is unbound and its veth deleted (which also cuts off
+    any process still inside it), the router's conntrack table is flushed, the
+    egress switch set to ``internet``, and host conntrack entries of the slot
+    address are deleted: nothing of the previous sandbox remains reachable.
+    """
+    with nsutil.entered(slot.router_netns):
+        ipr_router = IPRoute()
+        try:
+            idx = _ifindex(ipr_router, ROUTER_DOWN_IF)
+            if idx is not None:
+                ipr_router.link("del", index=idx)
+            nsutil.iptables_restore(egress_rules(internet))
+            with Conntrack() as ct:
+                ct.flush()
+        except BaseException:
+            ipr_router.close()
+            raise
+    try:
+        nsutil.remove(slot.netns)
+        _make_sandbox_side(slot, ipr_router)
+    finally:
+        ipr_router.close()
+    forget_host_conntrack(slot.address)
+    slot.internet = internet
+
+
+def forget_host_conntrack(address: str) -> None:
+    """Delete root-netns conntrack entries the slot originated (its egress).
+
+    After the router's MASQUERADE, all of a sandbox's outbound connections have
+    the slot address as original source in the host table; dropping them means
+    late replies of the old sandbox's peers cannot reach the next sandbox. (A
+    filtered dump walks the kernel's whole table: ~10 ms even when empty.)
+    """
+    try:
+        with Conntrack() as ct:
+            entries = list(ct.dump_entries(tuple_orig=NFCTAttrTuple(saddr=address)))
+            for entry in entries:
+                with contextlib.suppress(NetlinkError):
+                    ct.delete(entry)
+    except (NetlinkError, OSError):
+        pass  # conntrack not loaded or not readable: nothing to forget
