@@ -69,6 +69,22 @@ async def get_sandbox(sandbox_id: str, request: Request) -> models.SandboxDetail
     return models.detail(manager(request).get(sandbox_id), _domain(request))
 
 
+@router.post("/sandboxes/{sandbox_id}/connect", response_model=models.SandboxCreated,
+             response_model_by_alias=True, response_model_exclude_none=True)
+@router.post("/v2/sandboxes/{sandbox_id}/connect", response_model=models.SandboxCreated,
+             response_model_by_alias=True, response_model_exclude_none=True,
+             include_in_schema=False)
+async def connect_sandbox(
+    sandbox_id: str, request: Request, body: models.TimeoutRequest | None = None
+) -> models.SandboxCreated:
+    """Connect to a running sandbox; a timeout given extends its TTL."""
+    mgr = manager(request)
+    record = mgr.get(sandbox_id)
+    if body is not None:
+        record = await mgr.set_timeout(sandbox_id, body.timeout)
+    return models.created(record, _domain(request))
+
+
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
 async def kill_sandbox(sandbox_id: str, request: Request) -> Response:
     await manager(request).kill(sandbox_id)

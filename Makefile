@@ -1,0 +1,39 @@
+# agentenv: `make run` (set-up, then the node server) and `make test` (set-up, then the suite).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+AENV_HOME ?= /var/lib/aenv
+export AENV_HOME
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+
+.PHONY: setup system venv template run test bench lint clean-state
+
+setup: system venv template
+
+system:
+	@bash scripts/setup-system.sh
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "Python 3.11 is required"'
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.lock
+	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+	@touch $@
+
+template: system
+	@bash scripts/build-base-template.sh
+
+run: setup
+	$(VENV)/bin/aenv server
+
+test: setup
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/pytest
+
+bench: setup
+	$(PY) bench/run.py
+
+lint: venv
+	$(VENV)/bin/ruff check src tests bench

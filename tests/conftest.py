@@ -1,0 +1,38 @@
+"""Shared fixtures: a real node server (runsc, netns, envd) for the whole session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from nodes import Node, leaks
+
+TEST_PREFIX = "aet"
+TEST_CIDR = "10.12.0.0/16"
+
+
+@pytest.fixture(scope="session")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    home = tmp_path_factory.mktemp("node")
+    server = Node(home, TEST_PREFIX, TEST_CIDR)
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.e2b_env()}
+    os.environ.update(server.e2b_env())
+    yield server
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    code = server.stop()
+    left = leaks(TEST_PREFIX, home)
+    assert code == 0, f"node exited with {code}:\n{server.log_tail()}"
+    assert not left, f"node left behind: {left}"
+
+
+@pytest.fixture
+def api(node: Node):
+    with node.client() as client:
+        yield client

@@ -1,0 +1,126 @@
+"""Runs real node servers for tests and finds what they might leak."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+AENV = REPO / ".venv" / "bin" / "aenv"
+SHARED_HOME = Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One `aenv server` process with its own home, network prefix and address pool."""
+
+    def __init__(self, home: Path, prefix: str, cidr: str, **env: str):
+        self.home = home
+        self.prefix = prefix
+        self.cidr = cidr
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            "AENV_HOME": str(home),
+            # Templates and envd bundles are built once by `make` and shared.
+            "AENV_IMAGES_DIR": str(SHARED_HOME / "images"),
+            "AENV_BUNDLE_DIR": str(SHARED_HOME / "cache" / "bundles"),
+            "AENV_NET_PREFIX": prefix,
+            "AENV_NET_POOL_CIDR": cidr,
+            "AENV_NET_POOL_LOW": "2",
+            "AENV_NET_POOL_HIGH": "4",
+            **env,
+        }
+        self.proc: subprocess.Popen | None = None
+        self.log_path = home / "server.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_key(self) -> str:
+        return (self.home / "secrets" / "api-key").read_text().strip()
+
+    def start(self, wait: float = 90) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [str(AENV), "server", "--port", str(self.port)],
+            env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True,
+        )
+        log.close()
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"node did not become healthy:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def client(self, key: str | None = "") -> httpx.Client:
+        headers = {"X-API-Key": self.api_key if key == "" else key} if key is not None else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def e2b_env(self) -> dict[str, str]:
+        return {"E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url, "E2B_API_KEY": self.api_key}
+
+
+def leaks(prefix: str, home: Path) -> list[str]:
+    """Everything of a node's that should be gone after it stops."""
+    found = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found += [f"netns {ln.split()[0]}" for ln in netns.splitlines()
+              if ln.startswith(f"{prefix}-")]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for ln in links.splitlines():
+        name = ln.split(":")[1].strip().split("@")[0]
+        if name.startswith(f"{prefix}h"):
+            found.append(f"link {name}")
+    state = home / "run" / "runsc"
+    if state.is_dir():
+        out = subprocess.run(["runsc", f"--root={state}", "list", "-quiet"],
+                             capture_output=True, text=True).stdout
+        found += [f"runsc container {c}" for c in out.split()]
+    found += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*/{prefix}/*") if p.is_dir()]
+    sandboxes = home / "run" / "sandboxes"
+    if sandboxes.is_dir():
+        found += [f"bundle dir {p.name}" for p in sandboxes.iterdir()]
+    return found

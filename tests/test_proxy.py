@@ -1,0 +1,81 @@
+"""The node's reverse proxy: header and Host routing, HTTP streaming and WebSocket."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+from e2b import Sandbox
+from websockets.sync.client import connect as ws_connect
+
+from nodes import Node
+
+ECHO_SERVER = """
+import asyncio, sys
+sys.path.insert(0, "/home/user/lib")
+from websockets.asyncio.server import serve
+
+async def echo(ws):
+    async for message in ws:
+        await ws.send(message)
+
+async def main():
+    async with serve(echo, "0.0.0.0", 8765):
+        await asyncio.Future()
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+def served(node: Node, api: httpx.Client):
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    sbx = Sandbox.connect(sid)
+    # The template has no websockets package and tests have no internet: copy
+    # the pure-Python package from the test venv into the sandbox.
+    pkg = Path(websockets.__file__).parent
+    files = [{"path": f"/home/user/lib/websockets/{p.relative_to(pkg)}", "data": p.read_bytes()}
+             for p in pkg.rglob("*.py")]
+    sbx.files.write_files(files)
+    sbx.files.write("/home/user/echo.py", ECHO_SERVER)
+    sbx.commands.run("python3 /home/user/echo.py", background=True)
+    sbx.commands.run("mkdir -p www && echo hello-from-sandbox > www/index.html")
+    sbx.commands.run("cd www && python3 -m http.server 8080", background=True)
+    for _ in range(100):
+        if sbx.commands.run("curl -s localhost:8080/ || true").stdout:
+            break
+        time.sleep(0.1)
+    yield sid
+    api.delete(f"/sandboxes/{sid}")
+
+
+def test_host_routing_http(node: Node, served: str) -> None:
+    r = httpx.get(f"{node.url}/index.html", headers={"Host": f"8080-{served}.localhost"})
+    assert r.status_code == 200 and r.text == "hello-from-sandbox\n"
+
+
+def test_header_routing_http(node: Node, served: str) -> None:
+    r = httpx.get(f"{node.url}/index.html",
+                  headers={"E2b-Sandbox-Id": served, "E2b-Sandbox-Port": "8080"})
+    assert r.status_code == 200 and r.text == "hello-from-sandbox\n"
+
+
+def test_websocket_through_proxy(node: Node, served: str) -> None:
+    url = f"ws://127.0.0.1:{node.port}/"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with ws_connect(url, additional_headers={"Host": f"8765-{served}.localhost"},
+                            open_timeout=5) as ws:
+                ws.send("ping one")
+                assert ws.recv(timeout=5) == "ping one"
+                ws.send(b"\x00\x01bytes")
+                assert ws.recv(timeout=5) == b"\x00\x01bytes"
+            return
+        except (OSError, websockets.InvalidHandshake, websockets.ConnectionClosed):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
