@@ -10,6 +10,7 @@ command -v iptables >/dev/null || need+=(iptables)
 command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v ip >/dev/null || need+=(iproute2)
+dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then

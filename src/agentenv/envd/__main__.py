@@ -1,0 +1,57 @@
+"""``python -m agentenv.envd --port 49983``: run envd (normally as the sandbox's pid 1)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from . import DEFAULT_PORT
+
+TOKEN_ENV = "AENV_ENVD_ACCESS_TOKEN"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="envd")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT)
+    ap.add_argument("--log-level", default=os.environ.get("AENV_ENVD_LOG_LEVEL", "warning"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="envd %(levelname)s %(message)s")
+
+    from .protos import ensure_importable
+
+    ensure_importable()
+
+    from .server import build_app
+    from .state import State
+
+    state = State(access_token=os.environ.pop(TOKEN_ENV, None) or None)
+    app = build_app(state)
+
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, http="h11", loop="none", lifespan="off",
+        ws="none", interface="asgi3", log_level=args.log_level.lower(), access_log=False,
+        server_header=False, date_header=False, timeout_keep_alive=75,
+    )
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        registry = app.registry
+        # envd is init inside the sandbox: reap every child, route ours their status.
+        loop.add_signal_handler(signal.SIGCHLD, registry.reap)
+        registry.reap()
+        await server.serve()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

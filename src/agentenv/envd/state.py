@@ -1,0 +1,146 @@
+"""envd's shared state: access token, default env/user/workdir, user lookup, paths."""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import os
+import pwd
+from dataclasses import dataclass, field
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+FALLBACK_USER = "user"
+
+
+class UserError(Exception):
+    """The requested user does not exist in the sandbox."""
+
+
+class PathError(Exception):
+    """A path argument is malformed."""
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: str
+    shell: str
+
+    @classmethod
+    def lookup(cls, name: str) -> User:
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            raise UserError(f"invalid user: user '{name}' does not exist in the sandbox") from None
+        except OSError as e:  # no /etc/passwd at all
+            raise UserError(f"invalid user: cannot look up user '{name}': {e}") from None
+        return cls(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_dir or "/", pw.pw_shell or "/bin/sh")
+
+
+_ROOT = User("root", 0, 0, "/root", "/bin/sh")
+
+
+@dataclass
+class State:
+    access_token: str | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    default_user: str | None = None
+    default_workdir: str | None = None
+
+    # -- access token ---------------------------------------------------------------
+    def token_ok(self, presented: str | None) -> bool:
+        if self.access_token is None:
+            return True
+        if presented is None:
+            return False
+        return hmac.compare_digest(presented.encode(), self.access_token.encode())
+
+    # -- users -----------------------------------------------------------------------
+    def resolve_user(self, name: str | None) -> User:
+        """The user named by a request, or the default one when it names none."""
+        if name:
+            return User.lookup(name)
+        if self.default_user:
+            return User.lookup(self.default_user)
+        try:
+            return User.lookup(FALLBACK_USER)
+        except UserError:
+            try:
+                return User.lookup("root")
+            except UserError:
+                return _ROOT  # rootfs without /etc/passwd
+
+    def user_from_authorization(self, header: str | None) -> User:
+        """``Authorization: Basic base64("user:")`` as the SDK sends it."""
+        name = None
+        if header:
+            scheme, _, value = header.partition(" ")
+            if scheme.lower() == "basic" and value:
+                try:
+                    decoded = base64.b64decode(value.strip(), validate=False).decode()
+                except (ValueError, UnicodeDecodeError):
+                    raise UserError("invalid Authorization header") from None
+                name = decoded.partition(":")[0]
+        return self.resolve_user(name)
+
+    # -- environment -----------------------------------------------------------------
+    def process_env(self, user: User, extra: dict[str, str] | None) -> dict[str, str]:
+        env = {
+            "PATH": DEFAULT_PATH,
+            "HOME": user.home,
+            "USER": user.name,
+            "LOGNAME": user.name,
+            "SHELL": user.shell,
+        }
+        env.update(self.env_vars)
+        if extra:
+            env.update(extra)
+        return env
+
+    def default_cwd(self, user: User) -> str:
+        for cand in (self.default_workdir, user.home):
+            if cand and os.path.isdir(cand):
+                return cand
+        return "/"
+
+
+def resolve_path(path: str, user: User, *, allow_empty: bool = False) -> str:
+    """Absolute, normalised path; relative paths are relative to the user's home."""
+    if "\x00" in path:
+        raise PathError("invalid path: contains a NUL byte")
+    if not path:
+        if allow_empty:
+            return user.home
+        raise PathError("invalid path: path is empty")
+    if path == "~" or path.startswith("~/"):
+        path = user.home + path[1:]
+    elif not path.startswith("/"):
+        path = os.path.join(user.home, path)
+    return os.path.normpath(path)
+
+
+def makedirs_owned(path: str, user: User, mode: int = 0o755) -> None:
+    """``mkdir -p`` whose newly created directories belong to ``user``."""
+    missing = []
+    p = path
+    while p and not os.path.lexists(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue
+        chown(d, user)
+
+
+def chown(path: str, user: User) -> None:
+    try:
+        os.lchown(path, user.uid, user.gid)
+    except OSError:
+        pass
