@@ -219,7 +219,10 @@ class SandboxManager:
             record = self.get(sandbox_id)
             if record.state is SandboxState.CREATING:
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
-            slot = self.slots.get(record.slot_index) if record.slot_index else None
+            slot = (
+                self.slots.layout.slot(record.slot_index, record.internet)
+                if record.slot_index else None
+            )
             await asyncio.shield(self._teardown(record, slot, True))
 
     async def set_timeout(self, sandbox_id: str, ttl: int | None) -> SandboxRecord:
