@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nodes import Node, leaks
+from agentenv.testing import Node, leaks
 
 TEST_PREFIX = "aet"
 TEST_CIDR = "10.12.0.0/16"

@@ -7,7 +7,7 @@ import subprocess
 
 from e2b import Sandbox
 
-from nodes import Node, leaks
+from agentenv.testing import Node, leaks
 
 PREFIX = "aec"
 CIDR = "10.13.0.0/16"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 
-from nodes import Node
+from agentenv.testing import Node
 
 
 def create(api: httpx.Client, **body) -> dict:
@@ -102,7 +102,7 @@ def test_create_exec_files_kill(node: Node, api: httpx.Client) -> None:
 def test_template_rootfs_is_never_written(sandbox: Sandbox) -> None:
     sandbox.commands.run("echo x > /etc/written-by-sandbox", user="root")
     assert sandbox.commands.run("cat /etc/written-by-sandbox").stdout == "x\n"
-    from nodes import SHARED_HOME
+    from agentenv.testing import SHARED_HOME
 
     rootfs = SHARED_HOME / "images" / "templates" / "base" / "rootfs"
     assert not (rootfs / "etc" / "written-by-sandbox").exists()

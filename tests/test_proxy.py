@@ -11,7 +11,7 @@ import websockets
 from e2b import Sandbox
 from websockets.sync.client import connect as ws_connect
 
-from nodes import Node
+from agentenv.testing import Node
 
 ECHO_SERVER = """
 import asyncio, sys

@@ -6,13 +6,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-AENV = REPO / ".venv" / "bin" / "aenv"
+# The `aenv` entry point installed next to this interpreter (the venv's bin).
+AENV = Path(sys.executable).parent / "aenv"
 SHARED_HOME = Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))
 
 

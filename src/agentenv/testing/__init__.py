@@ -1,0 +1,5 @@
+"""Helpers for running real agentenv servers in tests and benchmarks."""
+
+from .nodes import SHARED_HOME, Node, free_port, leaks
+
+__all__ = ["SHARED_HOME", "Node", "free_port", "leaks"]
