@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -62,8 +63,29 @@ def _leftovers(layout: SlotLayout) -> set[int]:
 
 
 def cleanup_all(prefix: str) -> None:
-    """Remove every netns, link and host rule of ``prefix`` (synchronous, idempotent)."""
-    layout = SlotLayout(prefix, "10.0.0.0/30")  # names only; the CIDR is irrelevant here
+    """Remove every netns, link and host rule of ``prefix`` (synchronous, idempotent).
+
+    Safe to call from a coroutine too (it blocks that loop while it runs): the
+    work runs in a thread of its own, as pyroute2's sync API needs a thread
+    without a running event loop.
+    """
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            _cleanup_all(prefix)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=work, name="aenv-net-cleanup")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _cleanup_all(prefix: str) -> None:
+    layout = SlotLayout(prefix, "10.0.0.0/29")  # names only; the CIDR is irrelevant here
     for name in nsutil.list_netns():
         if layout.netns_index(name) is not None:
             nsutil.remove(name)

@@ -40,6 +40,7 @@ def router_rules(slot_address: str, pool_cidr: str, internet: bool) -> str:
 -A FORWARD -i {up} -o {dn} -d {SANDBOX_IP}/32 -m conntrack --ctstate DNAT --ctdir ORIGINAL -j ACCEPT
 -A FORWARD -i {dn} -o {up} -s {SANDBOX_IP}/32 -m conntrack --ctstate DNAT --ctdir REPLY -j ACCEPT
 -A FORWARD -i {up} -o {dn} -m conntrack --ctstate ESTABLISHED,RELATED --ctdir REPLY -j ACCEPT
+-A FORWARD -p icmp -m conntrack --ctstate RELATED -j ACCEPT
 -A FORWARD -i {dn} -o {up} -d {LINK_LOCAL} -j DROP
 -A FORWARD -i {dn} -o {up} -d {LOOPBACK_NET} -j DROP
 -A FORWARD -i {dn} -o {up} -d {pool_cidr} -j DROP

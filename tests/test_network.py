@@ -1,0 +1,398 @@
+"""Network slots against real netns and iptables (root needed; no mocks).
+
+Traffic goes only to loopback and to addresses inside namespaces this file
+creates: the slots, and an "outside" netns (``aetox-out``) joined to the host by
+a veth, standing in for the internet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import pytest_asyncio
+
+from agentenv.network import Slot, SlotPool, SlotPoolExhausted, cleanup_all
+from agentenv.network.slot import SlotLayout
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for netns and iptables")
+
+PREFIX = "aetest"  # main pool
+PREFIX_B = "aetestb"  # small pool: recycle, exhaustion, coexistence
+PREFIX_C = "aetestc"  # crash recovery
+CIDR = "10.213.0.0/16"
+CIDR_B = "10.216.0.0/16"
+CIDR_C = "10.217.0.0/16"
+OUT_NS = "aetox-out"
+OUT_HOST_IF, OUT_PEER_IF = "aetoxh", "aetoxo"
+OUT_HOST_IP, OUT_IP = "10.214.0.1", "10.214.0.2"
+OUT_LINKLOCAL_IP = "169.254.7.1"  # a link-local address living in the outside netns
+DUMMY_IP = "10.215.0.1"  # "another address of the host"
+SANDBOX_IP = "169.254.0.21"
+
+SERVER = r"""
+import socket, sys
+host, port, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((host, port))
+s.listen(64)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    try:
+        c.sendall(tag)
+    finally:
+        c.close()
+"""
+
+CLIENT = r"""
+import json, socket, sys, threading
+targets = json.loads(sys.argv[1])
+out = {}
+def probe(host, port):
+    key = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=0.8) as c:
+            c.settimeout(0.8)
+            out[key] = c.recv(64).decode() or "empty"
+    except OSError as exc:
+        out[key] = "!" + type(exc).__name__
+threads = [threading.Thread(target=probe, args=t) for t in targets]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps(out))
+"""
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, check=check)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Servers started in namespaces; all killed at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def serve(self, netns: str, host: str, port: int, tag: str) -> None:
+        proc = subprocess.Popen(
+            ["nsenter", f"--net=/var/run/netns/{netns}", sys.executable, "-c", SERVER]
+            + [host, str(port), tag],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def host_server(host: str, port: int, tag: str) -> socket.socket:
+    """A server in the test process (root netns); closed by the caller."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((host, port))
+    srv.listen(64)
+
+    def loop() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(tag.encode())
+
+    threading.Thread(target=loop, daemon=True).start()
+    return srv
+
+
+async def probe_from(netns: str, targets: list[tuple[str, int]]) -> dict[str, str]:
+    """Connect from inside ``netns`` to every target at once; tag read or '!Error'."""
+    proc = await asyncio.create_subprocess_exec(
+        "nsenter",
+        f"--net=/var/run/netns/{netns}",
+        sys.executable,
+        "-c",
+        CLIENT,
+        json.dumps(targets),
+        stdout=subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    return json.loads(out)
+
+
+async def fetch(host: str, port: int, timeout: float = 1.0) -> str:
+    """Connect from the host (root netns)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        data = await asyncio.wait_for(reader.read(64), timeout)
+        writer.close()
+        return data.decode()
+    except (OSError, TimeoutError) as exc:
+        return "!" + type(exc).__name__
+
+
+def leftovers(prefix: str) -> list[str]:
+    netns = (
+        [n for n in os.listdir("/var/run/netns") if n.startswith(prefix)]
+        if os.path.isdir("/var/run/netns")
+        else []
+    )
+    links = [
+        line.split(":")[1].strip().split("@")[0]
+        for line in sh("ip", "-o", "link").stdout.splitlines()
+    ]
+    rules = [r for r in sh("iptables-save").stdout.splitlines() if prefix.upper() in r]
+    return netns + [x for x in links if x.startswith(prefix)] + rules
+
+
+@pytest.fixture(scope="module")
+def outside() -> Iterator[None]:
+    """An 'internet' netns joined to the host, plus one more host address."""
+    for p in (PREFIX, PREFIX_B, PREFIX_C):
+        cleanup_all(p)
+    _drop_outside()
+    sh("ip", "netns", "add", OUT_NS)
+    sh("ip", "link", "add", OUT_HOST_IF, "type", "veth", "peer", "name", OUT_PEER_IF)
+    sh("ip", "link", "set", OUT_PEER_IF, "netns", OUT_NS)
+    sh("ip", "addr", "add", f"{OUT_HOST_IP}/30", "dev", OUT_HOST_IF)
+    sh("ip", "link", "set", OUT_HOST_IF, "up")
+    sh("ip", "route", "add", f"{OUT_LINKLOCAL_IP}/32", "dev", OUT_HOST_IF)
+    sh("ip", "-n", OUT_NS, "addr", "add", f"{OUT_IP}/30", "dev", OUT_PEER_IF)
+    sh("ip", "-n", OUT_NS, "addr", "add", f"{OUT_LINKLOCAL_IP}/32", "dev", OUT_PEER_IF)
+    sh("ip", "-n", OUT_NS, "link", "set", OUT_PEER_IF, "up")
+    sh("ip", "-n", OUT_NS, "link", "set", "lo", "up")
+    sh("ip", "-n", OUT_NS, "route", "add", "default", "via", OUT_HOST_IP)
+    # another address of the host, on a link of its own (no dummy module here)
+    sh("ip", "addr", "add", f"{DUMMY_IP}/32", "dev", OUT_HOST_IF)
+    try:
+        yield
+    finally:
+        _drop_outside()
+        for p in (PREFIX, PREFIX_B, PREFIX_C):
+            cleanup_all(p)
+        assert leftovers("aetest") == []
+        assert leftovers("aetox") == []
+
+
+def _drop_outside() -> None:
+    sh("ip", "netns", "del", OUT_NS, check=False)
+    sh("ip", "link", "del", OUT_HOST_IF, check=False)
+
+
+@pytest.fixture(scope="module")
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    yield p
+    p.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def pool(outside: None) -> object:
+    p = SlotPool(PREFIX, CIDR, low=2, high=4, capacity=8)
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.close()
+        assert leftovers(PREFIX) == [] or all(x.startswith(PREFIX_B) for x in leftovers(PREFIX))
+
+
+def test_layout_names_fit_ifnamsiz() -> None:
+    layout = SlotLayout("aenv", "10.11.0.0/16")
+    last = layout.slot(layout.max_index)
+    assert layout.max_index == 16383 and len(last.host_link) <= 15
+    assert (last.address, last.host_ip) == ("10.11.255.254", "10.11.255.253")
+    s3 = layout.slot(3)
+    assert (s3.address, s3.host_ip, s3.netns, s3.router_netns) == (
+        "10.11.0.14",
+        "10.11.0.13",
+        "aenv-s3",
+        "aenv-r3",
+    )
+    assert s3.netns_path == "/var/run/netns/aenv-s3"
+    with pytest.raises(ValueError):
+        SlotLayout("averylongprefix", "10.11.0.0/16")
+    with pytest.raises(ValueError):
+        SlotLayout("Bad-Prefix", "10.11.0.0/16")
+
+
+async def test_topology_inbound_and_isolation(pool: SlotPool, procs: Procs) -> None:
+    await asyncio.wait_for(pool.wait_warm(2), 10)
+    a = await pool.acquire(internet=True)
+    b = await pool.acquire(internet=True)
+    assert a.index != b.index and a.address != b.address
+    for s in (a, b):
+        assert isinstance(s, Slot) and os.path.exists(s.netns_path)
+        inside = sh("ip", "-n", s.netns, "-4", "-o", "addr", "show", "eth0").stdout
+        assert f"{SANDBOX_IP}/30" in inside
+        assert "default via 169.254.0.22" in sh("ip", "-n", s.netns, "route").stdout
+        assert f"{s.address}/30" in sh("ip", "-n", s.router_netns, "-o", "addr").stdout
+        assert f"{s.host_ip}/30" in sh("ip", "-o", "addr", "show", s.host_link).stdout
+
+    port = free_port()
+    procs.serve(a.netns, SANDBOX_IP, port, "A")
+    procs.serve(b.netns, SANDBOX_IP, port, "B")
+    procs.serve(OUT_NS, "0.0.0.0", port, "OUT")
+    # Inbound from the host, on every port, each slot to its own sandbox.
+    assert await fetch(a.address, port) == "A"
+    assert await fetch(b.address, port) == "B"
+
+    hport, lport = free_port(), free_port()
+    servers = [
+        host_server("0.0.0.0", hport, "HOST"),
+        host_server("127.0.0.1", lport, "LOOP"),
+        host_server(a.host_ip, lport, "UPLINK"),
+    ]
+    try:
+        res = await probe_from(
+            a.netns,
+            [
+                (OUT_IP, port),  # positive control: the internet works
+                (b.address, port),  # another slot
+                (SANDBOX_IP, port),  # itself, sanity
+                (b.host_ip, hport),
+                (a.host_ip, hport),  # host through the uplink (0.0.0.0 server)
+                (a.host_ip, lport),  # server bound to the uplink address
+                (DUMMY_IP, hport),  # another host address
+                ("127.0.0.1", lport),  # loopback is the sandbox's own
+                ("169.254.0.22", hport),  # the gateway itself offers nothing
+                (OUT_LINKLOCAL_IP, port),  # link-local beyond the gateway
+                (a.address, port),  # its own slot address (no hairpin)
+            ],
+        )
+    finally:
+        for srv in servers:
+            srv.close()
+    assert res.pop(f"{OUT_IP}:{port}") == "OUT"
+    assert res.pop(f"{SANDBOX_IP}:{port}") == "A"
+    assert all(v.startswith("!") for v in res.values()), res
+    # and the other way round
+    res = await probe_from(b.netns, [(a.address, port), (OUT_IP, port)])
+    assert res == {f"{a.address}:{port}": res[f"{a.address}:{port}"], f"{OUT_IP}:{port}": "OUT"}
+    assert res[f"{a.address}:{port}"].startswith("!")
+    # the outside world cannot open connections to a slot either
+    res = await probe_from(OUT_NS, [(a.address, port)])
+    assert res[f"{a.address}:{port}"].startswith("!")
+    await pool.release(a)
+    await pool.release(b)
+
+
+async def test_internet_switch(pool: SlotPool, procs: Procs) -> None:
+    s = await pool.acquire(internet=False)
+    assert s.internet is False
+    port = free_port()
+    procs.serve(s.netns, SANDBOX_IP, port, "S")
+    procs.serve(OUT_NS, OUT_IP, port, "OUT")
+    target = [(OUT_IP, port)]
+    key = f"{OUT_IP}:{port}"
+    assert (await probe_from(s.netns, target))[key].startswith("!")
+    assert await fetch(s.address, port) == "S"  # inbound still works
+    await pool.set_internet(s, True)
+    assert (await probe_from(s.netns, target))[key] == "OUT"
+    await pool.set_internet(s, False)
+    assert (await probe_from(s.netns, target))[key].startswith("!")
+    assert await fetch(s.address, port) == "S"
+    t = pool.stats()["ms"]["set_internet"]
+    assert t["p50"] is not None and t["p50"] < 200
+    await pool.release(s)
+
+
+async def test_release_recycles_clean_and_exhaustion(outside: None, procs: Procs) -> None:
+    p = SlotPool(PREFIX_B, CIDR_B, low=0, high=1, capacity=1)
+    await p.start()
+    try:
+        s = await p.acquire(internet=False)
+        with pytest.raises(SlotPoolExhausted):
+            await p.acquire()
+        port = free_port()
+        procs.serve(s.netns, SANDBOX_IP, port, "OLD")
+        assert await fetch(s.address, port) == "OLD"
+        old_inode = os.stat(s.netns_path).st_ino
+        await p.release(s)
+        # capacity 1: acquire waits for the background reset and gets the same slot
+        s2 = await asyncio.wait_for(p.acquire(internet=True), 10)
+        assert s2.index == s.index and s2.internet is True
+        assert os.stat(s2.netns_path).st_ino != old_inode  # a fresh sandbox netns
+        # the old sandbox (still running in the old netns) is cut off
+        assert (await fetch(s2.address, port)).startswith("!")
+        egress = sh("ip", "netns", "exec", s2.router_netns, "iptables", "-S", "EGRESS").stdout
+        assert "-A EGRESS -j ACCEPT" in egress
+        port2 = free_port()
+        procs.serve(s2.netns, SANDBOX_IP, port2, "NEW")
+        procs.serve(OUT_NS, OUT_IP, port2, "OUT")
+        assert await fetch(s2.address, port2) == "NEW"
+        assert (await probe_from(s2.netns, [(OUT_IP, port2)]))[f"{OUT_IP}:{port2}"] == "OUT"
+        st = p.stats()
+        assert st["recycled"] == 1 and st["acquired"] == 1
+    finally:
+        await p.close()
+    assert leftovers(PREFIX_B) == []
+
+
+async def test_start_after_crash_removes_leftovers(outside: None) -> None:
+    crashed = SlotPool(PREFIX_C, CIDR_C, low=2, high=2, capacity=4)
+    await crashed.start()
+    kept = await crashed.acquire(internet=False)
+    lost = await crashed.acquire()
+    await asyncio.wait_for(crashed.wait_warm(2), 10)
+    # simulate a crash: the process forgets the pool without closing it
+    assert crashed._refiller is not None
+    crashed._refiller.cancel()
+    del crashed
+    # plus a half-created slot
+    sh("ip", "netns", "add", f"{PREFIX_C}-r9")
+    assert len([n for n in os.listdir("/var/run/netns") if n.startswith(PREFIX_C)]) == 9
+
+    p = SlotPool(PREFIX_C, CIDR_C, low=1, high=2, capacity=4)
+    await p.start(in_use={kept.index: False})
+    try:
+        names = sorted(n for n in os.listdir("/var/run/netns") if n.startswith(PREFIX_C))
+        assert f"{PREFIX_C}-s{lost.index}" not in names
+        assert f"{PREFIX_C}-r9" not in names
+        assert {kept.netns, kept.router_netns} <= set(names)
+        assert p.acquired() == {kept.index: False}
+        await asyncio.wait_for(p.wait_warm(1), 10)
+        fresh = await p.acquire()
+        assert fresh.index != kept.index
+        egress = sh("ip", "netns", "exec", kept.router_netns, "iptables", "-S", "EGRESS").stdout
+        assert "-A EGRESS -j DROP" in egress
+    finally:
+        await p.close()
+    assert leftovers(PREFIX_C) == []
+
+
+async def test_host_rules_idempotent_and_removed(outside: None) -> None:
+    p = SlotPool(PREFIX_C, CIDR_C, low=0, high=0, capacity=1)
+    await p.start()
+    await p.close()
+    await p.start()  # a second start installs nothing twice
+    await p.close()
+    p2 = SlotPool(PREFIX_C, CIDR_C, low=0, high=0, capacity=1)
+    await p2.start()
+    await p2.start()
+    saved = sh("iptables-save").stdout
+    assert saved.count(f"-j {PREFIX_C.upper()}-INPUT") == 1
+    assert saved.count(f"-j {PREFIX_C.upper()}-FORWARD") == 1
+    assert saved.count(f"-j {PREFIX_C.upper()}-POSTROUTING") == 1
+    await p2.close()
+    assert leftovers(PREFIX_C) == []
+    cleanup_all(PREFIX_C)  # idempotent on a clean machine
