@@ -1,0 +1,171 @@
+"""One node: cold create until envd answers, exec round trip, 1 MiB file round trip,
+delete, and host memory per idle sandbox, for a run of N sandboxes.
+
+Baseline in the same run: a bare `runsc do /bin/true`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import struct
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from agentenv.testing import Node, leaks
+from common import summary, table, write
+
+ENVD = "49983"
+MIB = 1 << 20
+
+
+def runsc_do_true() -> float:
+    t0 = time.perf_counter()
+    subprocess.run(["runsc", "--network=none", "do", "/bin/true"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def envd_headers(sid: str, token: str) -> dict[str, str]:
+    return {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": ENVD, "X-Access-Token": token,
+            "Authorization": "Basic " + base64.b64encode(b"user:").decode()}
+
+
+def exec_native(http: httpx.Client, sid: str, token: str, cmd: str) -> int:
+    """Process.Start over the Connect protocol (JSON), through the node's proxy."""
+    msg = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd]}}).encode()
+    body = b"\x00" + struct.pack(">I", len(msg)) + msg
+    headers = {**envd_headers(sid, token), "Content-Type": "application/connect+json",
+               "Connect-Protocol-Version": "1"}
+    exit_code = -1
+    with http.stream("POST", "/process.Process/Start", content=body, headers=headers) as r:
+        r.raise_for_status()
+        buf = r.read()
+    while buf:
+        flags, size = buf[0], struct.unpack(">I", buf[1:5])[0]
+        frame, buf = json.loads(buf[5:5 + size] or b"{}"), buf[5 + size:]
+        if flags & 0x02:
+            if frame.get("error"):
+                raise RuntimeError(frame["error"])
+            break
+        end = frame.get("event", {}).get("end")
+        if end is not None:
+            exit_code = int(end.get("exitCode", 0))
+    return exit_code
+
+
+def idle_memory(prefix: str, sid: str) -> tuple[int, int]:
+    """(PSS of the sandbox's host processes, cgroup memory usage) in bytes."""
+    procs = Path(f"/sys/fs/cgroup/memory/{prefix}/{sid}/cgroup.procs")
+    pss = 0
+    for pid in procs.read_text().split():
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    pss += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    usage = int(Path(f"/sys/fs/cgroup/memory/{prefix}/{sid}/memory.usage_in_bytes").read_text())
+    return pss, usage
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", "--sandboxes", type=int, default=40)
+    ap.add_argument("--execs", type=int, default=50)
+    args = ap.parse_args()
+
+    prefix = "aeb"
+    home = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
+    node = Node(home, prefix, "10.14.0.0/16", AENV_MAX_SANDBOXES=str(args.sandboxes + 8),
+                AENV_NET_POOL_LOW="8", AENV_NET_POOL_HIGH="16")
+    base = [runsc_do_true() for _ in range(10)]
+    node.start()
+    rows: dict[str, dict] = {"baseline: runsc do /bin/true": summary(base)}
+    failures: list[str] = []
+    try:
+        with node.client() as api, httpx.Client(base_url=node.url, timeout=60) as http:
+            time.sleep(2)  # let the warm slot pool fill
+            created, ids, tokens = [], [], {}
+            for _ in range(args.sandboxes):
+                t0 = time.perf_counter()
+                r = api.post("/sandboxes", json={"templateID": "base", "timeout": 900})
+                if r.status_code != 201:
+                    failures.append(f"create: {r.status_code} {r.text[:200]}")
+                    continue
+                created.append(time.perf_counter() - t0)
+                ids.append(r.json()["sandboxID"])
+                tokens[ids[-1]] = r.json()["envdAccessToken"]
+            rows["cold create until envd answers"] = summary(created)
+
+            sid = ids[0]
+            execs = []
+            for _ in range(args.execs):
+                t0 = time.perf_counter()
+                code = exec_native(http, sid, tokens[sid], "true")
+                execs.append(time.perf_counter() - t0)
+                if code != 0:
+                    failures.append(f"exec exit {code}")
+            rows["exec round trip of `true`"] = summary(execs)
+
+            payload = bytes(range(256)) * (MIB // 256)
+            files = []
+            for i in range(20):
+                path = f"/home/user/bench-{i}.bin"
+                t0 = time.perf_counter()
+                w = http.post("/files", params={"path": path, "username": "user"},
+                              files={"file": ("bench.bin", payload)},
+                              headers=envd_headers(sid, tokens[sid]))
+                g = http.get("/files", params={"path": path, "username": "user"},
+                             headers=envd_headers(sid, tokens[sid]))
+                files.append(time.perf_counter() - t0)
+                if w.status_code >= 300 or g.content != payload:
+                    failures.append(f"file round trip: {w.status_code} {g.status_code}")
+            rows["1 MiB write then read"] = summary(files)
+
+            time.sleep(5)  # idle
+            pss, usage = zip(*(idle_memory(prefix, s) for s in ids), strict=True)
+            rows["host memory per idle sandbox (PSS)"] = {
+                "p50_MiB": round(sorted(pss)[len(pss) // 2] / MIB, 1),
+                "max_MiB": round(max(pss) / MIB, 1),
+            }
+            rows["host memory per idle sandbox (cgroup usage)"] = {
+                "p50_MiB": round(sorted(usage)[len(usage) // 2] / MIB, 1),
+                "max_MiB": round(max(usage) / MIB, 1),
+            }
+            alive = sum(1 for s in ids if api.get(f"/sandboxes/{s}").status_code == 200)
+            rows[f"idle sandboxes running at once (of {args.sandboxes})"] = {"alive": alive}
+
+            deletes = []
+            for s in ids:
+                t0 = time.perf_counter()
+                r = api.delete(f"/sandboxes/{s}")
+                deletes.append(time.perf_counter() - t0)
+                if r.status_code != 204:
+                    failures.append(f"delete {r.status_code}")
+            rows["delete"] = summary(deletes)
+    finally:
+        node.stop()
+    left = leaks(prefix, home)
+    rows["failures"] = {"count": len(failures)}
+    targets = {
+        "cold create until envd answers": "p50 <= 600",
+        "exec round trip of `true`": "p50 <= 30",
+        "host memory per idle sandbox (PSS)": "<= 60 MiB",
+        f"idle sandboxes running at once (of {args.sandboxes})": "40 without a failure",
+    }
+    text = table(f"Node: {args.sandboxes} sandboxes of template base", rows, targets)
+    if failures:
+        text += "\nFailures:\n" + "\n".join(f"- {f}" for f in failures[:20]) + "\n"
+    if left:
+        text += f"\nLeft behind: {left}\n"
+    write("node", {"rows": rows, "failures": failures, "leaks": left}, text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""`make bench`: every benchmark, results as tables and JSON under bench/results/."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SUITES = ["bench_node.py"]
+
+
+def main() -> int:
+    failed = 0
+    for suite in SUITES + sys.argv[1:]:
+        print(f"== {suite}", flush=True)
+        failed |= subprocess.run([sys.executable, str(HERE / suite)], cwd=HERE).returncode
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
