@@ -89,9 +89,9 @@ class Procs:
         self.procs: list[subprocess.Popen[str]] = []
 
     def serve(self, netns: str, host: str, port: int, tag: str) -> None:
+        argv = [sys.executable, "-c", SERVER, host, str(port), tag]
         proc = subprocess.Popen(
-            ["nsenter", f"--net=/var/run/netns/{netns}", sys.executable, "-c", SERVER]
-            + [host, str(port), tag],
+            ["nsenter", f"--net=/var/run/netns/{netns}", *argv],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -139,11 +139,11 @@ async def probe_from(netns: str, targets: list[tuple[str, int]]) -> dict[str, st
     return json.loads(out)
 
 
-async def fetch(host: str, port: int, timeout: float = 1.0) -> str:
+async def fetch(host: str, port: int) -> str:
     """Connect from the host (root netns)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-        data = await asyncio.wait_for(reader.read(64), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        data = await asyncio.wait_for(reader.read(64), 1.0)
         writer.close()
         return data.decode()
     except (OSError, TimeoutError) as exc:
@@ -312,7 +312,7 @@ async def test_internet_switch(pool: SlotPool, procs: Procs) -> None:
     assert (await probe_from(s.netns, target))[key].startswith("!")
     assert await fetch(s.address, port) == "S"
     t = pool.stats()["ms"]["set_internet"]
-    assert t["p50"] is not None and t["p50"] < 200
+    assert t["p50"] is not None and t["p50"] < 50
     await pool.release(s)
 
 
@@ -334,8 +334,7 @@ async def test_release_recycles_clean_and_exhaustion(outside: None, procs: Procs
         assert os.stat(s2.netns_path).st_ino != old_inode  # a fresh sandbox netns
         # the old sandbox (still running in the old netns) is cut off
         assert (await fetch(s2.address, port)).startswith("!")
-        egress = sh("ip", "netns", "exec", s2.router_netns, "iptables", "-S", "EGRESS").stdout
-        assert "-A EGRESS -j ACCEPT" in egress
+        assert "blackhole" not in sh("ip", "-n", s2.router_netns, "rule").stdout
         port2 = free_port()
         procs.serve(s2.netns, SANDBOX_IP, port2, "NEW")
         procs.serve(OUT_NS, OUT_IP, port2, "OUT")
@@ -373,8 +372,7 @@ async def test_start_after_crash_removes_leftovers(outside: None) -> None:
         await asyncio.wait_for(p.wait_warm(1), 10)
         fresh = await p.acquire()
         assert fresh.index != kept.index
-        egress = sh("ip", "netns", "exec", kept.router_netns, "iptables", "-S", "EGRESS").stdout
-        assert "-A EGRESS -j DROP" in egress
+        assert "blackhole" in sh("ip", "-n", kept.router_netns, "rule").stdout
     finally:
         await p.close()
     assert leftovers(PREFIX_C) == []

@@ -4,8 +4,8 @@ Two places hold rules:
 
 * the router netns of every slot (its own, complete rule set: default-drop
   INPUT and FORWARD, DNAT of the slot address to the sandbox, MASQUERADE out of
-  the uplink, and an ``EGRESS`` chain whose single verdict is the slot's
-  internet switch);
+  the uplink, no new connections from the sandbox to link-local, loopback or
+  pool addresses);
 * the host (root netns): a few rules in chains named after the pool prefix, so
   pools with different prefixes coexist and each can be removed alone.
 """
@@ -20,20 +20,21 @@ INSIDE_PREFIXLEN = 30
 SANDBOX_IF = "eth0"
 ROUTER_DOWN_IF = "dn0"
 ROUTER_UP_IF = "up0"
-EGRESS_CHAIN = "EGRESS"
 LINK_LOCAL = "169.254.0.0/16"
 LOOPBACK_NET = "127.0.0.0/8"
 
 
-def router_rules(slot_address: str, pool_cidr: str, internet: bool) -> str:
-    """The complete rule set of a router netns (applied with a flushing restore)."""
+def router_rules(slot_address: str, pool_cidr: str) -> str:
+    """The complete rule set of a router netns (applied with a flushing restore).
+
+    The internet switch is not here but in policy routing (see ``slot.set_egress``):
+    flipping it is one netlink message instead of an iptables transaction.
+    """
     up, dn = ROUTER_UP_IF, ROUTER_DOWN_IF
-    verdict = "ACCEPT" if internet else "DROP"
     return f"""*filter
 :INPUT DROP [0:0]
 :FORWARD DROP [0:0]
 :OUTPUT ACCEPT [0:0]
-:{EGRESS_CHAIN} - [0:0]
 -A INPUT -i lo -j ACCEPT
 -A INPUT -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
 -A INPUT -i {dn} -d {GATEWAY_IP}/32 -p icmp --icmp-type echo-request -j ACCEPT
@@ -44,8 +45,7 @@ def router_rules(slot_address: str, pool_cidr: str, internet: bool) -> str:
 -A FORWARD -i {dn} -o {up} -d {LINK_LOCAL} -j DROP
 -A FORWARD -i {dn} -o {up} -d {LOOPBACK_NET} -j DROP
 -A FORWARD -i {dn} -o {up} -d {pool_cidr} -j DROP
--A FORWARD -i {dn} -o {up} -s {SANDBOX_IP}/32 -m conntrack --ctdir ORIGINAL -j {EGRESS_CHAIN}
--A {EGRESS_CHAIN} -j {verdict}
+-A FORWARD -i {dn} -o {up} -s {SANDBOX_IP}/32 -m conntrack --ctdir ORIGINAL -j ACCEPT
 COMMIT
 *nat
 :PREROUTING ACCEPT [0:0]
@@ -56,18 +56,6 @@ COMMIT
 -A POSTROUTING -o {up} -s {SANDBOX_IP}/32 -j MASQUERADE
 COMMIT
 """
-
-
-def egress_rules(internet: bool) -> str:
-    """Flip the internet switch of a router netns (applied with --noflush).
-
-    Declaring the chain flushes it, so the switch is one atomic transaction.
-    Packets the sandbox sends in the original direction of a connection all
-    pass through EGRESS, so "off" also stops outbound connections already open;
-    connections the host opened to the sandbox are unaffected.
-    """
-    verdict = "ACCEPT" if internet else "DROP"
-    return f"*filter\n:{EGRESS_CHAIN} - [0:0]\n-A {EGRESS_CHAIN} -j {verdict}\nCOMMIT\n"
 
 
 class HostChains:

@@ -7,6 +7,7 @@ network namespaces; call them through :func:`nsutil.run_in_thread`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 import re
@@ -25,11 +26,16 @@ from .rules import (
     ROUTER_UP_IF,
     SANDBOX_IF,
     SANDBOX_IP,
-    egress_rules,
     router_rules,
 )
 
 IFNAMSIZ = 15  # usable characters of an interface name
+# Policy routing in the router netns carries the internet switch: packets from
+# the sandbox to the host (replies to connections the host opened) are routed
+# normally; with internet off, everything else arriving on dn0 is blackholed.
+RULE_TO_HOST_PRIO = 100
+RULE_BLACKHOLE_PRIO = 200
+MAIN_TABLE = 254
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]*$")
 
 
@@ -136,6 +142,20 @@ def _isolate_sysctls(router: bool) -> None:
         nsutil.write_sysctl("net.ipv4.ip_forward", "1")
 
 
+def _set_blackhole(ipr_router: IPRoute, on: bool) -> None:
+    """Internet off = blackhole rule present (idempotent both ways)."""
+    spec = {
+        "priority": RULE_BLACKHOLE_PRIO,
+        "iifname": ROUTER_DOWN_IF,
+        "action": "FR_ACT_BLACKHOLE",
+    }
+    try:
+        ipr_router.rule("add" if on else "del", **spec)
+    except NetlinkError as exc:
+        if exc.code not in (errno.EEXIST, errno.ENOENT):
+            raise
+
+
 def _make_sandbox_side(slot: Slot, ipr_router: IPRoute) -> None:
     """Create the sandbox netns and the dn0/eth0 veth, configured; router socket given."""
     with nsutil.created(slot.netns):
@@ -177,9 +197,7 @@ def create_slot(slot: Slot, pool_cidr: str) -> None:
     try:
         with nsutil.created(slot.router_netns):
             _isolate_sysctls(router=True)
-            nsutil.iptables_restore(
-                router_rules(slot.address, pool_cidr, slot.internet), noflush=False
-            )
+            nsutil.iptables_restore(router_rules(slot.address, pool_cidr), noflush=False)
             ipr_router = IPRoute()
         try:
             with IPRoute() as ipr:
@@ -201,6 +219,15 @@ def create_slot(slot: Slot, pool_cidr: str) -> None:
             _up(ipr_router, "lo")
             _up(ipr_router, ROUTER_UP_IF, slot.address)
             ipr_router.route("add", dst="0.0.0.0/0", gateway=slot.host_ip)
+            ipr_router.rule(
+                "add",
+                priority=RULE_TO_HOST_PRIO,
+                iifname=ROUTER_DOWN_IF,
+                dst=slot.host_ip,
+                dst_len=32,
+                table=MAIN_TABLE,
+            )
+            _set_blackhole(ipr_router, not slot.internet)
             _make_sandbox_side(slot, ipr_router)
         finally:
             ipr_router.close()
@@ -225,8 +252,14 @@ def destroy_slot(slot: Slot) -> None:
 
 
 def set_egress(slot: Slot, allowed: bool) -> None:
-    with nsutil.entered(slot.router_netns):
-        nsutil.iptables_restore(egress_rules(allowed))
+    """Flip the internet switch: one netlink message in the router netns.
+
+    Off blocks every packet the sandbox sends except to the host's uplink
+    address, so connections already open to the outside stop too; connections
+    the host opened to the sandbox are unaffected.
+    """
+    with nsutil.entered(slot.router_netns), IPRoute() as ipr:
+        _set_blackhole(ipr, not allowed)
 
 
 def reset_slot(slot: Slot, internet: bool) -> None:
@@ -243,7 +276,7 @@ def reset_slot(slot: Slot, internet: bool) -> None:
             idx = _ifindex(ipr_router, ROUTER_DOWN_IF)
             if idx is not None:
                 ipr_router.link("del", index=idx)
-            nsutil.iptables_restore(egress_rules(internet))
+            _set_blackhole(ipr_router, not internet)
             with Conntrack() as ct:
                 ct.flush()
         except BaseException:
