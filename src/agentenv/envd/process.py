@@ -70,6 +70,15 @@ def _keepalive() -> pb.ProcessEvent:
     return _event(keepalive=pb.ProcessEvent.KeepAlive())
 
 
+def _null_stdin() -> int:
+    """/dev/null, or (in a rootfs without it) an already-closed pipe: EOF either way."""
+    if os.path.exists(os.devnull):
+        return subprocess.DEVNULL
+    r, w = os.pipe()
+    os.close(w)
+    return r  # Popen dups it onto fd 0; closed by the caller below
+
+
 def _set_controlling_tty() -> None:  # runs in the child, after setsid
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
@@ -395,10 +404,13 @@ class ProcessService:
                 proc = Proc(self.registry, popen, cfg, request.tag if request.has_field("tag")
                             else None, {master: "pty"}, None, master)
             else:
+                stdin_src = subprocess.PIPE if use_stdin else _null_stdin()
                 popen = subprocess.Popen(
-                    argv, stdin=subprocess.PIPE if use_stdin else subprocess.DEVNULL,
+                    argv, stdin=stdin_src,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
                     start_new_session=True, **creds)
+                if isinstance(stdin_src, int) and stdin_src >= 0:
+                    os.close(stdin_src)
                 out = {os.dup(popen.stdout.fileno()): "stdout",
                        os.dup(popen.stderr.fileno()): "stderr"}
                 popen.stdout.close()
@@ -415,8 +427,11 @@ class ProcessService:
             if pty is not None:
                 with contextlib.suppress(OSError, UnboundLocalError):
                     os.close(master)
+            why = e.strerror or str(e)
+            if e.filename and e.filename != cmd:
+                why += f": '{e.filename}'"
             raise ConnectError(Code.INVALID_ARGUMENT,
-                               f"failed to start process '{cmd}': {e.strerror or e}") from None
+                               f"failed to start process '{cmd}': {why}") from None
         if pty is not None:
             os.set_blocking(master, False)
         self.registry.add(proc)

@@ -1,0 +1,162 @@
+"""The envd runtime bundle: built for real, then run inside a busybox rootfs that has
+no Python and no glibc (plain chroot in a private mount namespace)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b.api.client_async import get_envd_api
+from e2b.connection_config import ConnectionConfig
+from e2b.sandbox_async.commands.command import Commands
+from e2b.sandbox_async.filesystem.filesystem import Filesystem
+from packaging.version import Version
+
+from agentenv.envd import ENVD_VERSION
+from agentenv.envd.bundle import build_bundle, envd_command
+
+BUSYBOX = Path("/bin/busybox")
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chroot, mount namespace)"),
+    pytest.mark.skipif(not BUSYBOX.exists() or not shutil.which("unshare"),
+                       reason="needs busybox-static (scripts/setup-system.sh) and unshare"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def scratch():
+    # own temp dir: pytest's tmp_path retention is shared with concurrent runs
+    d = Path(tempfile.mkdtemp(prefix="aenv-envd-bundle-test-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def bundle(scratch) -> Path:
+    return build_bundle(scratch / "bundles")
+
+
+@pytest.fixture(scope="module")
+def rootfs(scratch) -> Path:
+    """busybox-only rootfs: static busybox, /etc/passwd, no libc, no python, empty /dev."""
+    r = scratch / "rootfs"
+    r.mkdir()
+    r.chmod(0o755)
+    for d in ("bin", "etc", "tmp", "root", "proc", "dev", ".aenv", "home/user"):
+        (r / d).mkdir(parents=True, exist_ok=True)
+    (r / "tmp").chmod(0o1777)
+    shutil.copy2(BUSYBOX, r / "bin" / "busybox")
+    for applet in ("sh", "ls", "cat", "id", "echo", "env", "sleep", "mkdir", "pwd"):
+        (r / "bin" / applet).symlink_to("busybox")
+    (r / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n")
+    (r / "etc" / "group").write_text("root:x:0:\nuser:x:1000:\n")
+    os.chown(r / "home" / "user", 1000, 1000)
+    assert not list(r.rglob("libc.so*")) and not list(r.rglob("python*"))
+    return r
+
+
+def _in_rootfs(bundle: Path, rootfs: Path, argv: list[str]) -> list[str]:
+    """argv running ``argv`` chrooted in ``rootfs`` with the bundle at /.aenv (ro)."""
+    script = (f'mount --bind -o ro "{bundle}" "{rootfs}/.aenv" && '
+              f'mount -t proc proc "{rootfs}/proc" && exec chroot "{rootfs}" "$@"')
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv]
+
+
+def test_bundle_layout_and_idempotence(bundle):
+    assert build_bundle(bundle.parent) == bundle  # keyed by content hash: reused
+    manifest = json.loads((bundle / "BUNDLE.json").read_text())
+    assert manifest["hash"] == bundle.name
+    libs = set(os.listdir(bundle / "lib"))
+    for need in ("ld-linux-x86-64.so.2", "libc.so.6", "libm.so.6", "libz.so.1",
+                 "libssl.so.3", "libcrypto.so.3", "libffi.so.8", "libpython3.11.so.1.0"):
+        assert need in libs
+    stdlib = bundle / "python" / "lib" / "python3.11"
+    for gone in ("test", "idlelib", "tkinter", "ensurepip", "site-packages"):
+        assert not (stdlib / gone).exists()
+    assert list((stdlib / "asyncio" / "__pycache__").glob("*.pyc"))
+    site = bundle / "site"
+    assert (site / "aenv_envd_protos" / "process" / "process_connect.py").exists()
+    assert (site / "agentenv" / "envd" / "__main__.py").exists()
+    assert not (site / "e2b").exists() and not (site / "agentenv" / "api").exists()
+    argv, env = envd_command("/.aenv", 49983)
+    assert argv[:3] == ["/.aenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.aenv/lib"]
+    assert argv[3:] == ["/.aenv/python/bin/python3.11", "-m", "agentenv.envd", "--port",
+                        "49983"]
+    assert env["PYTHONHOME"] == "/.aenv/python" and env["PYTHONPATH"] == "/.aenv/site"
+
+
+def test_bundled_python_in_busybox(bundle, rootfs):
+    argv, env = envd_command()
+    code = ("import ssl, ctypes, zlib, lzma, bz2, hashlib, sys; "
+            "print(ssl.OPENSSL_VERSION); print(sys.prefix)")
+    py = [*argv[:4], "-c", code]
+    out = subprocess.run(_in_rootfs(bundle, rootfs, py), env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "OpenSSL" in out.stdout and "/.aenv/python" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def busybox_envd(bundle, rootfs):
+    """envd started from the bundle, chrooted in the busybox rootfs; yields its URL."""
+    port = _free_port()
+    argv, env = envd_command(port=port)
+    proc = subprocess.Popen(_in_rootfs(bundle, rootfs, argv), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        ok = False
+        while time.monotonic() < deadline and not ok:
+            with contextlib.suppress(httpx.HTTPError):
+                ok = httpx.get(url + "/health", timeout=1).status_code == 204
+            if proc.poll() is not None:
+                raise AssertionError(f"envd exited: {proc.stderr.read().decode()}")
+            time.sleep(0.05)
+        assert ok, "envd in the busybox rootfs did not answer /health"
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def test_envd_runs_in_busybox(busybox_envd, rootfs):
+    url = busybox_envd
+    config = ConnectionConfig(request_timeout=20)
+    http = get_envd_api(config, url)
+    commands = Commands(url, config, Version(ENVD_VERSION), http)
+    files = Filesystem(url, Version(ENVD_VERSION), config, http)
+    # the SDK asks for /bin/bash; the rootfs has only busybox sh
+    r = await commands.run("echo hello from $(id -un); pwd; env", user="user")
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["hello from user", "/home/user"]
+    assert not [v for v in lines if v.startswith(("PYTHON", "LD_"))]
+    r = await commands.run("id -u", user="root")
+    assert r.stdout == "0\n"
+    await files.write("notes/a.txt", "in busybox", user="user")
+    assert (rootfs / "home" / "user" / "notes" / "a.txt").stat().st_uid == 1000
+    assert await files.read("/home/user/notes/a.txt", user="root") == "in busybox"
