@@ -394,3 +394,37 @@ async def test_host_rules_idempotent_and_removed(outside: None) -> None:
     await p2.close()
     assert leftovers(PREFIX_C) == []
     cleanup_all(PREFIX_C)  # idempotent on a clean machine
+
+
+async def test_concurrent_acquire_respects_capacity(outside: None) -> None:
+    p = SlotPool(PREFIX_B, CIDR_B, low=1, high=2, capacity=3)
+    await p.start()
+    try:
+        results = await asyncio.gather(*(p.acquire() for _ in range(5)), return_exceptions=True)
+        slots = [r for r in results if isinstance(r, Slot)]
+        assert len(slots) == 3 and len({s.index for s in slots}) == 3
+        assert sum(isinstance(r, SlotPoolExhausted) for r in results) == 2
+        await p.release(slots[0])
+        await asyncio.sleep(0.3)
+        st = p.stats()
+        assert st["acquired"] == 2 and st["warm"] + st["in_flight"] >= 1
+        for s in slots[1:]:
+            await p.release(s)
+    finally:
+        await p.close()
+    assert leftovers(PREFIX_B) == []
+    # an acquire cancelled while its slot is being built: the slot is kept warm
+    p = SlotPool(PREFIX_B, CIDR_B, low=0, high=1, capacity=1)
+    await p.start()
+    try:
+        task = asyncio.ensure_future(p.acquire())
+        await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(p.wait_warm(1), 5)
+        assert p.stats()["acquired"] == 0
+        assert (await p.acquire()).index == 1
+    finally:
+        await p.close()
+    assert leftovers(PREFIX_B) == []

@@ -155,9 +155,9 @@ class SlotPool:
             return
         self._open = False
         if self._refiller is not None:
-            self._refiller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refiller
+            # Not cancelled: it may be mid-build, and a built slot must be destroyed.
+            self._kick()
+            await asyncio.gather(self._refiller, return_exceptions=True)
             self._refiller = None
         while self._jobs:
             await asyncio.gather(*list(self._jobs), return_exceptions=True)
@@ -284,22 +284,37 @@ class SlotPool:
         index = self._reserve_index()
         self._direct += 1
         slot = self.layout.slot(index, internet)
-        try:
-            await self._timed("create", create_slot, slot, self.pool_cidr)
-            self._counts["created"] += 1
-            return slot
-        except BaseException:
-            self._counts["failures"] += 1
-            raise
-        finally:
+        job = asyncio.ensure_future(self._timed("create", create_slot, slot, self.pool_cidr))
+
+        def settle(done: asyncio.Future[None]) -> None:
             self._direct -= 1
             self._busy.discard(index)
+            if done.cancelled() or done.exception() is not None:
+                self._counts["failures"] += 1
+                return
+            self._counts["created"] += 1
+            if abandoned:  # the caller went away: keep the slot warm, or drop it
+                if self._open and len(self._free) < self.high:
+                    self._free.append(slot)
+                else:
+                    self._spawn(self._destroy_job(slot))
+                self._spawn(self._notify())
+
+        abandoned = False
+        job.add_done_callback(settle)
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            abandoned = True
+            raise
+        return slot
 
     async def _refill_loop(self) -> None:
         assert self._wake is not None
-        backoff = 0.2
+        backoff = 0.0
         while self._open:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), backoff or None)
             self._wake.clear()
             while (
                 self._open
@@ -311,18 +326,15 @@ class SlotPool:
                 self._pending += 1
                 try:
                     await self._timed("create", create_slot, slot, self.pool_cidr)
-                except asyncio.CancelledError:
-                    raise
                 except Exception:
                     self._counts["failures"] += 1
                     log.exception("network: building warm slot %d", index)
                     self._pending -= 1
                     self._busy.discard(index)
                     await self._notify()
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                backoff = 0.2
+                    backoff = min(max(backoff * 2, 0.2), 5.0)
+                    break  # retry after the backoff (or sooner, when kicked)
+                backoff = 0.0
                 self._counts["created"] += 1
                 self._pending -= 1
                 self._busy.discard(index)
