@@ -389,6 +389,7 @@ async def test_big_file_streams_with_bounded_memory(envd, sdk, workdir):
                 n += len(chunk)
         assert n == size
     grown_mib = (envd.hwm_kib() - base) / 1024
+    print(f"envd peak RSS growth for 120 MiB up+download: {grown_mib:.1f} MiB")
     assert grown_mib < 40, f"envd grew by {grown_mib:.1f} MiB for a 120 MiB file"
 
 
