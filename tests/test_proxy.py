@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -63,13 +64,19 @@ def test_header_routing_http(node: Node, served: str) -> None:
     assert r.status_code == 200 and r.text == "hello-from-sandbox\n"
 
 
-def test_websocket_through_proxy(node: Node, served: str) -> None:
-    url = f"ws://127.0.0.1:{node.port}/"
+@pytest.mark.parametrize("routing", ["host", "headers"])
+def test_websocket_through_proxy(node: Node, served: str, routing: str) -> None:
+    if routing == "host":
+        uri, headers = f"ws://8765-{served}.localhost:{node.port}/", {}
+    else:
+        uri = f"ws://127.0.0.1:{node.port}/"
+        headers = {"E2b-Sandbox-Id": served, "E2b-Sandbox-Port": "8765"}
     deadline = time.monotonic() + 10
     while True:
         try:
-            with ws_connect(url, additional_headers={"Host": f"8765-{served}.localhost"},
-                            open_timeout=5) as ws:
+            # *.localhost need not resolve here: dial the node, name the sandbox in the URI.
+            sock = socket.create_connection(("127.0.0.1", node.port))
+            with ws_connect(uri, sock=sock, additional_headers=headers, open_timeout=5) as ws:
                 ws.send("ping one")
                 assert ws.recv(timeout=5) == "ping one"
                 ws.send(b"\x00\x01bytes")

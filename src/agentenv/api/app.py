@@ -57,6 +57,7 @@ def create_app(config: Config) -> ASGIApp:
             await proxy_holder["proxy"].close()
             await manager.close(destroy=True)
             manager.store.close()
+            log.info("node stopped cleanly")
 
     app = FastAPI(title="agentenv node API", version=__version__, lifespan=lifespan)
     app.state.config = config

@@ -6,6 +6,8 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The SDK gates features on the envd version a sandbox reports.
+from ..envd import ENVD_VERSION
 from ..orchestrator import SandboxRecord
 
 
@@ -25,6 +27,10 @@ class NewSandbox(_Body):
 
 class TimeoutRequest(_Body):
     timeout: int
+
+
+class ConnectRequest(_Body):
+    timeout: int | None = None
 
 
 class SandboxCreated(_Body):
@@ -66,7 +72,6 @@ class Health(_Body):
     version: str
 
 
-ENVD_VERSION = "0.4.0"
 
 
 def _ts(epoch: float) -> datetime:

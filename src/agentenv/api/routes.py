@@ -75,12 +75,12 @@ async def get_sandbox(sandbox_id: str, request: Request) -> models.SandboxDetail
              response_model_by_alias=True, response_model_exclude_none=True,
              include_in_schema=False)
 async def connect_sandbox(
-    sandbox_id: str, request: Request, body: models.TimeoutRequest | None = None
+    sandbox_id: str, request: Request, body: models.ConnectRequest | None = None
 ) -> models.SandboxCreated:
     """Connect to a running sandbox; a timeout given extends its TTL."""
     mgr = manager(request)
     record = mgr.get(sandbox_id)
-    if body is not None:
+    if body is not None and body.timeout is not None:
         record = await mgr.set_timeout(sandbox_id, body.timeout)
     return models.created(record, _domain(request))
 

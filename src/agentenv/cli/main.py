@@ -14,6 +14,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def main() -> None:
+    """agentenv: isolated, snapshot-able sandboxes for agents."""
+
+
 @app.command()
 def server(
     host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
@@ -34,6 +39,8 @@ def server(
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Request lines of the node's own envd calls are noise at INFO.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     asgi = create_app(config)
     typer.echo(f"agentenv node on http://{config.host}:{config.port}  "
                f"(API key in {config.secrets_dir / 'api-key'})", err=True)

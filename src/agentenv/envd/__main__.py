@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ensure_importable()
 
+    from .oom import guard_from_env
     from .server import build_app
     from .state import State
 
@@ -48,7 +49,13 @@ def main(argv: list[str] | None = None) -> None:
         # envd is init inside the sandbox: reap every child, route ours their status.
         loop.add_signal_handler(signal.SIGCHLD, registry.reap)
         registry.reap()
-        await server.serve()
+        guard = guard_from_env()
+        guard_task = asyncio.create_task(guard.run()) if guard else None
+        try:
+            await server.serve()
+        finally:
+            if guard_task:
+                guard_task.cancel()
 
     asyncio.run(serve())
 
