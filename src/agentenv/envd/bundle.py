@@ -177,8 +177,13 @@ def _build_into(root: Path) -> dict:
     for d in (py_root / "bin", stdlib, libdir, site):
         d.mkdir(parents=True, exist_ok=True)
 
-    # interpreter
+    # interpreter, and setpriv for starting commands as other users (see spawn.py)
     shutil.copy2(_python_binary(), py_root / "bin" / f"python{PY_VER}")
+    (root / "bin").mkdir()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise RuntimeError("setpriv (util-linux) is needed to build the envd bundle")
+    shutil.copy2(setpriv, root / "bin" / "setpriv")
 
     # stdlib (trimmed) and its extension modules
     for entry in sorted(stdlib_src.iterdir()):
@@ -215,7 +220,8 @@ def _build_into(root: Path) -> dict:
 
     # shared libraries: the full ldd closure of the interpreter and every extension
     libs: dict[str, str] = {}
-    objects = [py_root / "bin" / f"python{PY_VER}", *dynload.glob("*.so"), *site.rglob("*.so")]
+    objects = [py_root / "bin" / f"python{PY_VER}", root / "bin" / "setpriv",
+               *dynload.glob("*.so"), *site.rglob("*.so")]
     for obj in objects:
         found, missing = _ldd(obj)
         if missing:

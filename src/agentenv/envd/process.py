@@ -25,6 +25,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
+from .spawn import as_user
 from .state import PathError, State, User, UserError, resolve_path
 
 if TYPE_CHECKING:
@@ -404,9 +405,16 @@ class ProcessService:
                 proc = Proc(self.registry, popen, cfg, request.tag if request.has_field("tag")
                             else None, {master: "pty"}, None, master)
             else:
+                # Through setpriv when the user changes: a vfork instead of a fork.
+                spawn_argv = argv
+                if creds:
+                    via = as_user(argv, user.uid, user.gid, creds["extra_groups"],
+                                  env.get("PATH", ""))
+                    if via is not None:
+                        spawn_argv, creds = via, {}
                 stdin_src = subprocess.PIPE if use_stdin else _null_stdin()
                 popen = subprocess.Popen(
-                    argv, stdin=stdin_src,
+                    spawn_argv, stdin=stdin_src,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
                     start_new_session=True, **creds)
                 if isinstance(stdin_src, int) and stdin_src >= 0:
