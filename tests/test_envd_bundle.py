@@ -98,8 +98,9 @@ def test_bundle_layout_and_idempotence(bundle):
     assert not (site / "e2b").exists() and not (site / "agentenv" / "api").exists()
     argv, env = envd_command("/.aenv", 49983)
     assert argv[:3] == ["/.aenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.aenv/lib"]
-    assert argv[3:] == ["/.aenv/python/bin/python3.11", "-m", "agentenv.envd", "--port",
+    assert argv[3:] == ["/.aenv/python/bin/python3.11", "-S", "-m", "agentenv.envd", "--port",
                         "49983"]
+    assert (bundle / "bin" / "setpriv").is_file()
     assert env["PYTHONHOME"] == "/.aenv/python" and env["PYTHONPATH"] == "/.aenv/site"
 
 

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="envd %(levelname)s %(message)s")
 
+    marks = [("interpreter", _since_process_start())]
+    # Listen before the heavy imports: the node's health probe connects at once
+    # and is answered the moment the app is up, instead of polling a closed port.
+    listener = _listen(args.host, args.port)
     from .protos import ensure_importable
 
     ensure_importable()
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         server_header=False, date_header=False, timeout_keep_alive=75,
     )
     server = uvicorn.Server(config)
+    marks.append(("imports and app", _since_process_start()))
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -49,15 +54,41 @@ def main(argv: list[str] | None = None) -> None:
         # envd is init inside the sandbox: reap every child, route ours their status.
         loop.add_signal_handler(signal.SIGCHLD, registry.reap)
         registry.reap()
+        print("envd start-up ms: " + ", ".join(f"{k} {v:.0f}" for k, v in marks),
+              file=sys.stderr, flush=True)
         guard = guard_from_env()
         guard_task = asyncio.create_task(guard.run()) if guard else None
         try:
-            await server.serve()
+            await server.serve(sockets=[listener])
         finally:
             if guard_task:
                 guard_task.cancel()
 
     asyncio.run(serve())
+
+
+def _listen(host: str, port: int):
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _since_process_start() -> float:
+    """Milliseconds since this process started (from /proc, so the interpreter counts)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return (uptime - start_ticks / os.sysconf("SC_CLK_TCK")) * 1000
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 if __name__ == "__main__":

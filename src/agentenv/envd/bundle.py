@@ -239,6 +239,8 @@ def _build_into(root: Path) -> dict:
         raise RuntimeError("ldd did not report the dynamic loader")
     for soname, path in sorted(libs.items()):
         shutil.copy2(os.path.realpath(path), libdir / soname)
+    _strip(libdir.glob("*.so*"), root / "bin" / "setpriv", *dynload.glob("*.so"),
+           *site.rglob("*.so"))
 
     # byte-compile everything; hash-based pycs stay valid whatever the mtimes
     for tree in (stdlib, site):
@@ -254,6 +256,20 @@ def _build_into(root: Path) -> dict:
         "packages": {d: _dist_version(d) for d in SITE_MODULES.values()},
         "libs": sorted(libs),
     }
+
+
+def _strip(*groups) -> None:
+    """Drop symbols from the bundle's binaries: every byte is read through gVisor's
+    file layer at each sandbox's start (libpython alone shrinks from 23 to 5 MB)."""
+    strip = shutil.which("strip")
+    if strip is None:
+        return
+    files: list[str] = []
+    for group in groups:
+        files += [str(p) for p in ([group] if isinstance(group, Path) else group)]
+    if files:
+        subprocess.run([strip, "--strip-unneeded", *files], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def build_bundle(dest_root: Path) -> Path:
@@ -300,7 +316,8 @@ def envd_command(mount_point: str = "/.aenv", port: int = 49983
     mp = mount_point.rstrip("/") or "/"
     argv = [
         f"{mp}/lib/{LOADER}", "--library-path", f"{mp}/lib",
-        f"{mp}/python/bin/python{PY_VER}", "-m", "agentenv.envd", "--port", str(port),
+        # -S: no site module; PYTHONPATH names every directory envd imports from.
+        f"{mp}/python/bin/python{PY_VER}", "-S", "-m", "agentenv.envd", "--port", str(port),
     ]
     env = {
         "PYTHONHOME": f"{mp}/python",

@@ -23,20 +23,24 @@ class EnvdClient:
         await self._http.aclose()
 
     async def wait_ready(self, address: str, deadline_s: float = 15.0) -> None:
-        """Poll ``GET /health`` until envd answers; the first polls are tight."""
+        """Poll ``GET /health`` until envd answers.
+
+        envd listens before it finishes starting, so a probe usually connects at
+        once and waits for the answer; retries only cover the moments before that.
+        """
         url = f"http://{address}:{ENVD_PORT}/health"
         end = time.monotonic() + deadline_s
         delay = 0.005
         last: Exception | None = None
         while time.monotonic() < end:
             try:
-                r = await self._http.get(url, timeout=1.0)
+                r = await self._http.get(url, timeout=max(0.1, end - time.monotonic()))
                 if r.status_code < 500:
                     return
             except httpx.HTTPError as exc:
                 last = exc
             await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.1)
+            delay = min(delay * 1.5, 0.02)
         raise EnvdUnavailable(f"envd did not answer within {deadline_s:.0f}s ({last!r})")
 
     async def init(

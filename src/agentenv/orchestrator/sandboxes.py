@@ -181,6 +181,7 @@ class SandboxManager:
     async def _build(self, record: SandboxRecord, rootfs: Path) -> SandboxRecord:
         slot = None
         started = False
+        t0 = time.perf_counter()
         try:
             try:
                 slot = await self.slots.acquire(internet=record.internet)
@@ -202,10 +203,16 @@ class SandboxManager:
                 init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(record.memory_mb)},
             )
             started = True
+            t1 = time.perf_counter()
             await self.runtime.start(spec)
+            t2 = time.perf_counter()
             await self.envd.wait_ready(slot.address)
+            t3 = time.perf_counter()
             await self.envd.init(slot.address, record.envd_token, record.env_vars)
             self._transition(record, SandboxState.RUNNING)
+            log.info("created %s in %.0f ms (slot %.0f, runtime %.0f, envd %.0f, init %.0f)",
+                     record.sandbox_id, (time.perf_counter() - t0) * 1000, (t1 - t0) * 1000,
+                     (t2 - t1) * 1000, (t3 - t2) * 1000, (time.perf_counter() - t3) * 1000)
             return record
         except BaseException as exc:
             log.warning("create %s failed: %s", record.sandbox_id, exc)
@@ -273,6 +280,10 @@ class SandboxManager:
     async def _ttl_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            try:
+                await self.runtime.housekeeping()
+            except Exception:
+                log.exception("runtime housekeeping failed")
             now = time.time()
             for record in list(self._records.values()):
                 if record.state is SandboxState.RUNNING and record.expired(now):

@@ -57,5 +57,8 @@ class Runtime(Protocol):
     async def list(self) -> dict[str, RuntimeSandbox]:
         """Every sandbox this driver's state directory knows, by ID."""
 
+    async def housekeeping(self) -> None:
+        """Periodic upkeep (the orchestrator calls it about once a second)."""
+
     async def reconcile(self, keep: set[str]) -> list[str]:
         """Destroy every sandbox and leftover not in ``keep``; return what was removed."""

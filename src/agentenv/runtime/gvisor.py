@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
@@ -40,6 +43,7 @@ class GVisorRuntime:
         self._version: str | None = None
         for d in (self.state_dir, self.sandboxes_dir):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _become_subreaper()
 
     # -- engine facts ---------------------------------------------------------
 
@@ -131,13 +135,12 @@ class GVisorRuntime:
             await self._runsc_creating(
                 bundle, "run", "--detach", f"--bundle={bundle}", spec.sandbox_id
             )
-            state = await self.state(spec.sandbox_id)
         except BaseException:
             await asyncio.shield(self.destroy(spec.sandbox_id))
             raise
-        if state is None:
-            raise RuntimeFailure(f"sandbox {spec.sandbox_id} exited right after start")
-        return state
+        reap_runsc_orphans()
+        # The pid is read when needed (destroy); a `runsc state` here costs an exec.
+        return RuntimeSandbox(spec.sandbox_id, "running", 0)
 
     async def state(self, sandbox_id: str) -> RuntimeSandbox | None:
         try:
@@ -148,8 +151,32 @@ class GVisorRuntime:
         return RuntimeSandbox(data["id"], data.get("status", "unknown"), int(data.get("pid") or 0))
 
     async def destroy(self, sandbox_id: str) -> None:
+        # Kill and reap the sandbox's processes ourselves: `runsc delete --force`
+        # would wait on the host's init to reap them (over a second here).
+        await asyncio.to_thread(self._kill_processes, sandbox_id)
         await self._runsc("delete", "--force", sandbox_id, check=False)
         await asyncio.to_thread(self._remove_leftovers, sandbox_id)
+        reap_runsc_orphans()
+
+    async def housekeeping(self) -> None:
+        reap_runsc_orphans()
+
+    def _kill_processes(self, sandbox_id: str) -> None:
+        marker = f"{self.sandboxes_dir}/{sandbox_id}/".encode()
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _reap(pids, deadline=time.monotonic() + 5)
 
     def _remove_leftovers(self, sandbox_id: str) -> None:
         shutil.rmtree(self.bundle_dir(sandbox_id), ignore_errors=True)
@@ -192,6 +219,51 @@ class GVisorRuntime:
             if not keep:
                 with contextlib.suppress(OSError):
                     parent.rmdir()
+
+
+def _become_subreaper() -> None:
+    """Orphaned sandbox processes become the node's children, so it reaps them at once."""
+    pr_set_child_subreaper = 36
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+def reap_runsc_orphans() -> None:
+    """Reap exited runsc helpers that were reparented to us (we are a subreaper).
+
+    Only zombies named ``exe`` (runsc re-executes /proc/self/exe) are touched;
+    the node's own direct children are waited for by whoever started them.
+    """
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] == "Z" and int(fields[1]) == me and comm == "exe":
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(entry), os.WNOHANG)
+
+
+def _reap(pids: list[int], deadline: float) -> None:
+    """Wait for these pids to be gone: reaped by us when ours, else by their parent."""
+    waiting = set(pids)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done == pid:
+                    waiting.discard(pid)
+            except ChildProcessError:  # not our child (adopted after a restart)
+                if not os.path.exists(f"/proc/{pid}"):
+                    waiting.discard(pid)
+        if waiting:
+            time.sleep(0.002)
 
 
 def remove_cgroup(path: str) -> None:
