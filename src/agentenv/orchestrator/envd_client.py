@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+import struct
 import time
 
 import httpx
@@ -55,6 +58,69 @@ class EnvdClient:
         r = await self._http.post(f"http://{address}:{ENVD_PORT}/init", json=body)
         if r.status_code >= 300:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}")
+
+
+    # -- processes (Connect protocol, JSON codec, over HTTP/1.1) ---------------------
+
+    def _process_request(self, token: str, user: str, command: str) -> tuple[dict, bytes]:
+        message = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", command]}})
+        body = b"\x00" + struct.pack(">I", len(message)) + message.encode()
+        headers = {
+            "Content-Type": "application/connect+json",
+            "Connect-Protocol-Version": "1",
+            "X-Access-Token": token,
+            "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode(),
+        }
+        return headers, body
+
+    async def run(self, address: str, token: str, command: str, user: str = "root",
+                  deadline_s: float = 60.0) -> int:
+        """Run a shell command to its end; return its exit code."""
+        headers, body = self._process_request(token, user, command)
+        url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
+        async with self._http.stream("POST", url, headers=headers, content=body,
+                                     timeout=deadline_s) as r:
+            if r.status_code != 200:
+                raise EnvdUnavailable(f"envd refused the command: HTTP {r.status_code}")
+            exit_code = None
+            async for frame in _frames(r):
+                end = frame.get("event", {}).get("end")
+                if end is not None:
+                    exit_code = int(end.get("exitCode", 0))
+        if exit_code is None:
+            raise EnvdUnavailable("envd ended the command's stream without an exit code")
+        return exit_code
+
+    async def start(self, address: str, token: str, command: str, user: str = "root") -> int:
+        """Start a shell command in the background; return its pid once it runs."""
+        headers, body = self._process_request(token, user, command)
+        url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
+        async with self._http.stream("POST", url, headers=headers, content=body) as r:
+            if r.status_code != 200:
+                raise EnvdUnavailable(f"envd refused the command: HTTP {r.status_code}")
+            async for frame in _frames(r):
+                start = frame.get("event", {}).get("start")
+                if start is not None:
+                    # Leaving the stream leaves the process running (envd's contract).
+                    return int(start.get("pid", 0))
+        raise EnvdUnavailable("envd did not start the command")
+
+
+async def _frames(response: httpx.Response):
+    """Connect streaming envelopes: 1 flag byte, 4-byte length, JSON message."""
+    buf = b""
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        while len(buf) >= 5:
+            flags, size = buf[0], struct.unpack(">I", buf[1:5])[0]
+            if len(buf) < 5 + size:
+                break
+            message, buf = json.loads(buf[5:5 + size] or b"{}"), buf[5 + size:]
+            if flags & 0x02:  # end of stream: an error, or nothing
+                if message.get("error"):
+                    raise EnvdUnavailable(f"envd: {message['error'].get('message', 'error')}")
+                return
+            yield message
 
 
 def _rfc3339_now() -> str:

@@ -20,7 +20,7 @@ from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
 from ..network import SlotPool, SlotPoolExhausted
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
-from ..templates import TemplateNotFound, TemplateRegistry
+from ..templates import Template, TemplateNotFound, TemplateRegistry
 from .envd_client import ENVD_PORT, EnvdClient, EnvdUnavailable
 from .models import (
     TRANSITIONS,
@@ -173,12 +173,12 @@ class SandboxManager:
         self.store.put(record)
         # The work runs as its own task: a client that hangs up mid-create does
         # not leave a half-built sandbox; the task finishes or cleans up.
-        task = asyncio.create_task(self._build(record, template.rootfs))
+        task = asyncio.create_task(self._build(record, template))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _build(self, record: SandboxRecord, rootfs: Path) -> SandboxRecord:
+    async def _build(self, record: SandboxRecord, template: Template) -> SandboxRecord:
         slot = None
         started = False
         t0 = time.perf_counter()
@@ -192,7 +192,7 @@ class SandboxManager:
             assert self._bundle is not None
             spec = SandboxSpec(
                 sandbox_id=record.sandbox_id,
-                rootfs=rootfs,
+                rootfs=template.rootfs,
                 hostname=f"sbx-{record.sandbox_id[:8]}",
                 cpu_count=record.cpu_count,
                 memory_mb=record.memory_mb,
@@ -209,6 +209,7 @@ class SandboxManager:
             await self.envd.wait_ready(slot.address)
             t3 = time.perf_counter()
             await self.envd.init(slot.address, record.envd_token, record.env_vars)
+            await self._run_start_command(template, slot.address, record.envd_token)
             self._transition(record, SandboxState.RUNNING)
             log.info("created %s in %.0f ms (slot %.0f, runtime %.0f, envd %.0f, init %.0f)",
                      record.sandbox_id, (time.perf_counter() - t0) * 1000, (t1 - t0) * 1000,
@@ -220,6 +221,24 @@ class SandboxManager:
             if isinstance(exc, RuntimeFailure | EnvdUnavailable):
                 raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
             raise
+
+    async def _run_start_command(self, template: Template, address: str, token: str) -> None:
+        if template.start_cmd:
+            await self.envd.start(address, token, template.start_cmd)
+        if not template.ready_cmd:
+            return
+        end = time.monotonic() + template.ready_timeout_s
+        delay = 0.05
+        while True:
+            if await self.envd.run(address, token, template.ready_cmd, deadline_s=10) == 0:
+                return
+            if time.monotonic() > end:
+                raise EnvdUnavailable(
+                    f"template {template.template_id}: ready check did not pass within "
+                    f"{template.ready_timeout_s:.0f}s"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):

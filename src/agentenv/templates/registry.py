@@ -21,6 +21,11 @@ class Template:
     aliases: tuple[str, ...] = field(default_factory=tuple)
     created_at: str = ""
     build_id: str = ""
+    # Run in the background as root when a sandbox starts; the create returns
+    # once ready_cmd exits 0 (both optional).
+    start_cmd: str = ""
+    ready_cmd: str = ""
+    ready_timeout_s: float = 60.0
 
     @property
     def alias(self) -> str:
@@ -69,4 +74,7 @@ class TemplateRegistry:
             aliases=tuple(meta.get("aliases", [])),
             created_at=meta.get("createdAt", ""),
             build_id=meta.get("buildID", ""),
+            start_cmd=meta.get("startCmd", ""),
+            ready_cmd=meta.get("readyCmd", ""),
+            ready_timeout_s=float(meta.get("readyTimeoutSec", 60)),
         )
