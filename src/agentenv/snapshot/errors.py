@@ -1,0 +1,56 @@
+"""Snapshot errors. Every error this package raises is a ``SnapshotError``."""
+
+from __future__ import annotations
+
+import errno
+
+
+class SnapshotError(Exception):
+    """Base class of every snapshot error."""
+
+
+class SnapshotNotFound(SnapshotError, KeyError):
+    """No committed snapshot has this ID or alias."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "snapshot not found"
+
+
+class SnapshotExists(SnapshotError):
+    """A snapshot with this ID is already committed (snapshots are immutable)."""
+
+
+class SnapshotConfigError(SnapshotError, ValueError):
+    """The repository configuration is missing or malformed."""
+
+
+class RepositoryUnavailable(SnapshotError):
+    """The repository cannot be reached or refused the request (network, credentials, bucket)."""
+
+
+class StorageFull(SnapshotError, OSError):
+    """A disk ran out of space (ENOSPC / EDQUOT) while writing snapshot data."""
+
+
+class CorruptSnapshot(SnapshotError):
+    """A chunk is missing or its content does not match its hash."""
+
+
+class ObjectMissing(SnapshotError, KeyError):
+    """Internal: a repository object or chunk does not exist."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "object missing"
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_no_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE
+
+
+def storage_full(where: str, exc: OSError) -> StorageFull:
+    err = StorageFull(f"no space left on device while {where}: {exc.strerror or exc}")
+    err.errno = exc.errno
+    return err
