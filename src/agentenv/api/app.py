@@ -20,6 +20,7 @@ from .errors import install_error_handlers
 from .limits import BodyLimitMiddleware
 from .proxy import SandboxProxy
 from .routes import public, require_api_key, router
+from .signed_files import SignedFileRouter
 
 log = logging.getLogger(__name__)
 API_BODY_LIMIT = 1 << 20  # 1 MiB: far above any sandbox request, far below harm
@@ -70,4 +71,4 @@ def create_app(config: Config) -> ASGIApp:
     proxy = SandboxProxy(limited, manager.endpoint, config.domain)
     proxy_holder["proxy"] = proxy
     manager.on_removed.append(proxy.forget)
-    return proxy
+    return SignedFileRouter(proxy, manager.list, config.domain)

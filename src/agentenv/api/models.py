@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # The SDK gates features on the envd version a sandbox reports.
 from ..envd import ENVD_VERSION
 from ..orchestrator import SandboxRecord
+from ..orchestrator.query import public_state
+from ..templates import Template
 
 
 class _Body(BaseModel):
@@ -23,10 +27,16 @@ class NewSandbox(_Body):
     allow_internet_access: bool | None = None
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    # Egress rules (allowOut / denyOut / ...); only "deny everything" is supported.
+    network: dict[str, Any] | None = None
 
 
 class TimeoutRequest(_Body):
     timeout: int
+
+
+class RefreshRequest(_Body):
+    duration: int | None = None
 
 
 class ConnectRequest(_Body):
@@ -61,8 +71,79 @@ class ListedSandbox(_Body):
 
 class SandboxDetail(ListedSandbox):
     envd_access_token: str | None = Field(default=None, serialization_alias="envdAccessToken")
+    # The SDKs read `allowInternetAccess`; `allow_internet_access` (the create
+    # request's spelling) is kept for clients of the first API version.
+    allow_internet_access_v2: bool | None = Field(default=None,
+                                                  serialization_alias="allowInternetAccess")
     allow_internet_access: bool | None = None
     domain: str | None = None
+
+
+class SandboxMetric(_Body):
+    timestamp: datetime
+    timestamp_unix: int = Field(serialization_alias="timestampUnix")
+    cpu_count: int = Field(serialization_alias="cpuCount")
+    cpu_used_pct: float = Field(serialization_alias="cpuUsedPct")
+    mem_used: int = Field(serialization_alias="memUsed")
+    mem_total: int = Field(serialization_alias="memTotal")
+    mem_cache: int = Field(serialization_alias="memCache")
+    disk_used: int = Field(serialization_alias="diskUsed")
+    disk_total: int = Field(serialization_alias="diskTotal")
+
+
+class SandboxesWithMetrics(_Body):
+    sandboxes: dict[str, SandboxMetric]
+
+
+class TemplateInfo(_Body):
+    """E2B's ``Template`` (what ``GET /templates`` and ``GET /v2/templates`` list)."""
+
+    template_id: str = Field(serialization_alias="templateID")
+    build_id: str = Field(serialization_alias="buildID")
+    cpu_count: int = Field(serialization_alias="cpuCount")
+    memory_mb: int = Field(serialization_alias="memoryMB")
+    disk_size_mb: int = Field(serialization_alias="diskSizeMB")
+    public: bool = True
+    aliases: list[str]
+    names: list[str]
+    created_at: datetime = Field(serialization_alias="createdAt")
+    updated_at: datetime = Field(serialization_alias="updatedAt")
+    created_by: dict | None = Field(default=None, serialization_alias="createdBy")
+    last_spawned_at: datetime | None = Field(default=None, serialization_alias="lastSpawnedAt")
+    spawn_count: int = Field(default=0, serialization_alias="spawnCount")
+    build_count: int = Field(default=1, serialization_alias="buildCount")
+    envd_version: str = Field(serialization_alias="envdVersion")
+    build_status: str = Field(default="ready", serialization_alias="buildStatus")
+    is_default: bool = Field(default=False, serialization_alias="isDefault")
+
+
+class TemplateBuildInfo(_Body):
+    build_id: str = Field(serialization_alias="buildID")
+    status: str = "ready"
+    created_at: datetime = Field(serialization_alias="createdAt")
+    updated_at: datetime = Field(serialization_alias="updatedAt")
+    finished_at: datetime = Field(serialization_alias="finishedAt")
+    cpu_count: int = Field(serialization_alias="cpuCount")
+    memory_mb: int = Field(serialization_alias="memoryMB")
+    disk_size_mb: int = Field(serialization_alias="diskSizeMB")
+    envd_version: str = Field(serialization_alias="envdVersion")
+
+
+class TemplateWithBuilds(_Body):
+    template_id: str = Field(serialization_alias="templateID")
+    public: bool = True
+    aliases: list[str]
+    names: list[str]
+    created_at: datetime = Field(serialization_alias="createdAt")
+    updated_at: datetime = Field(serialization_alias="updatedAt")
+    last_spawned_at: datetime | None = Field(default=None, serialization_alias="lastSpawnedAt")
+    spawn_count: int = Field(default=0, serialization_alias="spawnCount")
+    builds: list[TemplateBuildInfo]
+
+
+class TemplateAlias(_Body):
+    template_id: str = Field(serialization_alias="templateID")
+    public: bool = True
 
 
 class Health(_Body):
@@ -70,8 +151,6 @@ class Health(_Body):
     node_id: str = Field(serialization_alias="nodeID")
     sandboxes: int
     version: str
-
-
 
 
 def _ts(epoch: float) -> datetime:
@@ -93,7 +172,68 @@ def listed(record: SandboxRecord) -> ListedSandbox:
 def detail(record: SandboxRecord, domain: str | None) -> SandboxDetail:
     return SandboxDetail(
         **_common(record), envd_access_token=record.envd_token,
-        allow_internet_access=record.internet, domain=domain,
+        allow_internet_access=record.internet, allow_internet_access_v2=record.internet,
+        domain=domain,
+    )
+
+
+def metric(sample: dict[str, Any]) -> SandboxMetric:
+    """envd's ``/metrics`` sample (snake_case) as the API's ``SandboxMetric``."""
+    ts = int(sample.get("ts") or 0)
+    return SandboxMetric(
+        timestamp=_ts(ts), timestamp_unix=ts,
+        cpu_count=int(sample.get("cpu_count", 0)),
+        cpu_used_pct=float(sample.get("cpu_used_pct", 0.0)),
+        mem_used=int(sample.get("mem_used", 0)), mem_total=int(sample.get("mem_total", 0)),
+        mem_cache=int(sample.get("mem_cache", 0)),
+        disk_used=int(sample.get("disk_used", 0)), disk_total=int(sample.get("disk_total", 0)),
+    )
+
+
+def template_build_id(template: Template) -> str:
+    """The template's build ID; templates built without one get a stable UUID of their ID."""
+    return template.build_id or str(uuid.uuid5(uuid.NAMESPACE_URL,
+                                                f"agentenv:template:{template.template_id}"))
+
+
+def _template_times(template: Template) -> tuple[datetime, datetime]:
+    created = None
+    if template.created_at:
+        try:
+            created = datetime.fromisoformat(template.created_at.replace("Z", "+00:00"))
+        except ValueError:
+            created = None
+    if created is None:
+        try:
+            created = _ts((template.rootfs.parent / "template.json").stat().st_mtime)
+        except OSError:
+            created = _ts(0)
+    return created, created
+
+
+def template_info(template: Template, spawned: int = 0) -> TemplateInfo:
+    created, updated = _template_times(template)
+    names = list(template.aliases) or [template.template_id]
+    return TemplateInfo(
+        template_id=template.template_id, build_id=template_build_id(template),
+        cpu_count=template.cpu_count, memory_mb=template.memory_mb,
+        disk_size_mb=template.disk_size_mb, aliases=list(template.aliases), names=names,
+        created_at=created, updated_at=updated, spawn_count=spawned,
+        envd_version=ENVD_VERSION, is_default=template.template_id == "base",
+    )
+
+
+def template_with_builds(template: Template, spawned: int = 0) -> TemplateWithBuilds:
+    created, updated = _template_times(template)
+    build = TemplateBuildInfo(
+        build_id=template_build_id(template), created_at=created, updated_at=updated,
+        finished_at=updated, cpu_count=template.cpu_count, memory_mb=template.memory_mb,
+        disk_size_mb=template.disk_size_mb, envd_version=ENVD_VERSION,
+    )
+    return TemplateWithBuilds(
+        template_id=template.template_id, aliases=list(template.aliases),
+        names=list(template.aliases) or [template.template_id], created_at=created,
+        updated_at=updated, spawn_count=spawned, builds=[build],
     )
 
 
@@ -104,5 +244,5 @@ def _common(record: SandboxRecord) -> dict:
         "started_at": _ts(record.started_at), "end_at": _ts(record.end_at),
         "cpu_count": record.cpu_count, "memory_mb": record.memory_mb,
         "disk_size_mb": record.disk_size_mb, "metadata": record.metadata,
-        "state": record.state.value, "envd_version": ENVD_VERSION,
+        "state": public_state(record) or "running", "envd_version": ENVD_VERSION,
     }

@@ -1,16 +1,24 @@
-"""The node's REST routes (E2B-shaped)."""
+"""The node's REST routes (E2B-shaped): sandboxes, their metrics, and templates."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Header, Request, Response
+import time
+from typing import Annotated
+
+import httpx
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 
 from .. import __version__
-from ..orchestrator import CreateRequest, SandboxManager
+from ..orchestrator import BadRequest, CreateRequest, NotFound, SandboxManager
+from ..orchestrator import query as q
+from ..orchestrator.envd_client import ENVD_PORT
 from . import models
-from .auth import key_matches
 
 public = APIRouter()
 router = APIRouter()
+
+# Egress "deny everything" as E2B clients spell it in network.denyOut.
+ALL_TRAFFIC = {"0.0.0.0/0", "0.0.0.0/0.0.0.0", "::/0"}
 
 
 def manager(request: Request) -> SandboxManager:
@@ -20,9 +28,9 @@ def manager(request: Request) -> SandboxManager:
 async def require_api_key(
     request: Request, x_api_key: str | None = Header(default=None, alias="X-API-Key")
 ) -> None:
-    if not key_matches(x_api_key, request.app.state.api_key):
-        from fastapi import HTTPException
+    from .auth import key_matches
 
+    if not key_matches(x_api_key, request.app.state.api_key):
         raise HTTPException(status_code=401, detail="missing or invalid X-API-Key header")
 
 
@@ -38,6 +46,24 @@ def _domain(request: Request) -> str | None:
     return request.app.state.config.domain
 
 
+def _internet(body: models.NewSandbox) -> bool:
+    """Egress on or off. Only the all-or-nothing forms of E2B's network rules exist here."""
+    internet = body.allow_internet_access is not False
+    network = body.network or {}
+    allow_out = [str(a) for a in network.get("allowOut") or []]
+    deny_out = [str(d) for d in network.get("denyOut") or []]
+    if allow_out or any(d not in ALL_TRAFFIC for d in deny_out):
+        raise BadRequest(
+            "per-address egress rules (network.allowOut / network.denyOut) are not supported; "
+            "use allow_internet_access, or network.denyOut = ['0.0.0.0/0']"
+        )
+    if deny_out:
+        internet = False
+    return internet
+
+
+# -- sandboxes ----------------------------------------------------------------------
+
 @router.post("/sandboxes", status_code=201, response_model=models.SandboxCreated,
              response_model_by_alias=True, response_model_exclude_none=True)
 @router.post("/v2/sandboxes", status_code=201, response_model=models.SandboxCreated,
@@ -52,21 +78,121 @@ async def create_sandbox(body: models.NewSandbox, request: Request) -> models.Sa
             metadata=body.metadata or {},
             env_vars=body.env_vars or {},
             auto_pause=body.auto_pause,
-            internet=body.allow_internet_access is not False,
+            internet=_internet(body),
         )
     )
     return models.created(record, _domain(request))
 
 
-@router.get("/sandboxes", response_model=list[models.ListedSandbox], response_model_by_alias=True)
-async def list_sandboxes(request: Request) -> list[models.ListedSandbox]:
-    return [models.listed(r) for r in manager(request).list()]
+@router.get("/sandboxes", response_model=list[models.ListedSandbox],
+            response_model_by_alias=True)
+async def list_sandboxes(request: Request, metadata: str | None = None
+                         ) -> list[models.ListedSandbox]:
+    """Every running sandbox (E2B's first listing: no paging), optionally by metadata."""
+    query = q.SandboxQuery(metadata=q.parse_metadata(metadata), states=frozenset({"running"}))
+    return [models.listed(r) for r in q.select(manager(request).list(), query)]
+
+
+@router.get("/v2/sandboxes", response_model=list[models.ListedSandbox],
+            response_model_by_alias=True)
+async def list_sandboxes_v2(
+    request: Request,
+    response: Response,
+    metadata: str | None = None,
+    state: Annotated[list[str] | None, Query()] = None,
+    template: str | None = None,
+    started_after: str | None = Query(default=None, alias="startedAfter"),
+    order: str | None = None,
+    limit: int | None = None,
+    next_token: str | None = Query(default=None, alias="nextToken"),
+) -> list[models.ListedSandbox]:
+    """A page of sandboxes; ``x-next-token`` names the next page when there is one."""
+    if order not in (None, "", "asc", "desc"):
+        raise BadRequest(f"invalid order {order!r}: expected 'asc' or 'desc'")
+    query = q.SandboxQuery(
+        metadata=q.parse_metadata(metadata),
+        states=q.parse_states(state or []),
+        template=template or None,
+        started_after=_parse_time(started_after),
+        descending=order == "desc",
+    )
+    result = q.page(manager(request).list(), query, limit=limit, next_token=next_token)
+    if result.next_token:
+        response.headers["x-next-token"] = result.next_token
+    return [models.listed(r) for r in result.items]
+
+
+def _parse_time(raw: str | None) -> float | None:
+    if not raw:
+        return None
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise BadRequest(f"invalid startedAfter {raw!r}: expected an RFC 3339 time") from None
+
+
+@router.get("/sandboxes/metrics", response_model=models.SandboxesWithMetrics,
+            response_model_by_alias=True)
+async def sandboxes_metrics(request: Request, sandbox_ids: str = ""
+                            ) -> models.SandboxesWithMetrics:
+    """The latest metrics of each named running sandbox (unknown IDs are left out)."""
+    ids = [s for s in dict.fromkeys(x.strip() for x in sandbox_ids.split(",")) if s]
+    if not ids:
+        raise BadRequest("sandbox_ids must name at least one sandbox")
+    if len(ids) > 100:
+        raise BadRequest("sandbox_ids names more than 100 sandboxes")
+    out: dict[str, models.SandboxMetric] = {}
+    for sid in ids:
+        try:
+            out[sid] = await _sample(request, sid)
+        except NotFound:
+            continue
+    return models.SandboxesWithMetrics(sandboxes=out)
 
 
 @router.get("/sandboxes/{sandbox_id}", response_model=models.SandboxDetail,
             response_model_by_alias=True)
 async def get_sandbox(sandbox_id: str, request: Request) -> models.SandboxDetail:
     return models.detail(manager(request).get(sandbox_id), _domain(request))
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics", response_model=list[models.SandboxMetric],
+            response_model_by_alias=True)
+async def sandbox_metrics(sandbox_id: str, request: Request, start: int | None = None,
+                          end: int | None = None) -> list[models.SandboxMetric]:
+    """The sandbox's current sample (the node keeps no history), if it falls in [start, end]."""
+    if start is not None and end is not None and start > end:
+        raise BadRequest("start must not be after end")
+    sample = await _sample(request, sandbox_id)
+    if (start is not None and sample.timestamp_unix < start) or (
+            end is not None and sample.timestamp_unix > end):
+        return []
+    return [sample]
+
+
+async def _sample(request: Request, sandbox_id: str) -> models.SandboxMetric:
+    mgr = manager(request)
+    record = mgr.get(sandbox_id)
+    address, port = mgr.endpoint(sandbox_id, ENVD_PORT)
+    # A client per call: slot addresses are reused by later sandboxes, so no pooling.
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+        try:
+            r = await http.get(f"http://{address}:{port}/metrics",
+                               headers={"X-Access-Token": record.envd_token})
+        except httpx.HTTPError as exc:
+            raise _Unavailable(f"sandbox '{sandbox_id}' did not report metrics: {exc}") from exc
+    if r.status_code != 200:
+        raise _Unavailable(f"sandbox '{sandbox_id}' did not report metrics: HTTP {r.status_code}")
+    sample = r.json()
+    sample.setdefault("ts", int(time.time()))
+    return models.metric(sample)
+
+
+class _Unavailable(HTTPException):
+    def __init__(self, message: str) -> None:
+        super().__init__(502, message)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect", response_model=models.SandboxCreated,
@@ -77,10 +203,10 @@ async def get_sandbox(sandbox_id: str, request: Request) -> models.SandboxDetail
 async def connect_sandbox(
     sandbox_id: str, request: Request, body: models.ConnectRequest | None = None
 ) -> models.SandboxCreated:
-    """Connect to a running sandbox; a timeout given extends its TTL."""
+    """Connect to a running sandbox (200). A timeout given only ever extends its TTL."""
     mgr = manager(request)
     record = mgr.get(sandbox_id)
-    if body is not None and body.timeout is not None:
+    if body is not None and body.timeout is not None and time.time() + body.timeout > record.end_at:
         record = await mgr.set_timeout(sandbox_id, body.timeout)
     return models.created(record, _domain(request))
 
@@ -95,3 +221,20 @@ async def kill_sandbox(sandbox_id: str, request: Request) -> Response:
 async def set_timeout(sandbox_id: str, body: models.TimeoutRequest, request: Request) -> Response:
     await manager(request).set_timeout(sandbox_id, body.timeout)
     return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(sandbox_id: str, request: Request,
+                  body: models.RefreshRequest | None = None) -> Response:
+    """E2B's keep-alive: the sandbox lives ``duration`` more seconds (default the node's)."""
+    mgr = manager(request)
+    duration = body.duration if body is not None else None
+    if duration is not None and not 0 <= duration <= 3600:
+        raise BadRequest("duration must be between 0 and 3600 seconds")
+    await mgr.set_timeout(sandbox_id, duration)
+    return Response(status_code=204)
+
+
+from . import template_routes  # noqa: E402  (its routes go after the sandbox routes)
+
+router.include_router(template_routes.router)

@@ -1,0 +1,122 @@
+"""Filtering and cursor pagination over a node's sandbox records.
+
+A page is a slice of the records sorted by (start time, sandbox ID); the cursor
+names the last record handed out, so sandboxes created or removed between two
+pages neither repeat nor shift the next page.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .models import BadRequest, SandboxRecord, SandboxState
+
+MAX_PAGE = 100
+
+# The states a listing can name, as the E2B API spells them.
+LISTED_STATES = ("running", "paused")
+
+
+def public_state(record: SandboxRecord) -> str | None:
+    """The state a client sees, or None for a record it should not see yet (or any more)."""
+    if record.state is SandboxState.RUNNING:
+        return "running"
+    value = str(record.state.value)
+    if value == "paused":
+        return "paused"
+    return None  # creating, killed, or a transitional state
+
+
+@dataclass
+class SandboxQuery:
+    metadata: dict[str, str] = field(default_factory=dict)
+    states: frozenset[str] = frozenset(LISTED_STATES)
+    template: str | None = None
+    started_after: float | None = None
+    descending: bool = False
+
+    def matches(self, record: SandboxRecord) -> bool:
+        if public_state(record) not in self.states:
+            return False
+        if self.template and self.template not in (record.template_id, record.alias):
+            return False
+        if self.started_after is not None and record.started_at <= self.started_after:
+            return False
+        return all(record.metadata.get(k) == v for k, v in self.metadata.items())
+
+
+@dataclass
+class Page:
+    items: list[SandboxRecord]
+    next_token: str | None
+
+
+def parse_states(values: Iterable[str]) -> frozenset[str]:
+    """``state`` as the SDKs send it: comma-separated, possibly repeated."""
+    states = {s.strip() for v in values for s in v.split(",") if s.strip()}
+    unknown = states - set(LISTED_STATES)
+    if unknown:
+        raise BadRequest(
+            f"invalid state {sorted(unknown)[0]!r}: expected one of {', '.join(LISTED_STATES)}"
+        )
+    return frozenset(states) if states else frozenset(LISTED_STATES)
+
+
+def parse_metadata(raw: str | None) -> dict[str, str]:
+    """``metadata`` is itself a query string (``k1=v1&k2=v2``, each part URL-encoded)."""
+    from urllib.parse import parse_qsl
+
+    if not raw:
+        return {}
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        raise BadRequest(f"invalid metadata query {raw!r}: expected key=value pairs") from None
+    return dict(pairs)
+
+
+def _sort_key(record: SandboxRecord) -> tuple[float, str]:
+    return (record.started_at, record.sandbox_id)
+
+
+def encode_token(record: SandboxRecord) -> str:
+    raw = json.dumps([record.started_at, record.sandbox_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_token(token: str) -> tuple[float, str]:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        started_at, sandbox_id = json.loads(raw)
+        return float(started_at), str(sandbox_id)
+    except (ValueError, TypeError, binascii.Error):
+        raise BadRequest("invalid nextToken") from None
+
+
+def select(records: Iterable[SandboxRecord], query: SandboxQuery) -> list[SandboxRecord]:
+    """Every record the query matches, in its order."""
+    return sorted((r for r in records if query.matches(r)), key=_sort_key,
+                  reverse=query.descending)
+
+
+def page(records: Iterable[SandboxRecord], query: SandboxQuery, limit: int | None = None,
+         next_token: str | None = None) -> Page:
+    if limit is None:
+        limit = MAX_PAGE
+    if not 1 <= limit <= MAX_PAGE:
+        raise BadRequest(f"limit must be between 1 and {MAX_PAGE}")
+    chosen = select(records, query)
+    if next_token:
+        cursor = decode_token(next_token)
+        if query.descending:
+            chosen = [r for r in chosen if _sort_key(r) < cursor]
+        else:
+            chosen = [r for r in chosen if _sort_key(r) > cursor]
+    items = chosen[:limit]
+    more = len(chosen) > limit
+    return Page(items, encode_token(items[-1]) if more and items else None)
+
