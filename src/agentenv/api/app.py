@@ -20,6 +20,7 @@ from .errors import install_error_handlers
 from .limits import BodyLimitMiddleware
 from .proxy import SandboxProxy
 from .routes import public, require_api_key, router
+from .routes_lifecycle import router as lifecycle_router
 from .signed_files import SignedFileRouter
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ def create_app(config: Config) -> ASGIApp:
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(router, dependencies=[Depends(require_api_key)])
+    app.include_router(lifecycle_router, dependencies=[Depends(require_api_key)])
     limited = BodyLimitMiddleware(app, API_BODY_LIMIT)
     proxy = SandboxProxy(limited, manager.endpoint, config.domain)
     proxy_holder["proxy"] = proxy

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="envd %(levelname)s %(message)s")
 
+    import faulthandler
+
+    # `kill -USR1 1` inside a sandbox writes envd's Python stacks to its console log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     marks = [("interpreter", _since_process_start())]
     # Listen before the heavy imports: the node's health probe connects at once
     # and is answered the moment the app is up, instead of polling a closed port.
@@ -64,7 +68,14 @@ def main(argv: list[str] | None = None) -> None:
             if guard_task:
                 guard_task.cancel()
 
-    asyncio.run(serve())
+    import selectors
+
+    # poll(2), not epoll: an epoll set restored from a gVisor checkpoint can spin
+    # without delivering events, leaving a restored envd deaf; poll has no kernel
+    # state to restore.
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(
+            selectors.PollSelector())) as runner:
+        runner.run(serve())
 
 
 def _listen(host: str, port: int):

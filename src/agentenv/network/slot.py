@@ -30,6 +30,11 @@ from .rules import (
 )
 
 IFNAMSIZ = 15  # usable characters of an interface name
+# Like the inside addresses, the inside link-layer addresses are the same in
+# every slot: a restored sandbox keeps its own MAC and its neighbour cache (the
+# gateway's MAC) from the checkpoint, so both must hold in whatever slot it lands.
+SANDBOX_MAC = "02:ae:a9:fe:00:15"
+GATEWAY_MAC = "02:ae:a9:fe:00:16"
 # Policy routing in the router netns carries the internet switch: packets from
 # the sandbox to the host (replies to connections the host opened) are routed
 # normally; with internet off, everything else arriving on dn0 is blackholed.
@@ -167,8 +172,9 @@ def _make_sandbox_side(slot: Slot, ipr_router: IPRoute) -> None:
             ipr_router.link(
                 "add",
                 ifname=ROUTER_DOWN_IF,
+                address=GATEWAY_MAC,
                 kind="veth",
-                peer={"ifname": SANDBOX_IF, "net_ns_fd": fd},
+                peer={"ifname": SANDBOX_IF, "net_ns_fd": fd, "address": SANDBOX_MAC},
             )
         finally:
             os.close(fd)

@@ -47,15 +47,19 @@ class EnvdClient:
         raise EnvdUnavailable(f"envd did not answer within {deadline_s:.0f}s ({last!r})")
 
     async def init(
-        self, address: str, access_token: str, env_vars: dict[str, str], default_user: str = "user"
+        self, address: str, access_token: str, env_vars: dict[str, str],
+        default_user: str = "user", current_token: str | None = None,
     ) -> None:
+        """Set env vars and the access token; ``current_token`` authorizes a rotation
+        (a fork's child gets a token of its own)."""
         body = {
             "envVars": env_vars,
             "accessToken": access_token,
             "defaultUser": default_user,
             "timestamp": _rfc3339_now(),
         }
-        r = await self._http.post(f"http://{address}:{ENVD_PORT}/init", json=body)
+        headers = {"X-Access-Token": current_token} if current_token else {}
+        r = await self._http.post(f"http://{address}:{ENVD_PORT}/init", json=body, headers=headers)
         if r.status_code >= 300:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}")
 

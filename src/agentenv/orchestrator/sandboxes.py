@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 BUNDLE_MOUNT = "/.aenv"
 MAX_METADATA_ENTRIES = 64
 MAX_ENV_ENTRIES = 256
+MAX_FORK = 16
 
 
 @dataclass
@@ -189,19 +191,7 @@ class SandboxManager:
                 raise CapacityExceeded(f"no network slot free: {exc}") from exc
             record.slot_index, record.slot_address = slot.index, slot.address
             self.store.put(record)
-            assert self._bundle is not None
-            spec = SandboxSpec(
-                sandbox_id=record.sandbox_id,
-                rootfs=template.rootfs,
-                hostname=f"sbx-{record.sandbox_id[:8]}",
-                cpu_count=record.cpu_count,
-                memory_mb=record.memory_mb,
-                netns_path=slot.netns_path,
-                runtime_bundle=self._bundle,
-                bundle_mount=BUNDLE_MOUNT,
-                init_args=self._init_argv,
-                init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(record.memory_mb)},
-            )
+            spec = self._spec(record, template, slot.netns_path, record.sandbox_id)
             started = True
             t1 = time.perf_counter()
             await self.runtime.start(spec)
@@ -239,6 +229,114 @@ class SandboxManager:
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+    async def fork(self, sandbox_id: str, count: int, ttl: int | None = None
+                   ) -> list[SandboxRecord | OrchestratorError]:
+        """Branch a running sandbox into ``count`` children that continue its exact state.
+
+        The source is stopped only while its state is captured, then keeps its ID,
+        state and TTL; each child is restored into a slot of its own. One result
+        per child: its record, or the error that stopped it.
+        """
+        if not 1 <= count <= MAX_FORK:
+            raise BadRequest(f"count must be between 1 and {MAX_FORK}")
+        seconds = self._check_timeout(ttl)
+        image = self.config.run_dir / "images" / f"fork-{new_sandbox_id()}"
+        try:
+            async with self._lock(sandbox_id):
+                source = self.get(sandbox_id)
+                if source.state is not SandboxState.RUNNING:
+                    raise Conflict(f"sandbox '{sandbox_id}' is {source.state}; only a running "
+                                   "sandbox can be forked")
+                t0 = time.perf_counter()
+                await self.runtime.checkpoint(sandbox_id, image, leave_running=True)
+                paused_ms = (time.perf_counter() - t0) * 1000
+            log.info("fork of %s: source stopped %.0f ms for the capture", sandbox_id, paused_ms)
+            results = await asyncio.gather(
+                *(self._restore_child(source, image, seconds) for _ in range(count)),
+                return_exceptions=True,
+            )
+        finally:
+            await asyncio.to_thread(shutil.rmtree, image, True)
+        out: list[SandboxRecord | OrchestratorError] = []
+        for result in results:
+            if isinstance(result, OrchestratorError | SandboxRecord):
+                out.append(result)
+            elif isinstance(result, BaseException):
+                out.append(OrchestratorError(f"child failed to start: {result}"))
+        return out
+
+    async def _restore_child(self, source: SandboxRecord, image: Path, ttl: int) -> SandboxRecord:
+        if len(self.list()) >= self.config.max_sandboxes:
+            raise CapacityExceeded(
+                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
+            )
+        now = time.time()
+        record = SandboxRecord(
+            sandbox_id=new_sandbox_id(), template_id=source.template_id, alias=source.alias,
+            state=SandboxState.CREATING, node_id=self.config.node_id,
+            cpu_count=source.cpu_count, memory_mb=source.memory_mb,
+            disk_size_mb=source.disk_size_mb, started_at=now, end_at=now + ttl,
+            auto_pause=source.auto_pause, internet=source.internet,
+            metadata=dict(source.metadata), env_vars=dict(source.env_vars),
+            envd_token=secrets.token_urlsafe(32),
+        )
+        self._records[record.sandbox_id] = record
+        self.store.put(record)
+        task = asyncio.create_task(
+            self._restore(record, image, source_token=source.envd_token,
+                          hostname_of=source.sandbox_id)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _restore(self, record: SandboxRecord, image: Path, source_token: str,
+                       hostname_of: str) -> SandboxRecord:
+        """Bring ``record`` up from a checkpoint image in a fresh slot."""
+        slot = None
+        started = False
+        try:
+            try:
+                template = self.templates.get(record.template_id)
+            except TemplateNotFound as exc:
+                raise NotFound(f"template of the snapshot is gone: {exc}") from exc
+            try:
+                slot = await self.slots.acquire(internet=record.internet)
+            except SlotPoolExhausted as exc:
+                raise CapacityExceeded(f"no network slot free: {exc}") from exc
+            record.slot_index, record.slot_address = slot.index, slot.address
+            self.store.put(record)
+            spec = self._spec(record, template, slot.netns_path, hostname_of)
+            started = True
+            await self.runtime.restore(spec, image)
+            await self.envd.wait_ready(slot.address)
+            await self.envd.init(slot.address, record.envd_token, record.env_vars,
+                                 current_token=source_token)
+            self._transition(record, SandboxState.RUNNING)
+            return record
+        except BaseException as exc:
+            log.warning("restore of %s failed: %s", record.sandbox_id, exc)
+            await asyncio.shield(self._teardown(record, slot, started))
+            if isinstance(exc, RuntimeFailure | EnvdUnavailable):
+                raise OrchestratorError(f"sandbox failed to restore: {exc}") from exc
+            raise
+
+    def _spec(self, record: SandboxRecord, template: Template, netns_path: str,
+              hostname_of: str) -> SandboxSpec:
+        assert self._bundle is not None
+        return SandboxSpec(
+            sandbox_id=record.sandbox_id,
+            rootfs=template.rootfs,
+            hostname=f"sbx-{hostname_of[:8]}",
+            cpu_count=record.cpu_count,
+            memory_mb=record.memory_mb,
+            netns_path=netns_path,
+            runtime_bundle=self._bundle,
+            bundle_mount=BUNDLE_MOUNT,
+            init_args=self._init_argv,
+            init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(record.memory_mb)},
+        )
 
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):

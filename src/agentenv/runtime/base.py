@@ -50,6 +50,12 @@ class Runtime(Protocol):
     async def destroy(self, sandbox_id: str) -> None:
         """Stop the sandbox and release everything the engine holds for it. Idempotent."""
 
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
+        """Save the sandbox's full state into ``image_dir``."""
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> RuntimeSandbox:
+        """Start a sandbox from the state in ``image_dir``."""
+
     async def pause(self, sandbox_id: str) -> None: ...
 
     async def resume(self, sandbox_id: str) -> None: ...

@@ -142,6 +142,36 @@ class GVisorRuntime:
         # The pid is read when needed (destroy); a `runsc state` here costs an exec.
         return RuntimeSandbox(spec.sandbox_id, "running", 0)
 
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
+        """Save the sandbox's whole state (memory, processes, in-memory root layer).
+
+        Without ``leave_running`` the sandbox is gone afterwards (its resources are
+        then released by destroy). Connected TCP endpoints are dropped, not saved.
+        """
+        image_dir.mkdir(parents=True, exist_ok=True)
+        args = ["checkpoint", f"--image-path={image_dir}", "--compression=none"]
+        if leave_running:
+            args.append("--leave-running")
+        await self._runsc(*args, sandbox_id, limit=300)
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> RuntimeSandbox:
+        """Start a sandbox from a checkpoint; the spec must match the checkpointed one
+        but for its ID, hostname-free fields and network namespace (a new slot)."""
+        bundle = self.bundle_dir(spec.sandbox_id)
+        bundle.mkdir(parents=True, exist_ok=True, mode=0o700)
+        config = build_spec(spec, self._cgroups_path(spec.sandbox_id))
+        (bundle / "config.json").write_text(json.dumps(config))
+        try:
+            await self._runsc_creating(
+                bundle, "restore", "--detach", f"--image-path={image_dir}",
+                f"--bundle={bundle}", spec.sandbox_id,
+            )
+        except BaseException:
+            await asyncio.shield(self.destroy(spec.sandbox_id))
+            raise
+        reap_runsc_orphans()
+        return RuntimeSandbox(spec.sandbox_id, "running", 0)
+
     async def state(self, sandbox_id: str) -> RuntimeSandbox | None:
         try:
             out = await self._runsc("state", sandbox_id)
