@@ -1,0 +1,127 @@
+"""Fork: children continue the source's exact state, then diverge; the source carries on."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from agentenv.testing import Node
+
+MEMORY_SERVER = """
+import http.server, json
+state = {"n": 0}
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/inc":
+            state["n"] += 1
+        body = json.dumps(state).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+COUNTER = (
+    "python3 -c 'import itertools, time\n"
+    "for i in itertools.count():\n"
+    "    open(\"/tmp/count\", \"w\").write(str(i)); time.sleep(0.05)'"
+)
+
+
+def memory(node: Node, sid: str, path: str = "/get") -> int:
+    r = httpx.get(node.url + path, headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8000"},
+                  timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["n"]
+
+
+def count(sbx: Sandbox) -> int:
+    return int(sbx.commands.run("cat /tmp/count").stdout or 0)
+
+
+def counting(sbx: Sandbox) -> bool:
+    """The counter loop advances (allowing for a loaded machine)."""
+    first = count(sbx)
+    for _ in range(50):
+        time.sleep(0.1)
+        if count(sbx) > first:
+            return True
+    return False
+
+
+@pytest.fixture
+def source(node: Node, api: httpx.Client):
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+    sbx = Sandbox.connect(sid)
+    sbx.files.write("/home/user/mem.py", MEMORY_SERVER)
+    sbx.commands.run("python3 /home/user/mem.py", background=True)
+    sbx.commands.run(COUNTER, background=True)
+    sbx.files.write("/home/user/origin.txt", "from the source")
+    for _ in range(100):
+        try:
+            memory(node, sid)
+            break
+        except (AssertionError, httpx.HTTPError):
+            time.sleep(0.1)
+    yield sbx
+    api.delete(f"/sandboxes/{sid}")
+
+
+def test_sixteen_children_continue_then_diverge(node: Node, api: httpx.Client, source) -> None:
+    sid = source.sandbox_id
+    for _ in range(5):
+        memory(node, sid, "/inc")
+    end_before = api.get(f"/sandboxes/{sid}").json()["endAt"]
+
+    r = api.post(f"/sandboxes/{sid}/fork", json={"count": 16, "timeout": 300})
+    assert r.status_code == 201, r.text
+    results = r.json()
+    assert len(results) == 16
+    errors = [x["error"] for x in results if "error" in x]
+    assert errors == []
+    children = [x["sandbox"]["sandboxID"] for x in results]
+    assert len(set(children)) == 16 and sid not in children
+    tokens = {x["sandbox"]["envdAccessToken"] for x in results}
+    assert len(tokens) == 16  # each child has its own envd token
+    try:
+        for i, child in enumerate(children):
+            sbx = Sandbox.connect(child)
+            # Memory: the Python server's state continues from the fork point...
+            assert memory(node, child) == 5
+            # ...and diverges per child (each reached through its own slot).
+            for _ in range(i + 1):
+                memory(node, child, "/inc")
+            assert memory(node, child) == 5 + i + 1
+            # Processes: the counter loop keeps counting.
+            assert counting(sbx)
+            # Files: inherited, then private.
+            assert sbx.files.read("/home/user/origin.txt") == "from the source"
+            sbx.files.write("/home/user/child.txt", f"child {i}")
+        for i, child in enumerate(children):
+            assert memory(node, child) == 5 + i + 1
+            assert Sandbox.connect(child).files.read("/home/user/child.txt") == f"child {i}"
+        # The source is untouched: same state, TTL, memory; none of the children's files.
+        assert memory(node, sid) == 5
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        assert api.get(f"/sandboxes/{sid}").json()["endAt"] == end_before
+        assert not source.files.exists("/home/user/child.txt")
+        assert counting(source)
+    finally:
+        for child in children:
+            api.delete(f"/sandboxes/{child}")
+
+
+@pytest.mark.parametrize("n", [0, 17, -1])
+def test_fork_count_out_of_range_is_400(api: httpx.Client, source, n: int) -> None:
+    r = api.post(f"/sandboxes/{source.sandbox_id}/fork", json={"count": n})
+    assert r.status_code == 400 and "count" in r.json()["message"]
+
+
+def test_fork_of_unknown_sandbox_is_404(api: httpx.Client) -> None:
+    r = api.post("/sandboxes/nosuchsandbox/fork", json={"count": 1})
+    assert r.status_code == 404
