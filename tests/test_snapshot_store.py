@@ -70,8 +70,8 @@ class S3Server:
                 "secret_access_key": "test", "connect_timeout": 1, "max_attempts": 2, **extra}
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
+@pytest.fixture(scope="session", name="s3_server")
+def fixture_s3_server() -> Iterator[S3Server]:
     server = S3Server()
     server.start()
     yield server
@@ -85,13 +85,13 @@ def repo_config(backend: str, tmp_path: Path, s3: S3Server | None) -> dict:
     return s3.config()
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request) -> str:
+@pytest.fixture(params=BACKENDS, name="backend")
+def fixture_backend(request) -> str:
     return request.param
 
 
-@pytest.fixture
-def config(backend: str, tmp_path: Path, request) -> dict:
+@pytest.fixture(name="config")
+def fixture_config(backend: str, tmp_path: Path, request) -> dict:
     s3 = request.getfixturevalue("s3_server") if backend == "oss" else None
     return repo_config(backend, tmp_path, s3)
 
@@ -101,8 +101,8 @@ def make_store(config: dict, home: Path, **kwargs) -> SnapshotStore:
                          home / "snapshots-staging", **kwargs)
 
 
-@pytest.fixture
-def store(config: dict, tmp_path: Path) -> Iterator[SnapshotStore]:
+@pytest.fixture(name="store")
+def fixture_store(config: dict, tmp_path: Path) -> Iterator[SnapshotStore]:
     s = make_store(config, tmp_path / "node")
     yield s
     s.repo.close()

@@ -1,0 +1,139 @@
+"""kill -9 of a process in the middle of a commit: the repository keeps the old
+state or the new one, never half; the garbage a crash leaves is collected once
+its lease has expired; the same staging commits fine afterwards. Both backends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zstandard
+
+from agentenv.snapshot import SnapshotNotFound, chunking
+from test_snapshot_store import (  # noqa: F401  (fixtures)
+    MiB,
+    chunk_count,
+    fixture_backend,
+    fixture_config,
+    fixture_s3_server,
+    make_store,
+    read_tree,
+    stage,
+)
+
+LEASE_TTL = 3.0
+
+CHILD = """
+import json, sys
+from pathlib import Path
+from agentenv.snapshot import SnapshotStore, open_repository
+cfg, home, sid, staging, ttl = sys.argv[1:6]
+store = SnapshotStore(open_repository(json.loads(cfg)), Path(home) / "cache",
+                      Path(home) / "staging", threads=2, lease_ttl=float(ttl))
+print("ready", flush=True)
+store.commit(sid, Path(staging), {"source_sandbox_id": "crashy"})
+print("done", flush=True)
+"""
+
+
+def _commit_and_kill(config: dict, home: Path, sid: str, staging: Path, store,
+                     kill_after_new_chunks: int) -> str:
+    """Run a commit in a child process; kill -9 it once it stored N new chunks."""
+    before = chunk_count(store)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(config), str(home), sid, str(staging),
+         str(LEASE_TTL)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            if chunk_count(store) - before >= kill_after_new_chunks:
+                break
+            time.sleep(0.005 if config["backend"] == "posix_fs" else 0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(10)
+    return "killed" if child.returncode == -signal.SIGKILL else f"exited {child.returncode}"
+
+
+def test_kill_9_mid_commit_leaves_old_or_new_state(config: dict, tmp_path: Path) -> None:
+    home = tmp_path / "node"
+    store = make_store(config, home, lease_ttl=LEASE_TTL)
+    old = {"pages.img": os.urandom(4 * MiB), "checkpoint.img": os.urandom(100_000)}
+    store.commit("old", stage(store, "old", old), {"source_sandbox_id": "crashy"})
+    old_chunks = {d for d, _ in store.repo.list_chunks()}
+
+    new = {"pages.img": os.urandom(12 * MiB), "checkpoint.img": os.urandom(200_000)}
+    staging = stage(store, "new", new)
+    mid_commit = 0
+    for n in (1, 60):
+        t0 = time.monotonic()
+        how = _commit_and_kill(config, home, "new", staging, store, n)
+        print(f"kill after {n} chunks: {how} in {time.monotonic() - t0:.2f}s")
+        if n == 1:
+            # The dead commit's lease protects its chunks until it expires.
+            early = store.gc(wait=0)
+            assert early["skipped"] and early["deleted_chunks"] == 0
+        try:
+            store.get("new")
+            committed = True
+        except SnapshotNotFound:
+            committed = False
+        if not committed:
+            # Old state: the snapshot does not exist anywhere, the staging is intact.
+            assert "new" not in [m.snapshot_id for m in store.list()]
+            assert read_tree(staging) == new
+            mid_commit += how == "killed" and chunk_count(store) > len(old_chunks)
+        else:
+            # New state: complete and byte-identical.
+            store.evict("new")
+            assert read_tree(store.materialize("new")) == new
+            break
+        # The old snapshot is untouched either way.
+        store.evict("old")
+        assert read_tree(store.materialize("old")) == old
+    assert mid_commit >= 1, "no kill landed between the first chunk and the manifest"
+
+    # Once the lease has expired the collector removes exactly the unreferenced chunks.
+    assert chunk_count(store) > len(old_chunks)
+    time.sleep(LEASE_TTL + 0.2)
+    stats = store.gc(wait=0)
+    assert stats["skipped"] is None, stats
+    assert stats["expired_leases"] >= 1
+    assert {d for d, _ in store.repo.list_chunks()} == old_chunks
+    assert store.repo.list_objects("leases/") == []
+
+    # Retrying the same staging commits cleanly.
+    manifest = store.commit("new", staging, {"source_sandbox_id": "crashy"})
+    assert manifest.total_bytes == sum(len(v) for v in new.values())
+    store.evict("new")
+    assert read_tree(store.materialize("new")) == new
+    store.evict("old")
+    assert read_tree(store.materialize("old")) == old
+
+
+def test_posix_crash_leaves_no_partial_files(tmp_path: Path) -> None:
+    """A posix_fs writer killed mid-write leaves temp files only, which gc removes."""
+    home = tmp_path / "node"
+    config = {"backend": "posix_fs", "path": str(tmp_path / "repo")}
+    store = make_store(config, home, lease_ttl=LEASE_TTL)
+    staging = stage(store, "t", {"pages.img": os.urandom(16 * MiB)})
+    _commit_and_kill(config, home, "t", staging, store, 10)
+    root = Path(config["path"])
+    for path in (root / "chunks").rglob("*"):
+        if path.is_file():
+            # Every chunk visible under its name is complete: it decompresses and verifies.
+            blob = store.repo.get_chunk(path.name)
+            data = zstandard.ZstdDecompressor().decompress(blob)
+            assert chunking.digest(data) == path.name
+    time.sleep(LEASE_TTL + 0.2)  # the dead writer's lease expires
+    stats = store.gc(wait=0)
+    assert stats["skipped"] is None
+    assert list((root / "tmp").iterdir()) == []
+    assert chunk_count(store) == 0
