@@ -42,6 +42,17 @@ class Config:
     net_pool_cidr: str = "10.11.0.0/16"
     net_pool_low: int = 4
     net_pool_high: int = 8
+    # Snapshot repository: posix_fs (a directory, maybe a shared mount) or oss
+    # (S3-compatible; bucket and region required; credentials from 0600 files,
+    # else boto3's default chain).
+    snapshot_backend: str = "posix_fs"
+    snapshot_path: Path | None = None
+    snapshot_endpoint_url: str = ""
+    snapshot_bucket: str = ""
+    snapshot_prefix: str = ""
+    snapshot_region: str = ""
+    snapshot_access_key_id_file: Path | None = None
+    snapshot_secret_access_key_file: Path | None = None
     log_level: str = "info"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -60,6 +71,22 @@ class Config:
     @property
     def templates_dir(self) -> Path:
         return (self.images_dir or self.home / "images") / "templates"
+
+    def snapshot_repository(self) -> dict[str, Any]:
+        """The repository settings in the form ``agentenv.snapshot.open_repository`` takes."""
+        if self.snapshot_backend == "posix_fs":
+            return {"backend": "posix_fs",
+                    "path": str(self.snapshot_path or self.home / "snapshots")}
+        repo: dict[str, Any] = {
+            "backend": self.snapshot_backend, "endpoint_url": self.snapshot_endpoint_url or None,
+            "bucket": self.snapshot_bucket, "prefix": self.snapshot_prefix,
+            "region": self.snapshot_region or None,
+        }
+        for name in ("access_key_id_file", "secret_access_key_file"):
+            value = getattr(self, f"snapshot_{name}")
+            if value:
+                repo[name] = str(value)
+        return repo
 
     @property
     def bundles_dir(self) -> Path:

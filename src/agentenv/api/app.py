@@ -14,6 +14,7 @@ from ..config import Config
 from ..network import SlotPool
 from ..orchestrator import SandboxManager, SandboxStore
 from ..runtime import GVisorRuntime
+from ..snapshot import SnapshotStore, open_repository
 from ..templates import TemplateRegistry
 from .auth import load_or_create_api_key
 from .errors import install_error_handlers
@@ -37,9 +38,14 @@ def build_manager(config: Config) -> SandboxManager:
         high=config.net_pool_high,
         capacity=config.max_sandboxes,
     )
+    snapshots = SnapshotStore(
+        open_repository(config.snapshot_repository()),
+        cache_dir=config.home / "cache" / "snapshots",
+        staging_dir=config.home / "snapshots-staging",
+    )
     return SandboxManager(
         config, runtime, slots, TemplateRegistry(config.templates_dir),
-        SandboxStore(config.db_path),
+        SandboxStore(config.db_path), snapshots,
     )
 
 

@@ -9,7 +9,7 @@ import httpx
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 
 from .. import __version__
-from ..orchestrator import BadRequest, CreateRequest, NotFound, SandboxManager
+from ..orchestrator import BadRequest, CreateRequest, NotFound, SandboxManager, SandboxState
 from ..orchestrator import query as q
 from ..orchestrator.envd_client import ENVD_PORT
 from . import models
@@ -201,11 +201,17 @@ class _Unavailable(HTTPException):
              response_model_by_alias=True, response_model_exclude_none=True,
              include_in_schema=False)
 async def connect_sandbox(
-    sandbox_id: str, request: Request, body: models.ConnectRequest | None = None
+    sandbox_id: str, request: Request, response: Response,
+    body: models.ConnectRequest | None = None,
 ) -> models.SandboxCreated:
-    """Connect to a running sandbox (200). A timeout given only ever extends its TTL."""
+    """Connect to a running sandbox (200), or resume a paused one (201).
+    A timeout given only ever extends a running sandbox's TTL."""
     mgr = manager(request)
     record = mgr.get(sandbox_id)
+    if record.state is SandboxState.PAUSED:
+        record = await mgr.resume(sandbox_id, body.timeout if body else None)
+        response.status_code = 201
+        return models.created(record, _domain(request))
     if body is not None and body.timeout is not None and time.time() + body.timeout > record.end_at:
         record = await mgr.set_timeout(sandbox_id, body.timeout)
     return models.created(record, _domain(request))

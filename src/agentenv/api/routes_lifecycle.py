@@ -1,11 +1,14 @@
-"""Routes that branch and freeze sandboxes: fork (and, with snapshots, pause/resume)."""
+"""Routes that branch and freeze sandboxes: fork, pause/resume, snapshots."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+import asyncio
+
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import Field
 
-from ..orchestrator import OrchestratorError, SandboxManager
+from ..orchestrator import NotFound, OrchestratorError, SandboxManager
+from ..snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound, StorageFull
 from . import models
 
 router = APIRouter()
@@ -43,3 +46,109 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, request: Request) -> 
         else:
             out.append(ForkResult(sandbox=models.created(result, domain)))
     return out
+
+
+class ResumeRequest(models._Body):
+    timeout: int | None = None
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+
+
+class SnapshotRequest(models._Body):
+    name: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class SnapshotInfo(models._Body):
+    snapshot_id: str = Field(serialization_alias="snapshotID")
+    names: list[str] = Field(default_factory=list)
+    sandbox_id: str | None = Field(default=None, serialization_alias="sandboxID")
+    template_id: str | None = Field(default=None, serialization_alias="templateID")
+    created_at: float | None = Field(default=None, serialization_alias="createdAt")
+    total_bytes: int | None = Field(default=None, serialization_alias="totalBytes")
+    stored_bytes: int | None = Field(default=None, serialization_alias="storedBytes")
+
+
+def _info(manifest) -> SnapshotInfo:
+    meta = manifest.metadata
+    return SnapshotInfo(
+        snapshot_id=manifest.snapshot_id, names=[manifest.alias] if manifest.alias else [],
+        sandbox_id=meta.get("source_sandbox_id"), template_id=meta.get("template_id"),
+        created_at=manifest.created_at, total_bytes=manifest.total_bytes,
+        stored_bytes=manifest.stored_bytes,
+    )
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause_sandbox(sandbox_id: str, request: Request) -> Response:
+    """Save the sandbox's memory, processes and files; it holds nothing while paused."""
+    await _manager(request).pause(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201,
+             response_model=models.SandboxCreated, response_model_by_alias=True,
+             response_model_exclude_none=True)
+async def resume_sandbox(sandbox_id: str, request: Request,
+                         body: ResumeRequest | None = None) -> models.SandboxCreated:
+    body = body or ResumeRequest()
+    record = await _manager(request).resume(sandbox_id, body.timeout, body.auto_pause)
+    return models.created(record, request.app.state.config.domain)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo,
+             response_model_by_alias=True, response_model_exclude_none=True)
+async def snapshot_sandbox(sandbox_id: str, request: Request,
+                           body: SnapshotRequest | None = None) -> SnapshotInfo:
+    """Capture a running sandbox; it is stopped only for the capture."""
+    name = body.name if body else None
+    manifest = await _snapshot_call(_manager(request).snapshot(sandbox_id, name))
+    return _info(manifest)
+
+
+@router.get("/snapshots", response_model=list[SnapshotInfo], response_model_by_alias=True,
+            response_model_exclude_none=True)
+async def list_snapshots(
+    request: Request, sandbox_id: str | None = Query(None, alias="sandboxID"),
+    name: str | None = None,
+) -> list[SnapshotInfo]:
+    store = _manager(request).snapshots
+    manifests = await _snapshot_call(asyncio.to_thread(store.list, sandbox_id))
+    # Pause snapshots are internal to their sandbox; list what users took.
+    out = [_info(m) for m in manifests if m.metadata.get("kind") != "pause"]
+    return [i for i in out if name is None or name in i.names]
+
+
+@router.get("/snapshots/{snapshot_id}", response_model=SnapshotInfo,
+            response_model_by_alias=True, response_model_exclude_none=True)
+async def get_snapshot(snapshot_id: str, request: Request) -> SnapshotInfo:
+    store = _manager(request).snapshots
+    return _info(await _snapshot_call(asyncio.to_thread(store.resolve, snapshot_id)))
+
+
+@router.delete("/snapshots/{snapshot_id}", status_code=204)
+async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
+    store = _manager(request).snapshots
+    manifest = await _snapshot_call(asyncio.to_thread(store.resolve, snapshot_id))
+    await _snapshot_call(asyncio.to_thread(store.delete, manifest.snapshot_id))
+    return Response(status_code=204)
+
+
+async def _snapshot_call(awaitable):
+    """Snapshot store errors as API errors: unknown -> 404, full disk -> 507, store down -> 503."""
+    try:
+        return await awaitable
+    except SnapshotNotFound as exc:
+        raise NotFound(str(exc)) from exc
+    except StorageFull as exc:
+        raise InsufficientStorage(f"snapshot storage is full: {exc}") from exc
+    except RepositoryUnavailable as exc:
+        raise Unavailable(f"snapshot repository unavailable: {exc}") from exc
+    except SnapshotError as exc:
+        raise OrchestratorError(f"snapshot: {exc}") from exc
+
+
+class InsufficientStorage(OrchestratorError):
+    status = 507
+
+
+class Unavailable(OrchestratorError):
+    status = 503

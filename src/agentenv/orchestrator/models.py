@@ -13,13 +13,15 @@ from typing import Any
 class SandboxState(enum.StrEnum):
     CREATING = "creating"
     RUNNING = "running"
+    PAUSED = "paused"
     KILLED = "killed"
 
 
 # Which transitions exist; anything else is a 409.
 TRANSITIONS: dict[SandboxState, set[SandboxState]] = {
     SandboxState.CREATING: {SandboxState.RUNNING, SandboxState.KILLED},
-    SandboxState.RUNNING: {SandboxState.KILLED},
+    SandboxState.RUNNING: {SandboxState.PAUSED, SandboxState.KILLED},
+    SandboxState.PAUSED: {SandboxState.RUNNING, SandboxState.KILLED},
     SandboxState.KILLED: set(),
 }
 
@@ -71,6 +73,8 @@ class SandboxRecord:
     envd_token: str = ""
     slot_index: int = 0
     slot_address: str = ""
+    # The snapshot a paused sandbox resumes from (its latest pause).
+    snapshot_id: str = ""
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.end_at

@@ -67,8 +67,9 @@ def parse_states(values: Iterable[str]) -> frozenset[str]:
 
 
 def parse_metadata(raw: str | None) -> dict[str, str]:
-    """``metadata`` is itself a query string (``k1=v1&k2=v2``, each part URL-encoded)."""
-    from urllib.parse import parse_qsl
+    """``metadata`` is itself a query string, ``k1=v1&k2=v2``, whose keys and values
+    are URL-encoded once more before the pairs are joined (as both SDKs send it)."""
+    from urllib.parse import parse_qsl, unquote
 
     if not raw:
         return {}
@@ -76,7 +77,7 @@ def parse_metadata(raw: str | None) -> dict[str, str]:
         pairs = parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
     except ValueError:
         raise BadRequest(f"invalid metadata query {raw!r}: expected key=value pairs") from None
-    return dict(pairs)
+    return {unquote(k): unquote(v) for k, v in pairs}
 
 
 def _sort_key(record: SandboxRecord) -> tuple[float, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import shutil
@@ -21,6 +22,7 @@ from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
 from ..network import SlotPool, SlotPoolExhausted
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
+from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
 from .envd_client import ENVD_PORT, EnvdClient, EnvdUnavailable
 from .models import (
@@ -61,8 +63,12 @@ class SandboxManager:
         slots: SlotPool,
         templates: TemplateRegistry,
         store: SandboxStore,
+        snapshots: SnapshotStore,
     ):
         self.config = config
+        self.snapshots = snapshots
+        # Commits of pause snapshots still running in the background, by snapshot ID.
+        self._commits: dict[str, asyncio.Task] = {}
         self.runtime = runtime
         self.slots = slots
         self.templates = templates
@@ -94,9 +100,14 @@ class SandboxManager:
                 await self._ttl_task
         for task in list(self._tasks):
             task.cancel()
+        if self._commits:
+            await asyncio.gather(*self._commits.values(), return_exceptions=True)
         if destroy:
+            # Paused sandboxes live on in their snapshots; everything running stops.
             await asyncio.gather(
-                *(self.kill(sid) for sid in list(self._records)), return_exceptions=True
+                *(self.kill(r.sandbox_id) for r in list(self._records.values())
+                  if r.state is not SandboxState.PAUSED),
+                return_exceptions=True,
             )
             await self.slots.close()
             await self.runtime.reconcile(keep=set())
@@ -110,16 +121,23 @@ class SandboxManager:
             running = alive.get(record.sandbox_id)
             if record.state is SandboxState.RUNNING and running and running.state == "running":
                 keep[record.sandbox_id] = record
+            elif record.state is SandboxState.PAUSED:
+                keep[record.sandbox_id] = record
             else:
                 log.info("reconcile: dropping sandbox %s (%s)", record.sandbox_id, record.state)
                 self.store.delete(record.sandbox_id)
-        removed = await self.runtime.reconcile(set(keep))
+        removed = await self.runtime.reconcile(
+            {sid for sid, r in keep.items() if r.state is SandboxState.RUNNING}
+        )
         if removed:
             log.info("reconcile: removed %d orphaned runtime sandboxes", len(removed))
-        await self.slots.start({r.slot_index: r.internet for r in keep.values()})
+        await self.slots.start({r.slot_index: r.internet for r in keep.values()
+                                if r.state is SandboxState.RUNNING})
         self._records = keep
         for record in keep.values():
-            log.info("reconcile: adopted running sandbox %s", record.sandbox_id)
+            log.info("reconcile: adopted %s sandbox %s", record.state, record.sandbox_id)
+            if record.state is SandboxState.PAUSED:
+                self._recommit_if_staged(record)
 
     # -- queries --------------------------------------------------------------
 
@@ -131,6 +149,11 @@ class SandboxManager:
 
     def list(self) -> list[SandboxRecord]:
         return [r for r in self._records.values() if r.state is not SandboxState.KILLED]
+
+    def active_count(self) -> int:
+        """Sandboxes holding node resources (paused ones hold none)."""
+        return sum(1 for r in self._records.values()
+                   if r.state in (SandboxState.CREATING, SandboxState.RUNNING))
 
     def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
         """Where the node reaches ``port`` inside a running sandbox."""
@@ -148,8 +171,14 @@ class SandboxManager:
         try:
             template = self.templates.get(req.template)
         except TemplateNotFound as exc:
-            raise NotFound(str(exc)) from exc
-        if len(self.list()) >= self.config.max_sandboxes:
+            try:
+                manifest = await asyncio.to_thread(self.snapshots.resolve, req.template)
+            except SnapshotNotFound:
+                raise NotFound(f"template or snapshot '{req.template}' not found") from exc
+            except SnapshotError as snap_exc:
+                raise OrchestratorError(f"snapshot repository: {snap_exc}") from snap_exc
+            return await self._create_from_snapshot(req, manifest, timeout)
+        if self.active_count() >= self.config.max_sandboxes:
             raise CapacityExceeded(
                 f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
             )
@@ -267,7 +296,7 @@ class SandboxManager:
         return out
 
     async def _restore_child(self, source: SandboxRecord, image: Path, ttl: int) -> SandboxRecord:
-        if len(self.list()) >= self.config.max_sandboxes:
+        if self.active_count() >= self.config.max_sandboxes:
             raise CapacityExceeded(
                 f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
             )
@@ -338,16 +367,257 @@ class SandboxManager:
             init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(record.memory_mb)},
         )
 
+    # -- snapshots, pause, resume --------------------------------------------------
+
+    def _snapshot_metadata(self, record: SandboxRecord, kind: str) -> dict:
+        return {
+            "kind": kind,
+            "template_id": record.template_id,
+            "alias": record.alias,
+            "source_sandbox_id": record.sandbox_id,
+            "parent_snapshot_id": record.snapshot_id or None,
+            "cpu_count": record.cpu_count,
+            "memory_mb": record.memory_mb,
+            "disk_size_mb": record.disk_size_mb,
+            "internet": record.internet,
+            "metadata": record.metadata,
+            "env_vars": record.env_vars,
+            # The token lives in the memory image too; a child rotates it.
+            "envd_token": record.envd_token,
+            "runtime": {"kind": self.runtime.kind, "version": self.runtime.version},
+            "bundle": self._bundle.name if self._bundle else "",
+            "created_at": time.time(),
+        }
+
+    def _check_restorable(self, metadata: dict) -> None:
+        runtime = metadata.get("runtime", {})
+        if runtime.get("kind") != self.runtime.kind or runtime.get("version") != \
+                self.runtime.version:
+            raise Conflict(
+                f"snapshot was taken by runtime {runtime.get('kind')} {runtime.get('version')}; "
+                f"this node runs {self.runtime.kind} {self.runtime.version}"
+            )
+        if self._bundle is not None and metadata.get("bundle") not in ("", self._bundle.name):
+            raise Conflict(f"snapshot needs envd bundle {metadata.get('bundle')}, this node has "
+                           f"{self._bundle.name}")
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None):
+        """Capture a running sandbox (stopped only for the capture) and commit it."""
+        snapshot_id = new_sandbox_id()
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            if record.state is not SandboxState.RUNNING:
+                raise Conflict(f"sandbox '{sandbox_id}' is {record.state}; only a running "
+                               "sandbox can be snapshotted")
+            staging = await self._staging(snapshot_id)
+            try:
+                await self.runtime.checkpoint(sandbox_id, staging, leave_running=True)
+            except BaseException:
+                await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
+                raise
+        metadata = self._snapshot_metadata(record, "snapshot")
+        try:
+            return await asyncio.to_thread(
+                self.snapshots.commit, snapshot_id, staging, metadata, name
+            )
+        except BaseException:
+            await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
+            raise
+
+    async def _staging(self, snapshot_id: str) -> Path:
+        try:
+            return await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
+        except SnapshotError as exc:
+            raise OrchestratorError(f"cannot stage a snapshot: {exc}") from exc
+
+    async def pause(self, sandbox_id: str) -> SandboxRecord:
+        """Save the sandbox's full state and release everything it holds on the node.
+
+        Returns once the state is captured locally; the commit to the repository
+        continues in the background (a resume waits for it).
+        """
+        snapshot_id = new_sandbox_id()
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            if record.state is SandboxState.PAUSED:
+                raise Conflict(f"sandbox '{sandbox_id}' is already paused")
+            if record.state is not SandboxState.RUNNING:
+                raise Conflict(f"sandbox '{sandbox_id}' is {record.state}")
+            staging = await self._staging(snapshot_id)
+            try:
+                await self.runtime.checkpoint(sandbox_id, staging, leave_running=False)
+            except BaseException:
+                await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
+                raise
+            metadata = self._snapshot_metadata(record, "pause")
+            (staging.parent / f"{snapshot_id}.meta.json").write_text(json.dumps(metadata))
+            previous = record.snapshot_id
+            await self._release_runtime(record)
+            record.snapshot_id = snapshot_id
+            self._transition(record, SandboxState.PAUSED)
+            self._start_commit(snapshot_id, staging, metadata, replaces=previous)
+            return record
+
+    def _start_commit(self, snapshot_id: str, staging: Path, metadata: dict,
+                      replaces: str = "") -> None:
+        async def run() -> None:
+            try:
+                await asyncio.to_thread(self.snapshots.commit, snapshot_id, staging, metadata)
+                (staging.parent / f"{snapshot_id}.meta.json").unlink(missing_ok=True)
+                if replaces:
+                    with contextlib.suppress(SnapshotError):
+                        await asyncio.to_thread(self.snapshots.delete, replaces)
+            except Exception:
+                log.exception("commit of pause snapshot %s failed; it stays staged", snapshot_id)
+                raise
+            finally:
+                self._commits.pop(snapshot_id, None)
+
+        self._commits[snapshot_id] = asyncio.create_task(run())
+
+    def _recommit_if_staged(self, record: SandboxRecord) -> None:
+        """After a restart: a pause whose commit did not finish is committed again."""
+        staging = self.snapshots.staging_dir / record.snapshot_id
+        meta = self.snapshots.staging_dir / f"{record.snapshot_id}.meta.json"
+        if staging.is_dir() and meta.is_file():
+            log.info("resuming the commit of pause snapshot %s", record.snapshot_id)
+            self._start_commit(record.snapshot_id, staging, json.loads(meta.read_text()))
+
+    async def _pause_image(self, record: SandboxRecord) -> Path:
+        pending = self._commits.get(record.snapshot_id)
+        if pending is not None:
+            try:
+                await asyncio.shield(pending)
+            except Exception as exc:
+                raise OrchestratorError(
+                    f"the pause snapshot of '{record.sandbox_id}' could not be committed: {exc}"
+                ) from exc
+        try:
+            return await asyncio.to_thread(self.snapshots.materialize, record.snapshot_id)
+        except SnapshotNotFound as exc:
+            raise NotFound(f"snapshot of sandbox '{record.sandbox_id}' is gone") from exc
+        except SnapshotError as exc:
+            raise OrchestratorError(f"snapshot repository: {exc}") from exc
+
+    async def resume(self, sandbox_id: str, ttl: int | None = None,
+                     auto_pause: bool | None = None) -> SandboxRecord:
+        """Bring a paused sandbox back, same ID, from its pause snapshot."""
+        seconds = self._check_timeout(ttl)
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            if record.state is not SandboxState.PAUSED:
+                raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
+            image = await self._pause_image(record)
+            await self._restore_in_place(record, image)
+            record.end_at = time.time() + seconds
+            if auto_pause is not None:
+                record.auto_pause = auto_pause
+            self.store.put(record)
+            return record
+
+    async def connect(self, sandbox_id: str, ttl: int | None = None) -> SandboxRecord:
+        """A running sandbox as it is (a given TTL extends it); a paused one is resumed."""
+        record = self.get(sandbox_id)
+        if record.state is SandboxState.PAUSED:
+            return await self.resume(sandbox_id, ttl)
+        if ttl is not None:
+            return await self.set_timeout(sandbox_id, ttl)
+        return record
+
+    async def _restore_in_place(self, record: SandboxRecord, image: Path) -> None:
+        """Restore a paused record; on failure it stays paused, holding nothing."""
+        slot = None
+        try:
+            template = self.templates.get(record.template_id)
+            try:
+                slot = await self.slots.acquire(internet=record.internet)
+            except SlotPoolExhausted as exc:
+                raise CapacityExceeded(f"no network slot free: {exc}") from exc
+            spec = self._spec(record, template, slot.netns_path, record.sandbox_id)
+            await self.runtime.restore(spec, image)
+            await self.envd.wait_ready(slot.address)
+        except BaseException as exc:
+            if slot is not None:
+                await asyncio.shield(self.runtime.destroy(record.sandbox_id))
+                await asyncio.shield(self.slots.release(slot))
+            if isinstance(exc, TemplateNotFound):
+                raise NotFound(f"template of the snapshot is gone: {exc}") from exc
+            if isinstance(exc, RuntimeFailure | EnvdUnavailable):
+                raise OrchestratorError(f"sandbox failed to resume: {exc}") from exc
+            raise
+        record.slot_index, record.slot_address = slot.index, slot.address
+        self._transition(record, SandboxState.RUNNING)
+
+    async def _create_from_snapshot(self, req: CreateRequest, manifest, ttl: int
+                                    ) -> SandboxRecord:
+        meta = manifest.metadata
+        self._check_restorable(meta)
+        if self.active_count() >= self.config.max_sandboxes:
+            raise CapacityExceeded(
+                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
+            )
+        try:
+            image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
+        except SnapshotError as exc:
+            raise OrchestratorError(f"snapshot repository: {exc}") from exc
+        now = time.time()
+        record = SandboxRecord(
+            sandbox_id=new_sandbox_id(), template_id=meta["template_id"],
+            alias=meta.get("alias") or meta["template_id"], state=SandboxState.CREATING,
+            node_id=self.config.node_id, cpu_count=meta["cpu_count"],
+            memory_mb=meta["memory_mb"], disk_size_mb=meta.get("disk_size_mb", 0),
+            started_at=now, end_at=now + ttl, auto_pause=req.auto_pause,
+            internet=req.internet,
+            metadata={**meta.get("metadata", {}), **req.metadata},
+            env_vars={**meta.get("env_vars", {}), **req.env_vars},
+            envd_token=secrets.token_urlsafe(32),
+        )
+        self._records[record.sandbox_id] = record
+        self.store.put(record)
+        task = asyncio.create_task(self._restore(
+            record, image, source_token=meta["envd_token"],
+            hostname_of=meta.get("source_sandbox_id", record.sandbox_id)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _release_runtime(self, record: SandboxRecord) -> None:
+        """Stop the sandbox's runtime and hand back its slot (the record stays)."""
+        await self.runtime.destroy(record.sandbox_id)
+        if record.slot_index:
+            await self.slots.release(self.slots.layout.slot(record.slot_index, record.internet))
+        record.slot_index, record.slot_address = 0, ""
+        for listener in self.on_removed:
+            listener(record.sandbox_id)
+
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is SandboxState.CREATING:
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
+            if record.state is SandboxState.PAUSED:
+                await self._forget_paused(record)
+                return
             slot = (
                 self.slots.layout.slot(record.slot_index, record.internet)
                 if record.slot_index else None
             )
             await asyncio.shield(self._teardown(record, slot, True))
+            if record.snapshot_id:  # its last pause snapshot is of no further use
+                with contextlib.suppress(SnapshotError):
+                    await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
+
+    async def _forget_paused(self, record: SandboxRecord) -> None:
+        pending = self._commits.get(record.snapshot_id)
+        if pending is not None:
+            await asyncio.gather(pending, return_exceptions=True)
+        with contextlib.suppress(SnapshotError):
+            await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
+        await asyncio.to_thread(self.snapshots.discard_staging, record.snapshot_id)
+        record.state = SandboxState.KILLED
+        self.store.delete(record.sandbox_id)
+        self._records.pop(record.sandbox_id, None)
+        self._locks.pop(record.sandbox_id, None)
 
     async def set_timeout(self, sandbox_id: str, ttl: int | None) -> SandboxRecord:
         seconds = self._check_timeout(ttl)
@@ -404,9 +674,15 @@ class SandboxManager:
             now = time.time()
             for record in list(self._records.values()):
                 if record.state is SandboxState.RUNNING and record.expired(now):
-                    log.info("sandbox %s reached its timeout: killing", record.sandbox_id)
-                    with contextlib.suppress(OrchestratorError):
-                        await self.kill(record.sandbox_id)
+                    action = self.pause if record.auto_pause else self.kill
+                    log.info("sandbox %s reached its timeout: %s", record.sandbox_id,
+                             "pausing" if record.auto_pause else "killing")
+                    try:
+                        await action(record.sandbox_id)
+                    except OrchestratorError:
+                        pass
+                    except Exception:
+                        log.exception("timeout action on %s failed", record.sandbox_id)
 
 
 def _check_str_map(name: str, value: dict, limit: int) -> None:

@@ -31,14 +31,17 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     env_vars     TEXT NOT NULL,
     envd_token   TEXT NOT NULL,
     slot_index   INTEGER NOT NULL,
-    slot_address TEXT NOT NULL
+    slot_address TEXT NOT NULL,
+    snapshot_id  TEXT NOT NULL DEFAULT ''
 );
 """
 _COLUMNS = [
     "sandbox_id", "template_id", "alias", "state", "node_id", "cpu_count", "memory_mb",
     "disk_size_mb", "started_at", "end_at", "auto_pause", "internet", "metadata", "env_vars",
-    "envd_token", "slot_index", "slot_address",
+    "envd_token", "slot_index", "slot_address", "snapshot_id",
 ]
+# Columns added after the first release, with their defaults (for old files).
+_ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''"}
 
 
 class SandboxStore:
@@ -52,6 +55,10 @@ class SandboxStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for column, decl in _ADDED.items():
+            if column not in have:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         self._db.close()
@@ -76,7 +83,7 @@ def _to_row(r: SandboxRecord) -> tuple:
         r.sandbox_id, r.template_id, r.alias, r.state.value, r.node_id, r.cpu_count, r.memory_mb,
         r.disk_size_mb, r.started_at, r.end_at, int(r.auto_pause), int(r.internet),
         json.dumps(r.metadata), json.dumps(r.env_vars), r.envd_token, r.slot_index,
-        r.slot_address,
+        r.slot_address, r.snapshot_id,
     )
 
 
