@@ -334,6 +334,8 @@ class SnapshotStore:
                             pending.append(pool.submit(work, data))
                             while len(pending) >= limit:
                                 stored += self._collect(pending.popleft(), chunks)
+                    except SnapshotError:
+                        raise
                     except OSError as exc:
                         raise SnapshotError(f"cannot read staged file {path}: {exc}") from exc
                     while pending:
