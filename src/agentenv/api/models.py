@@ -22,6 +22,8 @@ class _Body(BaseModel):
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
     timeout: int | None = Field(default=None, description="Time to live in seconds")
+    # Expiry kills unless asked otherwise: E2B's default. The e2b SDK (2.63) leaves
+    # the field out when no lifecycle.on_timeout is given, to get this default.
     auto_pause: bool = Field(default=False, alias="autoPause")
     secure: bool | None = None
     allow_internet_access: bool | None = None
@@ -129,15 +131,7 @@ class TemplateBuildInfo(_Body):
     envd_version: str = Field(serialization_alias="envdVersion")
 
 
-class TemplateWithBuilds(_Body):
-    template_id: str = Field(serialization_alias="templateID")
-    public: bool = True
-    aliases: list[str]
-    names: list[str]
-    created_at: datetime = Field(serialization_alias="createdAt")
-    updated_at: datetime = Field(serialization_alias="updatedAt")
-    last_spawned_at: datetime | None = Field(default=None, serialization_alias="lastSpawnedAt")
-    spawn_count: int = Field(default=0, serialization_alias="spawnCount")
+class TemplateWithBuilds(TemplateInfo):
     builds: list[TemplateBuildInfo]
 
 
@@ -191,9 +185,12 @@ def metric(sample: dict[str, Any]) -> SandboxMetric:
 
 
 def template_build_id(template: Template) -> str:
-    """The template's build ID; templates built without one get a stable UUID of their ID."""
-    return template.build_id or str(uuid.uuid5(uuid.NAMESPACE_URL,
-                                                f"agentenv:template:{template.template_id}"))
+    """The template's build ID as the SDKs parse it (a UUID); derived when not one."""
+    try:
+        return str(uuid.UUID(template.build_id))
+    except ValueError:
+        return str(uuid.uuid5(uuid.NAMESPACE_URL,
+                              f"agentenv:template:{template.template_id}:{template.build_id}"))
 
 
 def _template_times(template: Template) -> tuple[datetime, datetime]:
@@ -224,17 +221,13 @@ def template_info(template: Template, spawned: int = 0) -> TemplateInfo:
 
 
 def template_with_builds(template: Template, spawned: int = 0) -> TemplateWithBuilds:
-    created, updated = _template_times(template)
+    info = template_info(template, spawned)
     build = TemplateBuildInfo(
-        build_id=template_build_id(template), created_at=created, updated_at=updated,
-        finished_at=updated, cpu_count=template.cpu_count, memory_mb=template.memory_mb,
+        build_id=info.build_id, created_at=info.created_at, updated_at=info.updated_at,
+        finished_at=info.updated_at, cpu_count=template.cpu_count, memory_mb=template.memory_mb,
         disk_size_mb=template.disk_size_mb, envd_version=ENVD_VERSION,
     )
-    return TemplateWithBuilds(
-        template_id=template.template_id, aliases=list(template.aliases),
-        names=list(template.aliases) or [template.template_id], created_at=created,
-        updated_at=updated, spawn_count=spawned, builds=[build],
-    )
+    return TemplateWithBuilds(**info.model_dump(), builds=[build])
 
 
 def _common(record: SandboxRecord) -> dict:

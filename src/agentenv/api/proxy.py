@@ -115,8 +115,12 @@ class SandboxProxy:
         names = {k.lower() for k, _ in scope["headers"]}
         has_body = b"content-length" in names or b"transfer-encoding" in names
         client = self._client(sandbox_id)
+        body_read = asyncio.Event()  # from then on, receive() only reports a hang-up
+        if not has_body:
+            body_read.set()
         request = client.build_request(
-            scope["method"], url, headers=headers, content=_body(receive) if has_body else None,
+            scope["method"], url, headers=headers,
+            content=_body(receive, body_read) if has_body else None,
         )
         try:
             upstream = await client.send(request, stream=True)
@@ -134,9 +138,18 @@ class SandboxProxy:
                 "headers": [(k, v) for k, v in upstream.headers.raw
                             if k.decode("latin-1").lower() not in _DROP_RESPONSE],
             })
-            async for chunk in upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # A client that hangs up mid-stream closes the upstream request too, so
+            # the sandbox sees it (e.g. a code execution the SDK gave up on stops).
+            relay = asyncio.ensure_future(_relay(upstream, send))
+            hangup = asyncio.ensure_future(_hung_up(receive, body_read))
+            await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            hangup.cancel()
+            if not relay.done():
+                relay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
+                return
+            relay.result()
         except httpx.HTTPError as exc:
             # The response has started: all we can do is end it early.
             log.info("proxy stream from %s:%d ended early: %s", sandbox_id, port, exc)
@@ -195,16 +208,32 @@ class SandboxProxy:
         await upstream.close()
 
 
-async def _body(receive: Receive) -> AsyncIterator[bytes]:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return
+async def _body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            if chunk:
+                yield chunk
+            if not message.get("more_body", False):
+                return
+    finally:
+        done.set()
+
+
+async def _relay(upstream: httpx.Response, send: Send) -> None:
+    async for chunk in upstream.aiter_raw():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _hung_up(receive: Receive, body_read: asyncio.Event) -> None:
+    """Returns once the client has gone away (waits for the body to be read first)."""
+    await body_read.wait()
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _reply(scope: Scope, send: Send, status: int, message: str) -> None:

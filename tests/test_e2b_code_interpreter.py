@@ -1,0 +1,138 @@
+"""The e2b-code-interpreter SDK (unchanged) against the `code-interpreter` template.
+
+The template (scripts/build-code-interpreter-template.sh) runs a Jupyter kernel
+behind agentenv's own server on port 49999; its start command launches the
+server and the create call returns once the server answers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from e2b import TimeoutException
+from e2b_code_interpreter import Sandbox
+
+from agentenv.testing import Node
+
+
+@pytest.fixture(scope="module")
+def sbx(node: Node):
+    sandbox = Sandbox.create(timeout=300, envs={"FROM_CREATE": "visible"})
+    yield sandbox
+    sandbox.kill()
+
+
+def test_default_template_is_code_interpreter(sbx: Sandbox) -> None:
+    info = sbx.get_info()
+    assert info.template_id == "code-interpreter"
+    # the SDK's default template name resolves to it
+    assert Sandbox.default_template == "code-interpreter-v1"
+
+
+def test_run_code_result_and_stdout(sbx: Sandbox) -> None:
+    execution = sbx.run_code("x = 40\nprint('hello from the kernel')\nx + 2")
+    assert execution.error is None
+    assert execution.logs.stdout == ["hello from the kernel\n"]
+    assert execution.text == "42"
+    assert len(execution.results) == 1 and execution.results[0].is_main_result
+    assert execution.execution_count >= 1
+
+
+def test_state_is_kept_between_calls(sbx: Sandbox) -> None:
+    sbx.run_code("counter = 0\n"
+                 "def bump():\n    global counter\n    counter += 1\n    return counter")
+    sbx.run_code("bump()")
+    assert sbx.run_code("bump()").text == "2"
+    assert sbx.run_code("import math\nmath.sqrt(counter * 8)").text == "4.0"
+
+
+def test_errors_carry_name_value_traceback(sbx: Sandbox) -> None:
+    execution = sbx.run_code("def f():\n    return 1 / 0\nprint('before')\nf()")
+    assert execution.logs.stdout == ["before\n"]
+    err = execution.error
+    assert err is not None
+    assert err.name == "ZeroDivisionError"
+    assert err.value == "division by zero"
+    assert "ZeroDivisionError" in err.traceback and "return 1 / 0" in err.traceback
+    assert "\x1b[" not in err.traceback  # plain text, no terminal colours
+    # the kernel lives on after an error
+    assert sbx.run_code("'still here'").text == "'still here'"
+
+
+def test_streaming_callbacks(sbx: Sandbox) -> None:
+    out: list[tuple[float, str]] = []
+    err: list[str] = []
+    results = []
+    sbx.run_code(
+        "import sys, time\nfor i in range(3):\n    print(f'tick {i}', flush=True)\n"
+        "    time.sleep(0.3)\nprint('oops', file=sys.stderr)\n'done'",
+        on_stdout=lambda m: out.append((time.monotonic(), m.line)),
+        on_stderr=lambda m: err.append(m.line),
+        on_result=results.append,
+    )
+    assert "".join(line for _, line in out) == "tick 0\ntick 1\ntick 2\n"
+    assert out[-1][0] - out[0][0] > 0.4  # streamed as printed
+    assert "".join(err) == "oops\n"
+    assert [r.text for r in results] == ["'done'"]
+
+
+def test_rich_results(sbx: Sandbox) -> None:
+    execution = sbx.run_code(
+        "from IPython.display import display, HTML, Markdown\n"
+        "display(HTML('<b>bold</b>'))\ndisplay(Markdown('# title'))\n{'a': 1}"
+    )
+    html = [r for r in execution.results if r.html]
+    assert html and html[0].html == "<b>bold</b>" and not html[0].is_main_result
+    assert any(r.markdown == "# title" for r in execution.results)
+    assert execution.text == "{'a': 1}"
+
+
+def test_envs_per_execution_and_from_create(sbx: Sandbox) -> None:
+    code = "import os\nos.environ.get('PER_RUN'), os.environ.get('FROM_CREATE')"
+    assert sbx.run_code(code, envs={"PER_RUN": "set"}).text == "('set', 'visible')"
+    assert sbx.run_code(code).text == "(None, 'visible')"
+
+
+def test_contexts(sbx: Sandbox) -> None:
+    ctx = sbx.create_code_context(cwd="/tmp")
+    assert ctx.cwd == "/tmp" and ctx.language == "python"
+    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
+    sbx.run_code("only_here = 1", context=ctx)
+    # contexts are separate kernels
+    assert sbx.run_code("'only_here' in globals()").text == "False"
+    assert sbx.run_code("only_here", context=ctx).text == "1"
+    assert ctx.id in [c.id for c in sbx.list_code_contexts()]
+    sbx.restart_code_context(ctx)
+    assert sbx.run_code("'only_here' in globals()", context=ctx).text == "False"
+    sbx.remove_code_context(ctx)
+    assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
+
+
+def test_runs_as_user_in_home(sbx: Sandbox) -> None:
+    assert sbx.run_code("import os, getpass\n(getpass.getuser(), os.getcwd())").text == \
+        "('user', '/home/user')"
+    # files written by code are visible to the rest of the SDK
+    sbx.run_code("open('from-kernel.txt', 'w').write('written by the kernel')")
+    assert sbx.files.read("/home/user/from-kernel.txt") == "written by the kernel"
+
+
+def test_execution_timeout(sbx: Sandbox) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.run_code("import time\ntime.sleep(30)", timeout=1)
+    assert time.monotonic() - t0 < 10
+    # the context still works afterwards
+    deadline = time.monotonic() + 40
+    while True:
+        try:
+            assert sbx.run_code("1 + 1", timeout=35).text == "2"
+            break
+        except TimeoutException:
+            assert time.monotonic() < deadline
+
+
+def test_unsupported_language_is_refused(sbx: Sandbox) -> None:
+    with pytest.raises(Exception) as failed:
+        sbx.run_code("console.log(1)", language="javascript")
+    assert "not supported" in str(failed.value)

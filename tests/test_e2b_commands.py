@@ -1,0 +1,184 @@
+"""Commands and PTYs through the official e2b SDK (Python, unchanged) against a node."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from e2b import CommandExitException, Sandbox, TimeoutException
+from e2b.sandbox.commands.command_handle import PtySize
+
+from agentenv.testing import Node
+
+
+@pytest.fixture(scope="module")
+def sbx(node: Node):
+    sandbox = Sandbox.create(template="base", timeout=300, envs={"FROM_CREATE": "yes"})
+    yield sandbox
+    sandbox.kill()
+
+
+def test_run_foreground(sbx: Sandbox) -> None:
+    result = sbx.commands.run("echo out; echo err >&2; echo $FROM_CREATE")
+    assert result.exit_code == 0
+    assert result.stdout == "out\nyes\n"
+    assert result.stderr == "err\n"
+    assert result.error is None
+
+
+def test_nonzero_exit_raises_with_output(sbx: Sandbox) -> None:
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run("echo partial; echo broken >&2; exit 7")
+    err = failed.value
+    assert err.exit_code == 7
+    assert err.stdout == "partial\n"
+    assert err.stderr == "broken\n"
+
+
+def test_streamed_output_arrives_while_running(sbx: Sandbox) -> None:
+    seen: list[tuple[float, str]] = []
+    errors: list[str] = []
+    sbx.commands.run(
+        "for i in 1 2 3; do echo line$i; sleep 0.3; done; echo done >&2",
+        on_stdout=lambda s: seen.append((time.monotonic(), s)),
+        on_stderr=errors.append,
+    )
+    assert "".join(s for _, s in seen) == "line1\nline2\nline3\n"
+    assert errors == ["done\n"]
+    # streamed, not delivered at the end: the first line came well before the last
+    assert seen[-1][0] - seen[0][0] > 0.4
+
+
+def test_cwd_and_users(sbx: Sandbox) -> None:
+    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    assert sbx.commands.run("pwd").stdout == "/home/user\n"
+    assert sbx.commands.run("id -un").stdout == "user\n"
+    assert sbx.commands.run("id -un", user="user").stdout == "user\n"
+    assert sbx.commands.run("id -un; echo $HOME", user="root").stdout == "root\n/root\n"
+    sbx.commands.run("touch /home/user/owned-by-user")
+    owner = sbx.commands.run("stat -c %U /home/user/owned-by-user").stdout.strip()
+    assert owner == "user"
+
+
+def test_envs_per_command(sbx: Sandbox) -> None:
+    out = sbx.commands.run("echo $ONE-$TWO-$FROM_CREATE", envs={"ONE": "1", "TWO": "2"})
+    assert out.stdout == "1-2-yes\n"
+    assert sbx.commands.run("echo ${ONE:-unset}").stdout == "unset\n"
+
+
+def test_timeout_raises_timeout_exception(sbx: Sandbox) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30", timeout=1)
+    assert time.monotonic() - t0 < 10
+
+
+def test_background_wait_and_list(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 1; echo finished", background=True)
+    assert handle.pid > 0
+    pids = [p.pid for p in sbx.commands.list()]
+    assert handle.pid in pids
+    listed = next(p for p in sbx.commands.list() if p.pid == handle.pid)
+    assert "sleep 1; echo finished" in " ".join([listed.cmd, *listed.args])
+    result = handle.wait()
+    assert result.exit_code == 0 and result.stdout == "finished\n"
+    assert handle.pid not in [p.pid for p in sbx.commands.list()]
+
+
+def test_stdin_send_and_close(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("read a; read b; echo got:$a:$b; cat", background=True,
+                              stdin=True)
+    sbx.commands.send_stdin(handle.pid, "first\n")
+    handle.send_stdin("second\nrest of it\n")
+    handle.close_stdin()
+    result = handle.wait()
+    assert result.stdout == "got:first:second\nrest of it\n"
+
+
+def test_kill_background_command(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 600", background=True)
+    assert sbx.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException) as killed:
+        handle.wait()
+    assert killed.value.exit_code != 0
+    assert sbx.commands.kill(handle.pid) is False  # gone
+
+
+def test_connect_to_running_command(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 1; echo from-the-past; sleep 1; echo later",
+                              background=True)
+    handle.disconnect()
+    again = sbx.commands.connect(handle.pid)
+    lines: list[str] = []
+    result = again.wait(on_stdout=lines.append)
+    assert result.exit_code == 0
+    assert "later\n" in "".join(lines)
+
+
+def test_handle_kill(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 600", background=True)
+    assert handle.kill() is True
+    with pytest.raises(CommandExitException):
+        handle.wait()
+
+
+def test_many_commands_in_a_row(sbx: Sandbox) -> None:
+    for i in range(10):
+        assert sbx.commands.run(f"echo {i}").stdout == f"{i}\n"
+
+
+def test_pty_create_input_resize_kill(sbx: Sandbox) -> None:
+    chunks: list[bytes] = []
+    got = threading.Event()
+
+    handle = sbx.pty.create(PtySize(rows=24, cols=80), cwd="/tmp", envs={"PTYVAR": "pv"})
+
+    def read() -> None:
+        try:
+            handle.wait(on_pty=lambda data: (chunks.append(bytes(data)), got.set()))
+        except Exception:
+            pass  # killed at the end
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def output() -> str:
+        return b"".join(chunks).decode(errors="replace")
+
+    def wait_for(text: str, timeout: float = 15) -> None:
+        end = time.monotonic() + timeout
+        while text not in output():
+            assert time.monotonic() < end, f"{text!r} not in PTY output: {output()[-500:]!r}"
+            time.sleep(0.05)
+
+    sbx.pty.send_stdin(handle.pid, b"echo pty-$PTYVAR-$(pwd)\n")
+    wait_for("pty-pv-/tmp")
+    sbx.pty.send_stdin(handle.pid, b"tty; stty size\n")
+    wait_for("/dev/pts/")
+    wait_for("24 80")
+    sbx.pty.resize(handle.pid, PtySize(rows=40, cols=120))
+    sbx.pty.send_stdin(handle.pid, b"stty size\n")
+    wait_for("40 120")
+    assert sbx.pty.kill(handle.pid) is True
+    reader.join(timeout=10)
+    assert not reader.is_alive()
+
+
+def test_pty_runs_as_root_on_request(sbx: Sandbox) -> None:
+    chunks: list[bytes] = []
+    handle = sbx.pty.create(PtySize(rows=10, cols=60), user="root")
+    reader = threading.Thread(
+        target=lambda: _quiet(lambda: handle.wait(on_pty=lambda d: chunks.append(bytes(d)))),
+        daemon=True)
+    reader.start()
+    sbx.pty.send_stdin(handle.pid, b"echo whoami=$(id -un)\nexit\n")
+    reader.join(timeout=15)
+    assert "whoami=root" in b"".join(chunks).decode(errors="replace")
+
+
+def _quiet(fn) -> None:
+    try:
+        fn()
+    except Exception:
+        pass

@@ -1,0 +1,230 @@
+"""Files through the official e2b SDK (Python, unchanged) against a node."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import FileType, NotFoundException, Sandbox
+from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+
+from agentenv.testing import Node
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def sbx(node: Node):
+    sandbox = Sandbox.create(template="base", timeout=300)
+    yield sandbox
+    sandbox.kill()
+
+
+def test_write_and_read_text_bytes_stream(sbx: Sandbox) -> None:
+    info = sbx.files.write("/home/user/t/hello.txt", "héllo\nworld\n")
+    assert info.path == "/home/user/t/hello.txt" and info.name == "hello.txt"
+    assert info.type == FileType.FILE
+    assert sbx.files.read("/home/user/t/hello.txt") == "héllo\nworld\n"
+    assert sbx.files.read("/home/user/t/hello.txt", format="bytes") == "héllo\nworld\n".encode()
+    streamed = b"".join(sbx.files.read("/home/user/t/hello.txt", format="stream"))
+    assert streamed == "héllo\nworld\n".encode()
+    # relative paths are the user's home
+    assert sbx.files.read("t/hello.txt") == "héllo\nworld\n"
+
+
+def test_write_bytes_and_file_object(sbx: Sandbox) -> None:
+    blob = bytes(range(256)) * 100
+    sbx.files.write("/home/user/t/blob.bin", blob)
+    assert bytes(sbx.files.read("/home/user/t/blob.bin", format="bytes")) == blob
+    sbx.files.write("/home/user/t/fileobj.bin", io.BytesIO(b"from a file object"))
+    assert sbx.files.read("/home/user/t/fileobj.bin") == "from a file object"
+    assert sbx.commands.run("stat -c %U:%s /home/user/t/blob.bin").stdout == f"user:{len(blob)}\n"
+
+
+def test_write_files_at_once(sbx: Sandbox) -> None:
+    infos = sbx.files.write_files([
+        {"path": "/home/user/many/a.txt", "data": "A"},
+        {"path": "/home/user/many/sub/b.bin", "data": b"\x00B"},
+        {"path": "/home/user/many/c.txt", "data": io.BytesIO(b"C")},
+    ])
+    assert sorted(i.path for i in infos) == [
+        "/home/user/many/a.txt", "/home/user/many/c.txt", "/home/user/many/sub/b.bin"]
+    assert sbx.files.read("/home/user/many/sub/b.bin", format="bytes") == b"\x00B"
+    assert sbx.files.read("/home/user/many/c.txt") == "C"
+
+
+def test_list_with_depth(sbx: Sandbox) -> None:
+    sbx.files.write_files([
+        {"path": "/home/user/tree/top.txt", "data": "1"},
+        {"path": "/home/user/tree/d1/mid.txt", "data": "2"},
+        {"path": "/home/user/tree/d1/d2/deep.txt", "data": "3"},
+    ])
+    shallow = {e.path for e in sbx.files.list("/home/user/tree")}
+    assert shallow == {"/home/user/tree/top.txt", "/home/user/tree/d1"}
+    deeper = {e.path for e in sbx.files.list("/home/user/tree", depth=2)}
+    assert deeper == shallow | {"/home/user/tree/d1/mid.txt", "/home/user/tree/d1/d2"}
+    deepest = {e.path for e in sbx.files.list("/home/user/tree", depth=3)}
+    assert "/home/user/tree/d1/d2/deep.txt" in deepest
+    kinds = {e.name: e.type for e in sbx.files.list("/home/user/tree")}
+    assert kinds == {"top.txt": FileType.FILE, "d1": FileType.DIR}
+
+
+def test_exists_get_info_make_dir_rename_remove(sbx: Sandbox) -> None:
+    assert not sbx.files.exists("/home/user/ops")
+    assert sbx.files.make_dir("/home/user/ops/inner") is True
+    assert sbx.files.make_dir("/home/user/ops/inner") is False  # already there
+    assert sbx.files.exists("/home/user/ops/inner")
+    sbx.files.write("/home/user/ops/inner/f.txt", "12345")
+    info = sbx.files.get_info("/home/user/ops/inner/f.txt")
+    assert (info.name, info.type, info.size, info.owner) == ("f.txt", FileType.FILE, 5, "user")
+    assert info.permissions.startswith("-rw")
+    dir_info = sbx.files.get_info("/home/user/ops/inner")
+    assert dir_info.type == FileType.DIR
+
+    moved = sbx.files.rename("/home/user/ops/inner/f.txt", "/home/user/ops/g.txt")
+    assert moved.path == "/home/user/ops/g.txt"
+    assert not sbx.files.exists("/home/user/ops/inner/f.txt")
+    assert sbx.files.read("/home/user/ops/g.txt") == "12345"
+
+    sbx.files.remove("/home/user/ops/g.txt")
+    assert not sbx.files.exists("/home/user/ops/g.txt")
+    sbx.files.remove("/home/user/ops")  # a directory, recursively
+    assert not sbx.files.exists("/home/user/ops/inner")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/home/user/ops/nothing-here")
+    with pytest.raises(NotFoundException):
+        sbx.files.get_info("/home/user/ops/nothing-here")
+
+
+def test_watch_dir_events(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/home/user/watched")
+    handle = sbx.files.watch_dir("/home/user/watched")
+    try:
+        sbx.files.write("/home/user/watched/new.txt", "x")
+        sbx.commands.run("echo more >> /home/user/watched/new.txt")
+        sbx.files.remove("/home/user/watched/new.txt")
+        events: list = []
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            events += handle.get_new_events()
+            if any(e.type == FilesystemEventType.REMOVE for e in events):
+                break
+            time.sleep(0.1)
+        kinds = [(e.type, e.name) for e in events]
+        for kind in (FilesystemEventType.CREATE, FilesystemEventType.WRITE,
+                     FilesystemEventType.REMOVE):
+            assert (kind, "new.txt") in kinds, kinds
+    finally:
+        handle.stop()
+
+
+def test_watch_dir_recursive(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/home/user/rwatch/sub")
+    handle = sbx.files.watch_dir("/home/user/rwatch", recursive=True)
+    try:
+        sbx.files.write("/home/user/rwatch/sub/deep.txt", "x")
+        events: list = []
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not events:
+            events += handle.get_new_events()
+            time.sleep(0.1)
+        assert any(e.name.endswith("deep.txt") for e in events), events
+    finally:
+        handle.stop()
+
+
+def test_download_and_upload_urls_are_signed(node: Node, sbx: Sandbox) -> None:
+    sbx.files.write("/home/user/shared.txt", "download me")
+    url = sbx.download_url("/home/user/shared.txt")
+    assert "signature=" in url
+    # A plain HTTP client with nothing but the URL (no key, no headers).
+    r = httpx.get(url)
+    assert r.status_code == 200 and r.text == "download me"
+
+    up = sbx.upload_url("/home/user/uploaded.txt")
+    r = httpx.post(up, files={"file": ("uploaded.txt", b"uploaded through a URL")})
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("/home/user/uploaded.txt") == "uploaded through a URL"
+
+    # an expiring signature works until it expires
+    url = sbx.download_url("/home/user/shared.txt", use_signature_expiration=60)
+    assert "signature_expiration=" in url and httpx.get(url).text == "download me"
+
+    # tampering with the path, or using a read URL to write, is refused
+    r = httpx.get(url.replace("shared.txt", "uploaded.txt"))
+    assert r.status_code == 401 and r.json()["code"] == 401
+    r = httpx.post(sbx.download_url("/home/user/x.txt"), files={"file": ("x", b"x")})
+    assert r.status_code == 401
+    assert not sbx.files.exists("/home/user/x.txt")
+
+
+def test_download_url_as_other_user(sbx: Sandbox) -> None:
+    sbx.commands.run("echo secret > /root/only-root.txt && chmod 600 /root/only-root.txt",
+                     user="root")
+    assert httpx.get(sbx.download_url("/root/only-root.txt", user="root")).text == "secret\n"
+    up = sbx.upload_url("/root/from-url.txt", user="root")
+    assert httpx.post(up, files={"file": ("f", b"root's")}).status_code == 200
+    assert sbx.commands.run("stat -c %U /root/from-url.txt", user="root").stdout == "root\n"
+
+
+def _rss(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def test_large_file_streams_through_the_node(node: Node, sbx: Sandbox) -> None:
+    """150 MiB up and down through the node's proxy; the node never holds it whole."""
+    size = 150 * MIB
+    chunk = hashlib.sha256(b"seed").digest() * (MIB // 32)
+
+    class Source(io.RawIOBase):
+        """A readable file object that produces `size` bytes on the fly."""
+
+        def __init__(self) -> None:
+            self.left = size
+            self.digest = hashlib.sha256()
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buf) -> int:
+            n = min(len(buf), self.left, len(chunk))
+            buf[:n] = chunk[:n]
+            self.digest.update(chunk[:n])
+            self.left -= n
+            return n
+
+    pid = node.proc.pid
+    assert node.proc is not None
+    # Reset the node's peak-RSS mark, so the peak below is this transfer's.
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    before = _rss(pid, "VmRSS")
+
+    source = Source()
+    t0 = time.monotonic()
+    sbx.files.write("/home/user/big.bin", io.BufferedReader(source, buffer_size=MIB))
+    up_s = time.monotonic() - t0
+    assert sbx.files.get_info("/home/user/big.bin").size == size
+
+    down = hashlib.sha256()
+    got = 0
+    t0 = time.monotonic()
+    for part in sbx.files.read("/home/user/big.bin", format="stream"):
+        down.update(part)
+        got += len(part)
+    down_s = time.monotonic() - t0
+    peak = _rss(pid, "VmHWM")
+
+    assert got == size
+    assert down.hexdigest() == source.digest.hexdigest()
+    grew = peak - before
+    print(f"150 MiB up {up_s:.1f}s, down {down_s:.1f}s; node RSS {before / MIB:.0f} MiB, "
+          f"peak +{grew / MIB:.1f} MiB")
+    assert grew < 48 * MIB, f"node RSS grew {grew / MIB:.0f} MiB while moving 150 MiB"
+    sbx.files.remove("/home/user/big.bin")
