@@ -6,7 +6,7 @@ AENV_HOME ?= /var/lib/aenv
 export AENV_HOME
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 
-.PHONY: setup system venv template run test bench lint clean-state
+.PHONY: setup system venv template js run test bench lint clean-state
 
 setup: system venv template
 
@@ -24,11 +24,18 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 
 template: system
 	@bash scripts/build-base-template.sh
+	@bash scripts/build-code-interpreter-template.sh
+
+# The e2b JavaScript SDKs the suite runs (tests/js, pinned by its package-lock.json).
+js: tests/js/node_modules/.package-lock.json
+
+tests/js/node_modules/.package-lock.json: tests/js/package.json tests/js/package-lock.json
+	cd tests/js && npm ci --no-audit --no-fund --loglevel=error
 
 run: setup
 	$(VENV)/bin/aenv server
 
-test: setup
+test: setup js
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/pytest
 
