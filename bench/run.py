@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SUITES = ["bench_node.py", "bench_slots.py"]
+SUITES = ["bench_node.py", "bench_slots.py", "bench_e2b.py"]
 
 
 def main() -> int:
