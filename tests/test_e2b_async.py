@@ -1,0 +1,51 @@
+"""The e2b SDK's asyncio flavour (AsyncSandbox) against a node: the main paths."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from e2b import AsyncSandbox, CommandExitException, SandboxQuery
+from e2b_code_interpreter import AsyncSandbox as AsyncCodeSandbox
+
+from agentenv.testing import Node
+
+
+async def test_async_sandbox_main_paths(node: Node) -> None:
+    sbx = await AsyncSandbox.create(template="base", timeout=120, metadata={"flavour": "async"})
+    try:
+        # commands, concurrently
+        results = await asyncio.gather(*(sbx.commands.run(f"echo {i}") for i in range(5)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
+        with pytest.raises(CommandExitException) as failed:
+            await sbx.commands.run("exit 9")
+        assert failed.value.exit_code == 9
+        handle = await sbx.commands.run("sleep 0.5; echo bg", background=True)
+        assert (await handle.wait()).stdout == "bg\n"
+
+        # files
+        await sbx.files.write("/home/user/async.txt", "async text")
+        assert await sbx.files.read("/home/user/async.txt") == "async text"
+        assert await sbx.files.exists("/home/user/async.txt")
+
+        # info and listing
+        info = await sbx.get_info()
+        assert info.metadata == {"flavour": "async"}
+        pager = AsyncSandbox.list(query=SandboxQuery(metadata={"flavour": "async"}))
+        assert [s.sandbox_id for s in await pager.next_items()] == [sbx.sandbox_id]
+        assert await sbx.is_running()
+    finally:
+        await sbx.kill()
+    assert not await sbx.is_running()
+
+
+async def test_async_code_interpreter(node: Node) -> None:
+    sbx = await AsyncCodeSandbox.create(timeout=120)
+    try:
+        await sbx.run_code("acc = []")
+        for i in range(3):
+            await sbx.run_code(f"acc.append({i})")
+        execution = await sbx.run_code("print('sum'); sum(acc)")
+        assert execution.text == "3" and execution.logs.stdout == ["sum\n"]
+    finally:
+        await sbx.kill()
