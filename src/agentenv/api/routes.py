@@ -13,6 +13,7 @@ from ..orchestrator import BadRequest, CreateRequest, NotFound, SandboxManager, 
 from ..orchestrator import query as q
 from ..orchestrator.envd_client import ENVD_PORT
 from . import models
+from .auth import key_matches
 
 public = APIRouter()
 router = APIRouter()
@@ -28,8 +29,6 @@ def manager(request: Request) -> SandboxManager:
 async def require_api_key(
     request: Request, x_api_key: str | None = Header(default=None, alias="X-API-Key")
 ) -> None:
-    from .auth import key_matches
-
     if not key_matches(x_api_key, request.app.state.api_key):
         raise HTTPException(status_code=401, detail="missing or invalid X-API-Key header")
 
