@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import httpx
 import pytest
 from e2b import (
@@ -139,3 +142,26 @@ def test_bad_requests_are_400(node: Node) -> None:
         assert r.status_code == 400
     with pytest.raises(SandboxException, match="400"):
         Sandbox.list(query=SandboxQuery(metadata={"a": "b"}), limit=1000).next_items()
+
+
+def test_list_by_template_start_time_and_order(node: Node) -> None:
+    tag = uuid.uuid4().hex
+    first = Sandbox.create(template="base", timeout=120, metadata={"order": tag})
+    time.sleep(0.05)
+    second = Sandbox.create(template="base", timeout=120, metadata={"order": tag})
+    try:
+        q = SandboxQuery(metadata={"order": tag}, template="base")
+        assert [s.sandbox_id for s in Sandbox.list(query=q).next_items()] == [
+            first.sandbox_id, second.sandbox_id]
+        newest_first = Sandbox.list(query=q, order="desc").next_items()
+        assert [s.sandbox_id for s in newest_first] == [second.sandbox_id, first.sandbox_id]
+        other = SandboxQuery(metadata={"order": tag}, template="code-interpreter")
+        assert Sandbox.list(query=other).next_items() == []
+        for since, want in ((first, [first, second]), (second, [second])):
+            after = SandboxQuery(metadata={"order": tag},
+                                 started_after=since.get_info().started_at)
+            assert [s.sandbox_id for s in Sandbox.list(query=after).next_items()] == [
+                w.sandbox_id for w in want]
+    finally:
+        first.kill()
+        second.kill()

@@ -44,7 +44,9 @@ class SandboxQuery:
             return False
         if self.template and self.template not in (record.template_id, record.alias):
             return False
-        if self.started_after is not None and record.started_at <= self.started_after:
+        # "at or after", to the microsecond that RFC 3339 times carry
+        if self.started_after is not None and (
+                round(record.started_at * 1e6) < round(self.started_after * 1e6)):
             return False
         return all(record.metadata.get(k) == v for k, v in self.metadata.items())
 
