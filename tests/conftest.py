@@ -9,8 +9,10 @@ import pytest
 
 from agentenv.testing import Node, leaks
 
-TEST_PREFIX = "aet"
-TEST_CIDR = "10.12.0.0/16"
+# Per session, so that two test runs on one machine never take each other's
+# slots for crash leftovers (each node removes unknown slots of its prefix).
+TEST_PREFIX = f"t{os.getpid() % 46656:03x}"
+TEST_CIDR = f"10.{100 + os.getpid() % 100}.0.0/16"
 
 
 @pytest.fixture(scope="session")

@@ -223,8 +223,20 @@ def test_unknown_template_is_an_error(node: Node) -> None:
     assert "no-such-template" in str(failed.value)
 
 
-def test_ttl_expiry_through_the_sdk(node: Node) -> None:
+def test_ttl_expiry_through_the_sdk_pauses_by_default(node: Node) -> None:
     sandbox = Sandbox.create(template="base", timeout=2)
+    deadline = time.monotonic() + 20
+    while sandbox.is_running() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    while sandbox.get_info().state.value != "paused" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sandbox.get_info().state.value == "paused"
+    assert not sandbox.is_running()
+    sandbox.kill()
+
+
+def test_ttl_expiry_through_the_sdk_kills_when_asked(node: Node) -> None:
+    sandbox = Sandbox.create(template="base", timeout=2, lifecycle={"on_timeout": "kill"})
     deadline = time.monotonic() + 20
     while sandbox.is_running() and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -9,6 +9,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.testing import Node
+from sandbox_helpers import COUNTER, counting
 
 MEMORY_SERVER = """
 import http.server, json
@@ -26,11 +27,6 @@ class H(http.server.BaseHTTPRequestHandler):
         pass
 http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 """
-COUNTER = (
-    "python3 -c 'import itertools, time\n"
-    "for i in itertools.count():\n"
-    "    open(\"/tmp/count\", \"w\").write(str(i)); time.sleep(0.05)'"
-)
 
 
 def memory(node: Node, sid: str, path: str = "/get") -> int:
@@ -40,18 +36,6 @@ def memory(node: Node, sid: str, path: str = "/get") -> int:
     return r.json()["n"]
 
 
-def count(sbx: Sandbox) -> int:
-    return int(sbx.commands.run("cat /tmp/count").stdout or 0)
-
-
-def counting(sbx: Sandbox) -> bool:
-    """The counter loop advances (allowing for a loaded machine)."""
-    first = count(sbx)
-    for _ in range(50):
-        time.sleep(0.1)
-        if count(sbx) > first:
-            return True
-    return False
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ def test_sandbox_sees_its_limits(sandbox: Sandbox) -> None:
 
 
 def test_ttl_expiry_kills(node: Node, api: httpx.Client) -> None:
-    sid = create(api, timeout=1)["sandboxID"]
+    sid = create(api, timeout=1, autoPause=False)["sandboxID"]
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if api.get(f"/sandboxes/{sid}").status_code == 404:

@@ -53,6 +53,11 @@ class Config:
     snapshot_region: str = ""
     snapshot_access_key_id_file: Path | None = None
     snapshot_secret_access_key_file: Path | None = None
+    # Creates restore a boot snapshot of their template instead of booting
+    # (built on a template's first use); warm_pool_size sandboxes per used
+    # template are kept restored ahead of need.
+    template_snapshots: bool = True
+    warm_pool_size: int = 0
     log_level: str = "info"
     extra: dict[str, Any] = field(default_factory=dict)
 

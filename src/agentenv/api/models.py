@@ -22,9 +22,10 @@ class _Body(BaseModel):
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
     timeout: int | None = Field(default=None, description="Time to live in seconds")
-    # Expiry kills unless asked otherwise: E2B's default. The e2b SDK (2.63) leaves
-    # the field out when no lifecycle.on_timeout is given, to get this default.
-    auto_pause: bool = Field(default=False, alias="autoPause")
+    # Expiry pauses unless asked otherwise (agentenv's rule; E2B's API kills). The
+    # e2b SDK leaves the field out without lifecycle.on_timeout, and sends false
+    # for lifecycle={"on_timeout": "kill"}.
+    auto_pause: bool = Field(default=True, alias="autoPause")
     secure: bool | None = None
     allow_internet_access: bool | None = None
     metadata: dict[str, str] | None = None

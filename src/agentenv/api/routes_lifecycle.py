@@ -112,8 +112,8 @@ async def list_snapshots(
 ) -> list[SnapshotInfo]:
     store = _manager(request).snapshots
     manifests = await _snapshot_call(asyncio.to_thread(store.list, sandbox_id))
-    # Pause snapshots are internal to their sandbox; list what users took.
-    out = [_info(m) for m in manifests if m.metadata.get("kind") != "pause"]
+    # Pause snapshots and template images are the node's own; list what users took.
+    out = [_info(m) for m in manifests if m.metadata.get("kind") not in ("pause", "template")]
     return [i for i in out if name is None or name in i.names]
 
 

@@ -39,6 +39,11 @@ def server(
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    import faulthandler
+    import signal
+
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: a hung node explains itself.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Request lines of the node's own envd calls are noise at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     asgi = create_app(config)

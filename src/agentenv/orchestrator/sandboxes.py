@@ -37,6 +37,7 @@ from .models import (
     new_sandbox_id,
 )
 from .store import SandboxStore
+from .template_images import PooledSandbox, TemplateImage, TemplateImages
 
 log = logging.getLogger(__name__)
 BUNDLE_MOUNT = "/.aenv"
@@ -83,6 +84,8 @@ class SandboxManager:
         self._tasks: set[asyncio.Task] = set()
         # Called with a sandbox ID once it is gone (the proxy drops its connections).
         self.on_removed: list[Callable[[str], None]] = []
+        self.images = (TemplateImages(self, config.warm_pool_size)
+                       if config.template_snapshots else None)
 
     # -- start / stop ---------------------------------------------------------
 
@@ -100,6 +103,8 @@ class SandboxManager:
                 await self._ttl_task
         for task in list(self._tasks):
             task.cancel()
+        if self.images is not None:
+            await self.images.close()
         if self._commits:
             await asyncio.gather(*self._commits.values(), return_exceptions=True)
         if destroy:
@@ -182,9 +187,10 @@ class SandboxManager:
             raise CapacityExceeded(
                 f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
             )
+        member = self.images.take(template) if self.images else None
         now = time.time()
         record = SandboxRecord(
-            sandbox_id=new_sandbox_id(),
+            sandbox_id=member.sandbox_id if member else new_sandbox_id(),
             template_id=template.template_id,
             alias=template.alias,
             state=SandboxState.CREATING,
@@ -204,10 +210,55 @@ class SandboxManager:
         self.store.put(record)
         # The work runs as its own task: a client that hangs up mid-create does
         # not leave a half-built sandbox; the task finishes or cleans up.
-        task = asyncio.create_task(self._build(record, template))
+        if member is not None:
+            work = self._adopt(record, member)
+        else:
+            image = await self.images.image(template) if self.images else None
+            work = (self._restore_or_boot(record, template, image) if image
+                    else self._build(record, template))
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
+
+    async def _adopt(self, record: SandboxRecord, member: PooledSandbox) -> SandboxRecord:
+        """Hand out a sandbox the warm pool restored ahead of time."""
+        t0 = time.perf_counter()
+        record.slot_index, record.slot_address = member.slot.index, member.slot.address
+        self.store.put(record)
+        try:
+            await self.envd.init(member.slot.address, record.envd_token, record.env_vars,
+                                 current_token=member.envd_token)
+            self._transition(record, SandboxState.RUNNING)
+        except BaseException as exc:
+            log.warning("adopting pooled sandbox %s failed: %s", record.sandbox_id, exc)
+            await asyncio.shield(self._teardown(record, member.slot, True))
+            raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
+        log.info("created %s in %.0f ms (from the warm pool)", record.sandbox_id,
+                 (time.perf_counter() - t0) * 1000)
+        return record
+
+    async def _restore_or_boot(self, record: SandboxRecord, template: Template,
+                               image: TemplateImage) -> SandboxRecord:
+        """Restore the template's image; should that fail, boot as if there were none."""
+        t0 = time.perf_counter()
+        try:
+            await self._restore(record, image.path, source_token=image.envd_token,
+                                hostname_of=template.template_id)
+        except CapacityExceeded:
+            raise
+        except OrchestratorError as exc:
+            log.warning("template %s: restoring its image failed (%s); booting instead",
+                        template.template_id, exc)
+            assert self.images is not None
+            self.images.forget(template)
+            record.state, record.slot_index, record.slot_address = SandboxState.CREATING, 0, ""
+            self._records[record.sandbox_id] = record
+            self.store.put(record)
+            return await self._build(record, template)
+        log.info("created %s in %.0f ms (from the template image)", record.sandbox_id,
+                 (time.perf_counter() - t0) * 1000)
+        return record
 
     async def _build(self, record: SandboxRecord, template: Template) -> SandboxRecord:
         slot = None
@@ -228,11 +279,12 @@ class SandboxManager:
             await self.envd.wait_ready(slot.address)
             t3 = time.perf_counter()
             await self.envd.init(slot.address, record.envd_token, record.env_vars)
-            await self._run_start_command(template, slot.address, record.envd_token)
+            await self.run_start_command(template, slot.address, record.envd_token)
             self._transition(record, SandboxState.RUNNING)
-            log.info("created %s in %.0f ms (slot %.0f, runtime %.0f, envd %.0f, init %.0f)",
-                     record.sandbox_id, (time.perf_counter() - t0) * 1000, (t1 - t0) * 1000,
-                     (t2 - t1) * 1000, (t3 - t2) * 1000, (time.perf_counter() - t3) * 1000)
+            log.info("created %s in %.0f ms (booted: slot %.0f, runtime %.0f, envd %.0f, "
+                     "init %.0f)", record.sandbox_id, (time.perf_counter() - t0) * 1000,
+                     (t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000,
+                     (time.perf_counter() - t3) * 1000)
             return record
         except BaseException as exc:
             log.warning("create %s failed: %s", record.sandbox_id, exc)
@@ -241,7 +293,7 @@ class SandboxManager:
                 raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
             raise
 
-    async def _run_start_command(self, template: Template, address: str, token: str) -> None:
+    async def run_start_command(self, template: Template, address: str, token: str) -> None:
         if template.start_cmd:
             await self.envd.start(address, token, template.start_cmd)
         if not template.ready_cmd:
@@ -353,18 +405,25 @@ class SandboxManager:
 
     def _spec(self, record: SandboxRecord, template: Template, netns_path: str,
               hostname_of: str) -> SandboxSpec:
+        return self.spec_for(record.sandbox_id, template, record.cpu_count, record.memory_mb,
+                             netns_path, hostname_of)
+
+    def spec_for(self, sandbox_id: str, template: Template, cpu_count: int, memory_mb: int,
+                 netns_path: str, hostname_of: str) -> SandboxSpec:
+        """The runtime spec of a sandbox of ``template`` (the same for boot and restore:
+        a restore must match what was checkpointed)."""
         assert self._bundle is not None
         return SandboxSpec(
-            sandbox_id=record.sandbox_id,
+            sandbox_id=sandbox_id,
             rootfs=template.rootfs,
             hostname=f"sbx-{hostname_of[:8]}",
-            cpu_count=record.cpu_count,
-            memory_mb=record.memory_mb,
+            cpu_count=cpu_count,
+            memory_mb=memory_mb,
             netns_path=netns_path,
             runtime_bundle=self._bundle,
             bundle_mount=BUNDLE_MOUNT,
             init_args=self._init_argv,
-            init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(record.memory_mb)},
+            init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(memory_mb)},
         )
 
     # -- snapshots, pause, resume --------------------------------------------------
@@ -446,8 +505,9 @@ class SandboxManager:
             staging = await self._staging(snapshot_id)
             try:
                 await self.runtime.checkpoint(sandbox_id, staging, leave_running=False)
-            except BaseException:
+            except BaseException as exc:
                 await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
+                await self._after_failed_pause(record, exc)
                 raise
             metadata = self._snapshot_metadata(record, "pause")
             (staging.parent / f"{snapshot_id}.meta.json").write_text(json.dumps(metadata))
@@ -457,6 +517,17 @@ class SandboxManager:
             self._transition(record, SandboxState.PAUSED)
             self._start_commit(snapshot_id, staging, metadata, replaces=previous)
             return record
+
+    async def _after_failed_pause(self, record: SandboxRecord, exc: BaseException) -> None:
+        """A failed capture may have stopped the sandbox: then nothing can be saved
+        and the sandbox is gone; otherwise it keeps running as it was."""
+        state = await self.runtime.state(record.sandbox_id)
+        if state is None or state.state != "running":
+            log.error("pause of %s failed and the sandbox stopped (%s): it is lost",
+                      record.sandbox_id, exc)
+            slot = (self.slots.layout.slot(record.slot_index, record.internet)
+                    if record.slot_index else None)
+            await asyncio.shield(self._teardown(record, slot, True))
 
     def _start_commit(self, snapshot_id: str, staging: Path, metadata: dict,
                       replaces: str = "") -> None:
@@ -674,15 +745,25 @@ class SandboxManager:
             now = time.time()
             for record in list(self._records.values()):
                 if record.state is SandboxState.RUNNING and record.expired(now):
-                    action = self.pause if record.auto_pause else self.kill
                     log.info("sandbox %s reached its timeout: %s", record.sandbox_id,
                              "pausing" if record.auto_pause else "killing")
-                    try:
-                        await action(record.sandbox_id)
-                    except OrchestratorError:
-                        pass
-                    except Exception:
-                        log.exception("timeout action on %s failed", record.sandbox_id)
+                    await self._expire(record)
+
+
+    async def _expire(self, record: SandboxRecord) -> None:
+        """Pause (or kill) an expired sandbox; a pause that fails kills it, so an
+        expired sandbox never goes on holding the node's resources."""
+        if record.auto_pause:
+            try:
+                await self.pause(record.sandbox_id)
+                return
+            except NotFound:
+                return
+            except Exception as exc:
+                log.error("pause of expired sandbox %s failed (%s); killing it",
+                          record.sandbox_id, exc)
+        with contextlib.suppress(NotFound, Conflict):
+            await self.kill(record.sandbox_id)
 
 
 def _check_str_map(name: str, value: dict, limit: int) -> None:

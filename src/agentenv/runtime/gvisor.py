@@ -152,7 +152,10 @@ class GVisorRuntime:
         args = ["checkpoint", f"--image-path={image_dir}", "--compression=none"]
         if leave_running:
             args.append("--leave-running")
-        await self._runsc(*args, sandbox_id, limit=300)
+            await self._runsc(*args, sandbox_id, limit=300)
+        else:
+            # runsc waits for the stopped sandbox to be reaped, and we reap it.
+            await self._reaping(self._runsc(*args, sandbox_id, limit=300))
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> RuntimeSandbox:
         """Start a sandbox from a checkpoint; the spec must match the checkpointed one
@@ -184,12 +187,26 @@ class GVisorRuntime:
         # Kill and reap the sandbox's processes ourselves: `runsc delete --force`
         # would wait on the host's init to reap them (over a second here).
         await asyncio.to_thread(self._kill_processes, sandbox_id)
-        await self._runsc("delete", "--force", sandbox_id, check=False)
+        await self._reaping(self._runsc("delete", "--force", sandbox_id, check=False))
         await asyncio.to_thread(self._remove_leftovers, sandbox_id)
         reap_runsc_orphans()
 
     async def housekeeping(self) -> None:
         reap_runsc_orphans()
+
+    async def _reaping(self, command):
+        """Run a runsc command that waits on sandbox processes to go, reaping them
+        meanwhile: as subreaper we are their parent, and a zombie never goes."""
+        task = asyncio.ensure_future(command)
+        try:
+            while not task.done():
+                reap_runsc_orphans()
+                await asyncio.wait([task], timeout=0.02)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+            reap_runsc_orphans()
 
     def _kill_processes(self, sandbox_id: str) -> None:
         marker = f"{self.sandboxes_dir}/{sandbox_id}/".encode()

@@ -82,6 +82,8 @@ class Node:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # its stacks go to the log first
+            time.sleep(1)
             self.proc.kill()
             return self.proc.wait()
 

@@ -1,0 +1,226 @@
+"""Boot snapshots of templates, and a warm pool of sandboxes restored from them.
+
+A template's image is a sandbox of that template captured right after it became
+ready (envd up, start command running). Creating a sandbox then restores the
+image instead of booting a kernel and envd: the restore costs a fraction of a
+cold boot. The image lives in the snapshot repository under an alias derived
+from everything it depends on (template build, envd bundle, runtime version,
+resources), so a changed template or node never restores a stale one.
+
+The warm pool keeps ``size`` sandboxes per hot template already restored, each
+in its own slot; a create adopts one (a single envd call) and the pool refills
+in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..network import Slot, SlotPoolExhausted
+from ..snapshot import SnapshotError, SnapshotNotFound
+from ..templates import Template
+from .models import new_sandbox_id
+
+if TYPE_CHECKING:
+    from .sandboxes import SandboxManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TemplateImage:
+    snapshot_id: str
+    path: Path  # node-local copy of the checkpoint files
+    envd_token: str  # the token envd holds in the image (a restore rotates it)
+
+
+@dataclass
+class PooledSandbox:
+    sandbox_id: str
+    template_id: str
+    slot: Slot
+    envd_token: str
+
+
+class TemplateImages:
+    def __init__(self, manager: SandboxManager, pool_size: int = 0):
+        self.manager = manager
+        self.pool_size = pool_size
+        self._images: dict[str, TemplateImage] = {}
+        self._building: dict[str, asyncio.Task] = {}
+        self._pool: dict[str, list[PooledSandbox]] = {}
+        self._refilling: dict[str, asyncio.Task] = {}
+        self._closed = False
+
+    # -- images -----------------------------------------------------------------
+
+    def alias(self, template: Template) -> str:
+        m = self.manager
+        key = "|".join(str(x) for x in (
+            template.template_id, template.created_at, template.build_id, template.rootfs,
+            template.cpu_count, template.memory_mb, template.start_cmd, template.ready_cmd,
+            m._bundle.name if m._bundle else "", m.runtime.kind, m.runtime.version,
+        ))
+        return f"tpl.{template.template_id}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+    async def image(self, template: Template) -> TemplateImage | None:
+        """The template's image if this node can restore it now; otherwise None, and
+        the image is built in the background for the creates that follow."""
+        alias = self.alias(template)
+        known = self._images.get(alias)
+        if known is not None and known.path.is_dir():
+            return known
+        try:
+            manifest = await asyncio.to_thread(self.manager.snapshots.resolve, alias)
+            path = await asyncio.to_thread(self.manager.snapshots.materialize,
+                                           manifest.snapshot_id)
+        except SnapshotNotFound:
+            self._build_in_background(template, alias)
+            return None
+        except SnapshotError as exc:
+            log.warning("template image %s unavailable: %s", alias, exc)
+            return None
+        image = TemplateImage(manifest.snapshot_id, path, manifest.metadata["envd_token"])
+        self._images[alias] = image
+        return image
+
+    def forget(self, template: Template) -> None:
+        """Drop a template image that failed to restore; the next create rebuilds it."""
+        image = self._images.pop(self.alias(template), None)
+        if image is not None:
+            with contextlib.suppress(SnapshotError):
+                self.manager.snapshots.delete(image.snapshot_id)
+
+    def _build_in_background(self, template: Template, alias: str) -> None:
+        if self._closed or alias in self._building:
+            return
+        task = asyncio.create_task(self._build(template, alias), name=f"image-{alias}")
+        self._building[alias] = task
+        task.add_done_callback(lambda _: self._building.pop(alias, None))
+
+    async def _build(self, template: Template, alias: str) -> None:
+        """Boot a sandbox of the template (no record: a crash leaves nothing the
+        restart does not remove), wait until it is ready, capture and commit it."""
+        m = self.manager
+        sandbox_id, token = new_sandbox_id(), secrets.token_urlsafe(32)
+        snapshot_id = new_sandbox_id()
+        slot = None
+        started = False
+        t0 = time.perf_counter()
+        try:
+            slot = await m.slots.acquire(internet=True)
+            spec = m.spec_for(sandbox_id, template, template.cpu_count, template.memory_mb,
+                              slot.netns_path, hostname_of=template.template_id)
+            started = True
+            await m.runtime.start(spec)
+            await m.envd.wait_ready(slot.address)
+            await m.envd.init(slot.address, token, {})
+            await m.run_start_command(template, slot.address, token)
+            staging = await asyncio.to_thread(m.snapshots.new_staging, snapshot_id)
+            await m.runtime.checkpoint(sandbox_id, staging, leave_running=False)
+            metadata = {
+                "kind": "template", "template_id": template.template_id,
+                "alias": template.alias, "cpu_count": template.cpu_count,
+                "memory_mb": template.memory_mb, "envd_token": token,
+                "runtime": {"kind": m.runtime.kind, "version": m.runtime.version},
+                "bundle": m._bundle.name if m._bundle else "", "created_at": time.time(),
+            }
+            await asyncio.to_thread(m.snapshots.commit, snapshot_id, staging, metadata, alias)
+            log.info("template %s: image %s built in %.0f ms", template.template_id, alias,
+                     (time.perf_counter() - t0) * 1000)
+        except Exception as exc:
+            log.warning("template %s: building its image failed: %s", template.template_id, exc)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(m.snapshots.discard_staging, snapshot_id)
+        finally:
+            if started:
+                await asyncio.shield(m.runtime.destroy(sandbox_id))
+            if slot is not None:
+                await asyncio.shield(m.slots.release(slot))
+
+    # -- warm pool --------------------------------------------------------------
+
+    def take(self, template: Template) -> PooledSandbox | None:
+        """A sandbox already restored from the template's image, if the pool has one."""
+        if self.pool_size <= 0:
+            return None
+        members = self._pool.get(template.template_id) or []
+        member = members.pop(0) if members else None
+        self._refill(template)
+        return member
+
+    def _refill(self, template: Template) -> None:
+        tid = template.template_id
+        if self._closed or self.pool_size <= 0 or tid in self._refilling:
+            return
+        task = asyncio.create_task(self._fill(template), name=f"pool-{tid}")
+        self._refilling[tid] = task
+        task.add_done_callback(lambda _: self._refilling.pop(tid, None))
+
+    async def _fill(self, template: Template) -> None:
+        m = self.manager
+        members = self._pool.setdefault(template.template_id, [])
+        while not self._closed and len(members) < self.pool_size:
+            if m.active_count() + self.pooled() >= m.config.max_sandboxes:
+                return  # the pool never takes capacity users need
+            image = await self.image(template)
+            if image is None:
+                build = self._building.get(self.alias(template))
+                if build is None:
+                    return
+                await asyncio.shield(build)
+                continue
+            member = await self._restore_member(template, image)
+            if member is None:
+                return
+            members.append(member)
+
+    async def _restore_member(self, template: Template, image: TemplateImage
+                              ) -> PooledSandbox | None:
+        m = self.manager
+        sandbox_id = new_sandbox_id()
+        slot = None
+        try:
+            slot = await m.slots.acquire(internet=True)
+            spec = m.spec_for(sandbox_id, template, template.cpu_count, template.memory_mb,
+                              slot.netns_path, hostname_of=template.template_id)
+            await m.runtime.restore(spec, image.path)
+            await m.envd.wait_ready(slot.address)
+            return PooledSandbox(sandbox_id, template.template_id, slot, image.envd_token)
+        except SlotPoolExhausted:
+            return None
+        except Exception as exc:
+            log.warning("warm pool of %s: restore failed: %s", template.template_id, exc)
+            await asyncio.shield(m.runtime.destroy(sandbox_id))
+            if slot is not None:
+                await asyncio.shield(m.slots.release(slot))
+            return None
+
+    def pooled(self) -> int:
+        return sum(len(v) for v in self._pool.values())
+
+    def stats(self) -> dict:
+        return {"images": len(self._images), "building": len(self._building),
+                "pooled": {k: len(v) for k, v in self._pool.items()}}
+
+    async def close(self) -> None:
+        """Stop building and refilling; destroy every pooled sandbox."""
+        self._closed = True
+        for task in [*self._building.values(), *self._refilling.values()]:
+            task.cancel()
+        await asyncio.gather(*self._building.values(), *self._refilling.values(),
+                             return_exceptions=True)
+        m = self.manager
+        for members in self._pool.values():
+            for member in members:
+                await m.runtime.destroy(member.sandbox_id)
+                await m.slots.release(member.slot)
+        self._pool.clear()

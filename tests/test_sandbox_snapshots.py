@@ -1,0 +1,242 @@
+"""Pause, resume, snapshots and create-from-snapshot through a real node,
+against both repository backends (a directory, and a real S3 server on loopback)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from agentenv.testing import Node, leaks
+from sandbox_helpers import COUNTER, count, counting
+from test_snapshot_store import S3Server
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    server = S3Server()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def oss_node(tmp_path_factory: pytest.TempPathFactory, s3: S3Server) -> Iterator[Node]:
+    home = tmp_path_factory.mktemp("oss-node")
+    secrets = home / "s3-credentials"
+    secrets.mkdir()
+    for name in ("key-id", "secret"):
+        (secrets / name).write_text("test")
+        os.chmod(secrets / name, 0o600)
+    node = Node(
+        home / "home", "aeo", "10.16.0.0/16",
+        AENV_SNAPSHOT_BACKEND="oss", AENV_SNAPSHOT_ENDPOINT_URL=s3.url,
+        AENV_SNAPSHOT_BUCKET=s3.new_bucket(), AENV_SNAPSHOT_PREFIX="node",
+        AENV_SNAPSHOT_REGION="us-east-1",
+        AENV_SNAPSHOT_ACCESS_KEY_ID_FILE=str(secrets / "key-id"),
+        AENV_SNAPSHOT_SECRET_ACCESS_KEY_FILE=str(secrets / "secret"),
+    )
+    node.start()
+    yield node
+    node.stop()
+    assert leaks("aeo", node.home) == []
+
+
+@pytest.fixture(params=["posix_fs", "oss"])
+def target(request, node: Node) -> Iterator[tuple[Node, httpx.Client]]:
+    """A node of each backend, with the e2b SDK pointed at it."""
+    chosen = node if request.param == "posix_fs" else request.getfixturevalue("oss_node")
+    saved = {k: os.environ.get(k) for k in chosen.e2b_env()}
+    os.environ.update(chosen.e2b_env())
+    with chosen.client() as api:
+        yield chosen, api
+    for k, v in saved.items():
+        os.environ[k] = v or ""
+
+
+def running_sandbox(api: httpx.Client, **body) -> Sandbox:
+    r = api.post("/sandboxes", json={"templateID": "base", "timeout": 600, **body})
+    assert r.status_code == 201, r.text
+    sbx = Sandbox.connect(r.json()["sandboxID"])
+    sbx.commands.run(COUNTER, background=True)
+    sbx.files.write("/home/user/state.txt", "kept")
+    assert counting(sbx)
+    return sbx
+
+
+def test_pause_resume_keeps_memory_processes_files(target) -> None:
+    node, api = target
+    sbx = running_sandbox(api)
+    sid = sbx.sandbox_id
+    try:
+        before = count(sbx)
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 409
+        # Paused means nothing runs: the proxy says so, the counter is frozen.
+        r = httpx.get(node.url + "/", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "80"})
+        assert r.status_code == 502
+        r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+        assert r.json()["sandboxID"] == sid
+        assert api.post(f"/sandboxes/{sid}/resume").status_code == 409
+        resumed = Sandbox.connect(sid)
+        assert count(resumed) >= before
+        assert counting(resumed)
+        assert resumed.files.read("/home/user/state.txt") == "kept"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_sdk_pause_and_connect_resume(target) -> None:
+    _, api = target
+    sbx = running_sandbox(api)
+    try:
+        sbx.pause()
+        assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
+        back = Sandbox.connect(sbx.sandbox_id)
+        assert back.is_running()
+        assert counting(back)
+        assert back.files.read("/home/user/state.txt") == "kept"
+    finally:
+        api.delete(f"/sandboxes/{sbx.sandbox_id}")
+
+
+def test_snapshot_while_running_then_create_from_it(target) -> None:
+    _, api = target
+    sbx = running_sandbox(api)
+    sid = sbx.sandbox_id
+    alias = f"ready-{sid[:6]}"
+    r = api.post(f"/sandboxes/{sid}/snapshots", json={"name": alias})
+    assert r.status_code == 201, r.text
+    snap = r.json()["snapshotID"]
+    assert r.json()["names"] == [alias]
+    # The source kept running through the capture.
+    assert counting(sbx)
+    sbx.files.write("/home/user/state.txt", "changed after the snapshot")
+    children = []
+    try:
+        for ref in (snap, alias):
+            r = api.post("/sandboxes", json={"templateID": ref})
+            assert r.status_code == 201, r.text
+            child = Sandbox.connect(r.json()["sandboxID"])
+            children.append(child.sandbox_id)
+            assert child.files.read("/home/user/state.txt") == "kept"
+            assert counting(child)
+    finally:
+        for child_id in children:
+            api.delete(f"/sandboxes/{child_id}")
+        api.delete(f"/sandboxes/{sid}")
+    # Listed by source sandbox even after the source is gone.
+    listed = api.get("/snapshots", params={"sandboxID": sid}).json()
+    assert [s["snapshotID"] for s in listed] == [snap]
+    assert api.get(f"/snapshots/{alias}").json()["snapshotID"] == snap
+    assert api.delete(f"/snapshots/{snap}").status_code == 204
+    assert api.get(f"/snapshots/{snap}").status_code == 404
+    r = api.post("/sandboxes", json={"templateID": snap})
+    assert r.status_code == 404
+
+
+def test_second_snapshot_after_small_change_is_incremental(target) -> None:
+    """As in the benchmark: a sandbox holding real data, then a 1 MiB change. The
+    second snapshot stores its change plus the sandbox's own churn, not the data."""
+    _, api = target
+    r = api.post("/sandboxes", json={"templateID": "base", "timeout": 300})
+    sbx = Sandbox.connect(r.json()["sandboxID"])
+    snaps = []
+    try:
+        sbx.commands.run("head -c 100663296 /dev/urandom > /home/user/data.bin")
+        first = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots").json()
+        snaps.append(first["snapshotID"])
+        sbx.commands.run("head -c 1048576 /dev/urandom > /home/user/one-mib.bin")
+        second = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots").json()
+        snaps.append(second["snapshotID"])
+        assert first["totalBytes"] > 96 << 20
+        assert second["storedBytes"] <= 0.05 * first["totalBytes"], (first, second)
+    finally:
+        for s in snaps:
+            api.delete(f"/snapshots/{s}")
+        api.delete(f"/sandboxes/{sbx.sandbox_id}")
+
+
+def test_resume_after_its_snapshot_is_gone_is_404(node: Node, api: httpx.Client) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    try:
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+        manager_db = node.home / "db"
+        import sqlite3
+
+        with sqlite3.connect(manager_db) as db:
+            snap = db.execute("SELECT snapshot_id FROM sandboxes WHERE sandbox_id=?",
+                              (sid,)).fetchone()[0]
+        # Wait for the background commit, then remove the snapshot underneath.
+        for _ in range(100):
+            if api.get(f"/snapshots/{snap}").status_code == 200:
+                break
+            time.sleep(0.1)
+        assert api.delete(f"/snapshots/{snap}").status_code == 204
+        for cached in (node.home / "cache" / "snapshots").glob(f"*{snap}*"):
+            import shutil
+
+            shutil.rmtree(cached, ignore_errors=True) if cached.is_dir() else cached.unlink()
+        r = api.post(f"/sandboxes/{sid}/resume")
+        assert r.status_code == 404, r.text
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+@pytest.mark.parametrize("auto_pause", [True, False])
+def test_ttl_expiry_pauses_or_deletes(api: httpx.Client, auto_pause: bool) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 1,
+                                       "autoPause": auto_pause}).json()["sandboxID"]
+    try:
+        want = "paused" if auto_pause else None
+        for _ in range(100):
+            r = api.get(f"/sandboxes/{sid}")
+            state = r.json()["state"] if r.status_code == 200 else None
+            if state == want:
+                break
+            time.sleep(0.2)
+        assert state == want
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_default_expiry_pauses(api: httpx.Client) -> None:
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 1}).json()["sandboxID"]
+    try:
+        for _ in range(100):
+            if api.get(f"/sandboxes/{sid}").json()["state"] == "paused":
+                break
+            time.sleep(0.2)
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+
+
+def test_paused_sandbox_survives_a_restart(tmp_path: Path, monkeypatch) -> None:
+    node = Node(tmp_path / "home", "aep", "10.17.0.0/16")
+    node.start()
+    try:
+        for k, v in node.e2b_env().items():
+            monkeypatch.setenv(k, v)
+        with node.client() as api:
+            sbx = running_sandbox(api)
+            assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+        node.stop()
+        node.start()
+        with node.client() as api:
+            assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
+            assert api.post(f"/sandboxes/{sbx.sandbox_id}/resume").status_code == 201
+            back = Sandbox.connect(sbx.sandbox_id)
+            assert back.files.read("/home/user/state.txt") == "kept"
+            assert counting(back)
+    finally:
+        node.stop()
+    assert leaks("aep", node.home) == []
