@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SUITES = ["bench_node.py", "bench_slots.py", "bench_e2b.py"]
+SUITES = ["bench_node.py", "bench_slots.py", "bench_e2b.py", "bench_snapshot_store.py",
+          "bench_snapshots.py"]
 
 
 def main() -> int:

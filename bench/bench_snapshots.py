@@ -1,0 +1,630 @@
+"""Snapshots on real nodes: pause, resume, creates (cold, warm pool, from a snapshot),
+fork of 16, capture after writing 256 MiB and a second snapshot after a 1 MiB change.
+
+Baselines in the same run: a cold create, and a bare runsc checkpoint/restore of a
+comparable sandbox (overlay root in memory, no network, `sleep infinity`) run
+directly with runsc under its own --root.
+
+Run as root:  .venv/bin/python bench/bench_snapshots.py [-n 10] [--forks 3]
+
+Three nodes: "abs" (10.18.0.0/16; AENV_TEMPLATE_SNAPSHOTS=0, so a create boots) for
+everything but the template creates; "abi" (10.20.0.0/16; template boot images, the
+default, no pool) and "abw" (10.19.0.0/16; AENV_WARM_POOL_SIZE=4) for those. How the
+node made each sandbox is read from its "created <id> in N ms (...)" log line. Every
+sandbox, snapshot, node and bare runsc container is removed at the end, even on errors.
+Writes bench/results/snapshots.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from agentenv.runtime.gvisor import reap_runsc_orphans
+from agentenv.testing import SHARED_HOME, Node, leaks
+from bench_node import exec_native
+from common import summary, table, write
+
+ROOTFS = SHARED_HOME / "images" / "templates" / "base" / "rootfs"
+MiB = 1 << 20
+TTL = 1800
+FORK = 16
+WARM_POOL = 4
+PR_SET_CHILD_SUBREAPER = 36
+
+TARGETS = {
+    "pause (API call)": "p50 <= 100",
+    "resume from the local cache (API call until 201)": "p50 <= 150",
+    "create from template, warm pool (API call)": "p50 <= 50",
+    "fork of 16: source stopped (node log)": "<= 150",
+    "fork of 16: all 16 children answer a command (from the call's start)": "<= 3000",
+    "1 MiB-change snapshot: storedBytes / first totalBytes": "<= 5 %",
+}
+
+
+class Failures(list):
+    def add(self, what: str) -> None:
+        print(f"  ! {what}", flush=True)
+        self.append(what)
+
+
+# -- a node's log ---------------------------------------------------------------------------
+
+class NodeLog:
+    def __init__(self, node: Node):
+        self.path = node.log_path
+
+    def text(self) -> str:
+        try:
+            return self.path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def offset(self) -> int:
+        return len(self.text())
+
+    def since(self, offset: int) -> str:
+        return self.text()[offset:]
+
+    def wait_for(self, pattern: str, offset: int, timeout: float) -> re.Match | None:
+        end = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.since(offset))
+            if m or time.monotonic() > end:
+                return m
+            time.sleep(0.05)
+
+
+# -- talking to sandboxes ----------------------------------------------------------------------
+
+def run_in(node: Node, sid: str, token: str, argv: list[str], timeout: float = 60) -> int:
+    with httpx.Client(base_url=node.url, timeout=timeout) as http:
+        return exec_native(http, sid, token, argv)
+
+
+def until_command(node: Node, sid: str, token: str, t0: float, deadline_s: float = 60) -> float:
+    """Seconds from ``t0`` until `true` ran inside the sandbox (retries until it does)."""
+    end = time.monotonic() + deadline_s
+    with httpx.Client(base_url=node.url, timeout=30) as http:
+        while True:
+            try:
+                if exec_native(http, sid, token, ["/bin/true"]) == 0:
+                    return time.perf_counter() - t0
+            except (httpx.HTTPError, RuntimeError):
+                if time.monotonic() > end:
+                    raise
+            if time.monotonic() > end:
+                raise TimeoutError(f"{sid}: no command ran within {deadline_s}s")
+            time.sleep(0.01)
+
+
+class Tracker:
+    """Sandboxes and snapshots a node holds for us; all removed in ``cleanup``."""
+
+    def __init__(self, node: Node, api: httpx.Client):
+        self.node, self.api = node, api
+        self.sandboxes: set[str] = set()
+        self.snapshots: set[str] = set()
+
+    def create(self, template: str) -> tuple[float, dict]:
+        t0 = time.perf_counter()
+        r = self.api.post("/sandboxes", json={"templateID": template, "timeout": TTL})
+        dt = time.perf_counter() - t0
+        if r.status_code != 201:
+            raise RuntimeError(f"create from {template}: {r.status_code} {r.text[:300]}")
+        self.sandboxes.add(r.json()["sandboxID"])
+        return dt, r.json()
+
+    def delete(self, sid: str) -> None:
+        r = self.api.delete(f"/sandboxes/{sid}")
+        if r.status_code not in (204, 404):
+            raise RuntimeError(f"delete {sid}: {r.status_code} {r.text[:200]}")
+        self.sandboxes.discard(sid)
+
+    def delete_many(self, ids: list[str]) -> None:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(self.delete, ids))
+
+    def snapshot(self, sid: str, name: str | None = None) -> tuple[float, dict]:
+        t0 = time.perf_counter()
+        r = self.api.post(f"/sandboxes/{sid}/snapshots", json={"name": name} if name else {},
+                          timeout=600)
+        dt = time.perf_counter() - t0
+        if r.status_code != 201:
+            raise RuntimeError(f"snapshot of {sid}: {r.status_code} {r.text[:300]}")
+        self.snapshots.add(r.json()["snapshotID"])
+        return dt, r.json()
+
+    def cleanup(self, failures: Failures) -> None:
+        for sid in list(self.sandboxes):
+            try:
+                self.delete(sid)
+            except Exception as exc:
+                failures.add(f"cleanup: {exc}")
+        for snap in list(self.snapshots):
+            try:
+                r = self.api.delete(f"/snapshots/{snap}")
+                if r.status_code not in (204, 404):
+                    failures.add(f"cleanup: delete snapshot {snap}: {r.status_code}")
+            except httpx.HTTPError as exc:
+                failures.add(f"cleanup: delete snapshot {snap}: {exc}")
+            self.snapshots.discard(snap)
+
+
+def created_ms(log: NodeLog, sid: str) -> float | None:
+    m = re.search(rf"created {sid} in (\d+) ms", log.text())
+    return float(m.group(1)) if m else None
+
+
+# -- node A: everything but the warm pool ------------------------------------------------------
+
+def bench_cold_creates(t: Tracker, log: NodeLog, n: int, rows: dict, raw: dict) -> None:
+    api_s, cmd_s, node_ms = [], [], []
+    ids = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        dt, body = t.create("base")
+        api_s.append(dt)
+        cmd_s.append(until_command(t.node, body["sandboxID"], body["envdAccessToken"], t0))
+        ids.append(body["sandboxID"])
+        if origin(log, body["sandboxID"]) != "boot":
+            raw.setdefault("cold_create_not_booted", []).append(body["sandboxID"])
+        ms = created_ms(log, body["sandboxID"])
+        if ms is not None:
+            node_ms.append(ms / 1000)
+    t.delete_many(ids)
+    rows["baseline: cold create from template (API call)"] = summary(api_s)
+    rows["baseline: cold create until a command runs"] = summary(cmd_s)
+    rows["baseline: cold create, node-side (node log)"] = summary(node_ms)
+    raw["cold_create_s"] = api_s
+
+
+def bench_pause_resume(t: Tracker, log: NodeLog, n: int, rows: dict, raw: dict,
+                       failures: Failures) -> None:
+    _, body = t.create("base")
+    sid, token = body["sandboxID"], body["envdAccessToken"]
+    # Something in memory that must come back: a shell loop and its counter.
+    run_in(t.node, sid, token, ["/bin/bash", "-c",
+                                "nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > "
+                                "/tmp/count; sleep 0.2; done' >/dev/null 2>&1 &"])
+    pause_s, resume_s, ready_s, commit_s = [], [], [], []
+    materialized = 0
+    for _ in range(n):
+        off = log.offset()
+        t0 = time.perf_counter()
+        r = t.api.post(f"/sandboxes/{sid}/pause")
+        pause_s.append(time.perf_counter() - t0)
+        if r.status_code != 204:
+            failures.add(f"pause: {r.status_code} {r.text[:200]}")
+            break
+        # The commit continues in the background; a resume would wait for it.
+        # Measure the resume itself, from the node-local cache.
+        m = log.wait_for(r"committed snapshot \S+: (\d+) bytes, (\d+) new bytes stored, "
+                         r"([\d.]+)s", off, 120)
+        if m is None:
+            failures.add("pause: no 'committed snapshot' line within 120 s")
+        else:
+            commit_s.append(float(m.group(3)))
+        off = log.offset()
+        t0 = time.perf_counter()
+        r = t.api.post(f"/sandboxes/{sid}/resume", json={"timeout": TTL})
+        resume_s.append(time.perf_counter() - t0)
+        if r.status_code != 201:
+            failures.add(f"resume: {r.status_code} {r.text[:200]}")
+            break
+        ready_s.append(until_command(t.node, sid, token, t0))
+        materialized += len(re.findall(r"materialized snapshot", log.since(off)))
+    code = run_in(t.node, sid, token, ["/bin/bash", "-c", "test \"$(cat /tmp/count)\" -gt 1"])
+    if code != 0:
+        failures.add("pause/resume: the counter loop did not survive")
+    t.delete(sid)
+    rows["pause (API call)"] = summary(pause_s)
+    rows["pause: background commit to the repository (node log)"] = summary(commit_s)
+    rows["resume from the local cache (API call until 201)"] = summary(resume_s)
+    rows["resume until a command runs"] = summary(ready_s)
+    raw["resume_materialized_from_repository"] = materialized
+    if materialized:
+        failures.add(f"resume: {materialized} resumes materialized from the repository, "
+                     "not the local cache")
+
+
+def bench_create_from_snapshot(t: Tracker, n: int, rows: dict) -> None:
+    _, body = t.create("base")
+    sid = body["sandboxID"]
+    alias = f"abs-bench-{uuid.uuid4().hex[:8]}"
+    dt, _ = t.snapshot(sid, alias)
+    rows["snapshot of an idle sandbox, with alias (capture + commit)"] = summary([dt])
+    api_s, cmd_s, ids = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        dt, child = t.create(alias)
+        api_s.append(dt)
+        cmd_s.append(until_command(t.node, child["sandboxID"], child["envdAccessToken"], t0))
+        ids.append(child["sandboxID"])
+    t.delete_many([*ids, sid])
+    rows["create from a snapshot alias (API call)"] = summary(api_s)
+    rows["create from a snapshot alias until a command runs"] = summary(cmd_s)
+
+
+def bench_fork(t: Tracker, log: NodeLog, runs: int, rows: dict, raw: dict,
+               failures: Failures) -> None:
+    _, body = t.create("base")
+    src, src_token = body["sandboxID"], body["envdAccessToken"]
+    run_in(t.node, src, src_token, ["/bin/bash", "-c",
+                                    "nohup sleep 100000 >/dev/null 2>&1 &"])
+    stopped_ms, call_s, all_s, each_s = [], [], [], []
+    for i in range(runs):
+        time.sleep(8)  # the slot pool refills after the previous run's deletes
+        off = log.offset()
+        t0 = time.perf_counter()
+        r = t.api.post(f"/sandboxes/{src}/fork", json={"count": FORK, "timeout": TTL},
+                       timeout=600)
+        call_s.append(time.perf_counter() - t0)
+        if r.status_code != 201:
+            failures.add(f"fork: {r.status_code} {r.text[:300]}")
+            continue
+        children = [c["sandbox"] for c in r.json() if c.get("sandbox")]
+        t.sandboxes.update(c["sandboxID"] for c in children)
+        for c in r.json():
+            if c.get("error"):
+                failures.add(f"fork run {i}: child failed: {c['error']}")
+        with ThreadPoolExecutor(FORK) as pool:
+            ready = list(pool.map(until_command, [t.node] * len(children),
+                                  [c["sandboxID"] for c in children],
+                                  [c["envdAccessToken"] for c in children],
+                                  [t0] * len(children)))
+        each_s += ready
+        if len(ready) == FORK:
+            all_s.append(max(ready))
+        m = re.search(rf"fork of {src}: source stopped (\d+) ms", log.since(off))
+        if m:
+            stopped_ms.append(float(m.group(1)) / 1000)
+        else:
+            failures.add(f"fork run {i}: no 'source stopped' line in the node log")
+        if until_command(t.node, src, src_token, time.perf_counter()) > 5:
+            failures.add(f"fork run {i}: the source answered slowly")
+        t.delete_many([c["sandboxID"] for c in children])
+    t.delete(src)
+    rows["fork of 16: source stopped (node log)"] = summary(stopped_ms)
+    rows["fork of 16: fork call (until 201)"] = summary(call_s)
+    rows["fork of 16: all 16 children answer a command (from the call's start)"] = \
+        summary(all_s)
+    rows["fork of 16: each child answers a command (from the call's start)"] = summary(each_s)
+    raw["fork_children_ready_s"] = each_s
+
+
+def bench_capture(t: Tracker, changes: int, rows: dict, raw: dict, failures: Failures) -> None:
+    _, body = t.create("base")
+    sid, token = body["sandboxID"], body["envdAccessToken"]
+    t0 = time.perf_counter()
+    code = run_in(t.node, sid, token, ["/bin/bash", "-c",
+                                       "head -c 268435456 /dev/urandom > /home/user/big.bin "
+                                       "&& sync"], timeout=600)
+    write_s = time.perf_counter() - t0
+    if code != 0:
+        failures.add(f"writing 256 MiB inside the sandbox: exit {code}")
+    rows["write 256 MiB of random data inside the sandbox"] = summary([write_s])
+    dt, first = t.snapshot(sid)
+    rows["capture + commit after writing 256 MiB"] = {
+        "n": 1, "seconds": round(dt, 3), "totalBytes": first["totalBytes"],
+        "storedBytes": first["storedBytes"],
+        "stored_MiB": round(first["storedBytes"] / MiB, 1)}
+    raw["first_snapshot"] = first
+    seconds, stored, pct = [], [], []
+    raw["incremental_snapshots"] = []
+    for i in range(changes):
+        code = run_in(t.node, sid, token, ["/bin/bash", "-c",
+                                           f"head -c 1048576 /dev/urandom > "
+                                           f"/home/user/change-{i}.bin && sync"])
+        if code != 0:
+            failures.add(f"1 MiB change: exit {code}")
+        dt, snap = t.snapshot(sid)
+        seconds.append(dt)
+        stored.append(snap["storedBytes"])
+        pct.append(100 * snap["storedBytes"] / first["totalBytes"])
+        raw["incremental_snapshots"].append(snap)
+    rows["capture + commit after a 1 MiB change"] = summary(seconds)
+    rows["1 MiB-change snapshot: storedBytes"] = {
+        "n": len(stored), "p50_bytes": sorted(stored)[len(stored) // 2] if stored else None,
+        "max_bytes": max(stored, default=None)}
+    rows["1 MiB-change snapshot: storedBytes / first totalBytes"] = {
+        "n": len(pct), "p50_pct": round(sorted(pct)[len(pct) // 2], 3) if pct else None,
+        "max_pct": round(max(pct), 3) if pct else None}
+    t.delete(sid)
+
+
+# -- nodes B and C: creates from a template's boot image, with and without a warm pool ---------
+
+def origin(log: NodeLog, sid: str) -> str:
+    """How the node made a sandbox, from its 'created <id> in N ms (...)' line."""
+    m = re.search(rf"created {sid} in [\d.]+ ms \(([^)]*)\)", log.text())
+    if m is None:
+        return "unknown"
+    how = m.group(1)
+    return ("warm pool" if "warm pool" in how else "template image" if "template image" in how
+            else "boot" if how.startswith("slot") else how)
+
+
+def containers(node: Node) -> int:
+    """runsc sandboxes the node runs (pooled ones have no record, but are here)."""
+    state = node.home / "run" / "runsc"
+    out = subprocess.run(["runsc", f"--root={state}", "list", "-quiet"], capture_output=True,
+                         text=True).stdout
+    return len(out.split())
+
+
+def wait_containers(node: Node, want: int, cap: float) -> bool:
+    end = time.monotonic() + cap
+    while time.monotonic() < end:
+        if containers(node) >= want:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def bench_template_creates(t: Tracker, log: NodeLog, n: int, pool: int, rows: dict,
+                           raw: dict) -> None:
+    """Creates from template base on a node with template images on (its default) and a
+    warm pool of ``pool`` (0: none). The first create boots and has the image built."""
+    label = "warm pool" if pool else "template image"
+    first_dt, body = t.create("base")
+    t.delete(body["sandboxID"])
+    info: dict = {"first_create_ms": round(first_dt * 1000, 1),
+                  "first_create_origin": origin(log, body["sandboxID"])}
+    built = log.wait_for(r"template base: image \S+ built in (\d+) ms", 0, 90)
+    info["image_built_ms"] = float(built.group(1)) if built else None
+    if pool:
+        info["pool_filled"] = wait_containers(t.node, pool, 90)
+    api_s, cmd_s, per = [], [], []
+    while len(per) < n:
+        ids = []
+        for _ in range(min(pool or n, n - len(per))):  # a full pool, back to back
+            t0 = time.perf_counter()
+            dt, body = t.create("base")
+            ready = until_command(t.node, body["sandboxID"], body["envdAccessToken"], t0)
+            ids.append(body["sandboxID"])
+            how = origin(log, body["sandboxID"])
+            per.append({"sandboxID": body["sandboxID"], "api_ms": round(dt * 1000, 1),
+                        "origin": how})
+            if how == label:
+                api_s.append(dt)
+                cmd_s.append(ready)
+        t.delete_many(ids)
+        if pool:
+            wait_containers(t.node, pool, 60)  # the pool refills in the background
+    info["creates"] = per
+    raw[f"template_creates_{label.replace(' ', '_')}"] = info
+    others = {p["origin"] for p in per if p["origin"] != label}
+    if pool:
+        name = "create from template, warm pool"
+    else:
+        name = "create from template via its boot image, no pool"
+    if api_s:
+        rows[f"{name} (API call)"] = summary(api_s)
+        rows[f"{name}, until a command runs"] = summary(cmd_s)
+        if others:
+            rows[f"{name}: creates not served that way"] = {
+                "count": len(per) - len(api_s), "origins": "/".join(sorted(others))}
+    else:
+        rows[f"{name} (API call)"] = {
+            "status": f"not available: no create came from the {label} "
+                      f"(origins: {'/'.join(sorted(others))})"}
+        rows[f"{name}: what the node did instead (API call)"] = summary(
+            [p["api_ms"] / 1000 for p in per])
+
+
+# -- bare runsc baseline ----------------------------------------------------------------
+
+def bare_runsc(work: Path, n: int, rows: dict, raw: dict) -> None:
+    """runsc checkpoint/restore of `sleep infinity` (overlay root in memory, no network)."""
+    runsc = shutil.which("runsc") or "/usr/bin/runsc"
+    root, bundle = work / "state", work / "bundle"
+    root.mkdir(parents=True)
+    bundle.mkdir()
+    subprocess.run([runsc, "spec", "--bundle", str(bundle), "--", "sleep", "infinity"],
+                   check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["root"] = {"path": str(ROOTFS), "readonly": False}
+    spec["process"]["terminal"] = False
+    (bundle / "config.json").write_text(json.dumps(spec))
+    base = [runsc, f"--root={root}", "--network=none", "--overlay2=root:memory"]
+    err_log = work / "runsc.err"
+
+    def run(*args: str) -> float:
+        t0 = time.perf_counter()
+        with open(err_log, "ab") as err:
+            code = subprocess.run([*base, *args], timeout=120, stdin=subprocess.DEVNULL,
+                                  stdout=err, stderr=err).returncode
+        if code:
+            raise RuntimeError(f"runsc {args[0]} failed: {err_log.read_text()[-1500:]}")
+        return time.perf_counter() - t0
+
+    # As the node does: be the subreaper of runsc's sandbox processes and reap them
+    # at once (a checkpoint that stops the sandbox waits for it to be reaped).
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    stop = threading.Event()
+
+    def reaper() -> None:
+        while not stop.is_set():
+            reap_runsc_orphans()
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=reaper, daemon=True)
+    thread.start()
+    stop_s, leave_s, restore_s, image_bytes = [], [], [], []
+    try:
+        cid = f"abs-bare-{uuid.uuid4().hex[:6]}-0"
+        run("run", "--detach", "--bundle", str(bundle), cid)
+        time.sleep(0.5)
+        for i in range(n):
+            image = work / f"leave-{i}"
+            leave_s.append(run("checkpoint", "--image-path", str(image), "--leave-running",
+                               "--compression=none", cid))
+            shutil.rmtree(image)
+        for i in range(n):
+            image = work / f"ck-{i}"
+            stop_s.append(run("checkpoint", "--image-path", str(image), "--compression=none",
+                              cid))
+            image_bytes.append(sum(f.stat().st_size for f in image.iterdir()))
+            run("delete", "--force", cid)
+            cid = f"{cid.rsplit('-', 1)[0]}-{i + 1}"
+            restore_s.append(run("restore", "--detach", "--image-path", str(image),
+                                 "--bundle", str(bundle), cid))
+    finally:
+        out = subprocess.run([*base, "list", "-quiet"], capture_output=True, text=True).stdout
+        for c in out.split():
+            subprocess.run([*base, "kill", c, "KILL"], capture_output=True)
+            subprocess.run([*base, "delete", "--force", c], capture_output=True)
+        time.sleep(0.2)
+        stop.set()
+        thread.join()
+        reap_runsc_orphans()
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        left = subprocess.run([*base, "list", "-quiet"], capture_output=True, text=True).stdout
+        raw["bare_runsc_left"] = left.split()
+    rows["baseline: bare runsc checkpoint (stops the sandbox)"] = summary(stop_s)
+    rows["baseline: bare runsc checkpoint --leave-running"] = summary(leave_s)
+    rows["baseline: bare runsc restore --detach"] = summary(restore_s)
+    rows["baseline: bare runsc image size"] = {
+        "MiB": round(sorted(image_bytes)[len(image_bytes) // 2] / MiB, 1) if image_bytes
+        else None}
+
+
+# -- main --------------------------------------------------------------------------------------
+
+def busy() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "pytest"], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if re.search(r"(^|\s|/)pytest(\s|$)", ln)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=10, help="samples for the cheap steps")
+    ap.add_argument("--forks", type=int, default=3, help="fork-of-16 runs")
+    ap.add_argument("--changes", type=int, default=3, help="1 MiB-change snapshots")
+    ap.add_argument("--keep", action="store_true", help="keep the nodes' homes")
+    ap.add_argument("--wait-for-tests", type=float, default=1800,
+                    help="seconds to wait for a running pytest to finish (2 cores)")
+    args = ap.parse_args()
+    end = time.monotonic() + args.wait_for_tests
+    if busy():
+        print("a pytest run is going on; waiting for it to finish", file=sys.stderr, flush=True)
+    while busy() and time.monotonic() < end:
+        time.sleep(5)
+    if busy():
+        print("warning: a pytest run is going on; timings will be noisy:\n  "
+              + "\n  ".join(busy()), file=sys.stderr)
+
+    rows: dict[str, dict] = {}
+    raw: dict = {}
+    failures = Failures()
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-snap-"))
+    nodes = {
+        # Template images off: creates boot (the cold baseline); all but the template creates.
+        "abs": Node(work / "home-abs", "abs", "10.18.0.0/16", AENV_MAX_SANDBOXES="40",
+                    AENV_NET_POOL_LOW="16", AENV_NET_POOL_HIGH="24",
+                    AENV_TEMPLATE_SNAPSHOTS="0", AENV_WARM_POOL_SIZE="0"),
+        # Template images on (the default), warm pool of 4.
+        "abw": Node(work / "home-abw", "abw", "10.19.0.0/16", AENV_MAX_SANDBOXES="40",
+                    AENV_NET_POOL_LOW="8", AENV_NET_POOL_HIGH="12",
+                    AENV_WARM_POOL_SIZE=str(WARM_POOL)),
+        # Template images on, no pool.
+        "abi": Node(work / "home-abi", "abi", "10.20.0.0/16", AENV_MAX_SANDBOXES="40",
+                    AENV_NET_POOL_LOW="8", AENV_NET_POOL_HIGH="12", AENV_WARM_POOL_SIZE="0"),
+    }
+    left: dict[str, list[str]] = {}
+    try:
+        print("== bare runsc", flush=True)
+        try:
+            bare_runsc(work / "bare", args.n, rows, raw)
+        except Exception as exc:
+            failures.add(f"bare runsc: {exc}")
+
+        node = nodes["abs"]
+        node.start()
+        log = NodeLog(node)
+        with node.client() as api:
+            t = Tracker(node, api)
+            try:
+                time.sleep(4)  # let the slot pool fill
+                for name, step in (
+                    ("cold creates", lambda: bench_cold_creates(t, log, args.n, rows, raw)),
+                    ("pause/resume", lambda: bench_pause_resume(t, log, args.n, rows, raw,
+                                                                failures)),
+                    ("create from a snapshot", lambda: bench_create_from_snapshot(
+                        t, args.n, rows)),
+                    ("fork of 16", lambda: bench_fork(t, log, args.forks, rows, raw,
+                                                      failures)),
+                    ("capture of 256 MiB", lambda: bench_capture(t, args.changes, rows, raw,
+                                                                 failures)),
+                ):
+                    print(f"== {name}", flush=True)
+                    try:
+                        step()
+                    except Exception as exc:
+                        failures.add(f"{name}: {type(exc).__name__}: {exc}")
+            finally:
+                t.cleanup(failures)
+        node.stop()
+
+        for prefix, pool in (("abi", 0), ("abw", WARM_POOL)):
+            node = nodes[prefix]
+            print(f"== template creates, warm pool {pool}", flush=True)
+            node.start()
+            log = NodeLog(node)
+            with node.client() as api:
+                t = Tracker(node, api)
+                try:
+                    time.sleep(2)
+                    bench_template_creates(t, log, max(args.n, 12), pool, rows, raw)
+                except Exception as exc:
+                    failures.add(f"template creates (pool {pool}): {type(exc).__name__}: {exc}")
+                finally:
+                    t.cleanup(failures)
+            node.stop()
+    finally:
+        for prefix, node in nodes.items():
+            with contextlib.suppress(Exception):
+                node.stop()
+            left[prefix] = leaks(prefix, node.home)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print(f"leaks: {left}", flush=True)
+    rows["failures"] = {"count": len(failures)}
+    groups = ("pause", "resume", "create from template", "create from a snapshot",
+              "snapshot of", "fork", "write", "capture", "1 MiB", "baseline", "failures")
+    order = sorted(rows, key=lambda k: next(
+        (i for i, g in enumerate(groups) if k.startswith(g)), len(groups)))
+    text = table("Snapshots: pause/resume, creates, fork of 16, capture (template base, "
+                 "512 MiB)", {k: rows[k] for k in order}, TARGETS)
+    text += ("\nn = samples. Nodes: abs boots (AENV_TEMPLATE_SNAPSHOTS=0; pause/resume, "
+             "snapshots, fork, capture, cold creates), abi restores the template's boot image "
+             "(no pool), abw has a warm pool (AENV_WARM_POOL_SIZE=4; creates taken back to back "
+             "from a full pool, in groups of 4). Resume is measured after the pause's "
+             "background commit finished. Bare runsc baseline: `sleep infinity`, overlay root "
+             "in memory, no network, no compression.\n")
+    if failures:
+        text += "\nFailures:\n" + "\n".join(f"- {f}" for f in failures[:30]) + "\n"
+    text += f"\nLeft behind: {left}\n"
+    write("snapshots", {"rows": rows, "raw": raw, "failures": failures, "leaks": left}, text)
+    return 1 if failures or any(left.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
