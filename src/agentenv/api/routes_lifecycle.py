@@ -7,8 +7,9 @@ import asyncio
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import Field
 
-from ..orchestrator import NotFound, OrchestratorError, SandboxManager
-from ..snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound, StorageFull
+from ..orchestrator import NotFound, OrchestratorError, SandboxManager, StorageFull
+from ..snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound
+from ..snapshot import StorageFull as SnapshotStorageFull
 from . import models
 
 router = APIRouter()
@@ -138,16 +139,12 @@ async def _snapshot_call(awaitable):
         return await awaitable
     except SnapshotNotFound as exc:
         raise NotFound(str(exc)) from exc
-    except StorageFull as exc:
-        raise InsufficientStorage(f"snapshot storage is full: {exc}") from exc
+    except SnapshotStorageFull as exc:
+        raise StorageFull(f"snapshot storage is full: {exc}") from exc
     except RepositoryUnavailable as exc:
         raise Unavailable(f"snapshot repository unavailable: {exc}") from exc
     except SnapshotError as exc:
         raise OrchestratorError(f"snapshot: {exc}") from exc
-
-
-class InsufficientStorage(OrchestratorError):
-    status = 507
 
 
 class Unavailable(OrchestratorError):

@@ -8,6 +8,7 @@ from .models import (
     OrchestratorError,
     SandboxRecord,
     SandboxState,
+    StorageFull,
 )
 from .sandboxes import CreateRequest, SandboxManager
 from .store import SandboxStore
@@ -15,4 +16,5 @@ from .store import SandboxStore
 __all__ = [
     "BadRequest", "CapacityExceeded", "Conflict", "CreateRequest", "NotFound",
     "OrchestratorError", "SandboxManager", "SandboxRecord", "SandboxState", "SandboxStore",
+    "StorageFull",
 ]

@@ -34,6 +34,7 @@ from .models import (
     OrchestratorError,
     SandboxRecord,
     SandboxState,
+    StorageFull,
     new_sandbox_id,
 )
 from .store import SandboxStore
@@ -44,6 +45,7 @@ BUNDLE_MOUNT = "/.aenv"
 MAX_METADATA_ENTRIES = 64
 MAX_ENV_ENTRIES = 256
 MAX_FORK = 16
+COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 
 
 @dataclass
@@ -468,12 +470,7 @@ class SandboxManager:
             if record.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}; only a running "
                                "sandbox can be snapshotted")
-            staging = await self._staging(snapshot_id)
-            try:
-                await self.runtime.checkpoint(sandbox_id, staging, leave_running=True)
-            except BaseException:
-                await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
-                raise
+            staging = await self._capture(sandbox_id, snapshot_id, leave_running=True)
         metadata = self._snapshot_metadata(record, "snapshot")
         try:
             return await asyncio.to_thread(
@@ -482,6 +479,19 @@ class SandboxManager:
         except BaseException:
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
             raise
+
+    async def _capture(self, sandbox_id: str, snapshot_id: str, leave_running: bool) -> Path:
+        """Checkpoint into a fresh staging dir; on failure nothing stays staged."""
+        staging = await self._staging(snapshot_id)
+        try:
+            await self.runtime.checkpoint(sandbox_id, staging, leave_running=leave_running)
+        except BaseException as exc:
+            await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
+            if isinstance(exc, RuntimeFailure) and "no space left" in str(exc).lower():
+                raise StorageFull(f"no space left on the node's snapshot staging disk "
+                                  f"({self.snapshots.staging_dir})") from exc
+            raise
+        return staging
 
     async def _staging(self, snapshot_id: str) -> Path:
         try:
@@ -502,11 +512,9 @@ class SandboxManager:
                 raise Conflict(f"sandbox '{sandbox_id}' is already paused")
             if record.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}")
-            staging = await self._staging(snapshot_id)
             try:
-                await self.runtime.checkpoint(sandbox_id, staging, leave_running=False)
+                staging = await self._capture(sandbox_id, snapshot_id, leave_running=False)
             except BaseException as exc:
-                await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
                 await self._after_failed_pause(record, exc)
                 raise
             metadata = self._snapshot_metadata(record, "pause")
@@ -555,20 +563,34 @@ class SandboxManager:
             self._start_commit(record.snapshot_id, staging, json.loads(meta.read_text()))
 
     async def _pause_image(self, record: SandboxRecord) -> Path:
+        """Where a paused sandbox's state is on this node: the committed snapshot's
+        cache, or, while its commit has not gone through (repository down), the
+        capture still staged here."""
         pending = self._commits.get(record.snapshot_id)
         if pending is not None:
-            try:
+            with contextlib.suppress(Exception):
                 await asyncio.shield(pending)
-            except Exception as exc:
-                raise OrchestratorError(
-                    f"the pause snapshot of '{record.sandbox_id}' could not be committed: {exc}"
-                ) from exc
+        staged = self.snapshots.staging_dir / record.snapshot_id
+        if (self.snapshots.staging_dir / f"{record.snapshot_id}.meta.json").is_file() \
+                and staged.is_dir():
+            log.info("resuming %s from its uncommitted local capture", record.sandbox_id)
+            return staged
         try:
             return await asyncio.to_thread(self.snapshots.materialize, record.snapshot_id)
         except SnapshotNotFound as exc:
             raise NotFound(f"snapshot of sandbox '{record.sandbox_id}' is gone") from exc
         except SnapshotError as exc:
             raise OrchestratorError(f"snapshot repository: {exc}") from exc
+
+    def _drop_staged_pause(self, snapshot_id: str) -> None:
+        self.snapshots.discard_staging(snapshot_id)
+        (self.snapshots.staging_dir / f"{snapshot_id}.meta.json").unlink(missing_ok=True)
+
+    def _retry_failed_commits(self) -> None:
+        """Paused sandboxes whose capture is only staged get their commit again."""
+        for record in self._records.values():
+            if record.state is SandboxState.PAUSED and record.snapshot_id not in self._commits:
+                self._recommit_if_staged(record)
 
     async def resume(self, sandbox_id: str, ttl: int | None = None,
                      auto_pause: bool | None = None) -> SandboxRecord:
@@ -580,6 +602,8 @@ class SandboxManager:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
             image = await self._pause_image(record)
             await self._restore_in_place(record, image)
+            if image.parent == self.snapshots.staging_dir:
+                await asyncio.to_thread(self._drop_staged_pause, record.snapshot_id)
             record.end_at = time.time() + seconds
             if auto_pause is not None:
                 record.auto_pause = auto_pause
@@ -736,12 +760,16 @@ class SandboxManager:
         return timeout
 
     async def _ttl_loop(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(1.0)
             try:
                 await self.runtime.housekeeping()
             except Exception:
                 log.exception("runtime housekeeping failed")
+            ticks += 1
+            if ticks % COMMIT_RETRY_TICKS == 0:
+                self._retry_failed_commits()
             now = time.time()
             for record in list(self._records.values()):
                 if record.state is SandboxState.RUNNING and record.expired(now):
