@@ -162,6 +162,12 @@ class SandboxManager:
         return sum(1 for r in self._records.values()
                    if r.state in (SandboxState.CREATING, SandboxState.RUNNING))
 
+    def _check_capacity(self) -> None:
+        if self.active_count() >= self.config.max_sandboxes:
+            raise CapacityExceeded(
+                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
+            )
+
     def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
         """Where the node reaches ``port`` inside a running sandbox."""
         record = self.get(sandbox_id)
@@ -185,10 +191,7 @@ class SandboxManager:
             except SnapshotError as snap_exc:
                 raise OrchestratorError(f"snapshot repository: {snap_exc}") from snap_exc
             return await self._create_from_snapshot(req, manifest, timeout)
-        if self.active_count() >= self.config.max_sandboxes:
-            raise CapacityExceeded(
-                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
-            )
+        self._check_capacity()
         member = self.images.take(template) if self.images else None
         now = time.time()
         record = SandboxRecord(
@@ -350,10 +353,7 @@ class SandboxManager:
         return out
 
     async def _restore_child(self, source: SandboxRecord, image: Path, ttl: int) -> SandboxRecord:
-        if self.active_count() >= self.config.max_sandboxes:
-            raise CapacityExceeded(
-                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
-            )
+        self._check_capacity()
         now = time.time()
         record = SandboxRecord(
             sandbox_id=new_sandbox_id(), template_id=source.template_id, alias=source.alias,
@@ -647,10 +647,7 @@ class SandboxManager:
                                     ) -> SandboxRecord:
         meta = manifest.metadata
         self._check_restorable(meta)
-        if self.active_count() >= self.config.max_sandboxes:
-            raise CapacityExceeded(
-                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later"
-            )
+        self._check_capacity()
         try:
             image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
         except SnapshotError as exc:

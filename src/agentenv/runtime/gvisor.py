@@ -127,14 +127,17 @@ class GVisorRuntime:
     # -- Runtime protocol -----------------------------------------------------
 
     async def start(self, spec: SandboxSpec) -> RuntimeSandbox:
+        return await self._create(spec, "run", "--detach")
+
+    async def _create(self, spec: SandboxSpec, *command: str) -> RuntimeSandbox:
+        """Write the sandbox's OCI bundle and run a creating runsc command on it;
+        on any failure nothing of the sandbox is left."""
         bundle = self.bundle_dir(spec.sandbox_id)
         bundle.mkdir(parents=True, exist_ok=True, mode=0o700)
         config = build_spec(spec, self._cgroups_path(spec.sandbox_id))
         (bundle / "config.json").write_text(json.dumps(config))
         try:
-            await self._runsc_creating(
-                bundle, "run", "--detach", f"--bundle={bundle}", spec.sandbox_id
-            )
+            await self._runsc_creating(bundle, *command, f"--bundle={bundle}", spec.sandbox_id)
         except BaseException:
             await asyncio.shield(self.destroy(spec.sandbox_id))
             raise
@@ -159,21 +162,8 @@ class GVisorRuntime:
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> RuntimeSandbox:
         """Start a sandbox from a checkpoint; the spec must match the checkpointed one
-        but for its ID, hostname-free fields and network namespace (a new slot)."""
-        bundle = self.bundle_dir(spec.sandbox_id)
-        bundle.mkdir(parents=True, exist_ok=True, mode=0o700)
-        config = build_spec(spec, self._cgroups_path(spec.sandbox_id))
-        (bundle / "config.json").write_text(json.dumps(config))
-        try:
-            await self._runsc_creating(
-                bundle, "restore", "--detach", f"--image-path={image_dir}",
-                f"--bundle={bundle}", spec.sandbox_id,
-            )
-        except BaseException:
-            await asyncio.shield(self.destroy(spec.sandbox_id))
-            raise
-        reap_runsc_orphans()
-        return RuntimeSandbox(spec.sandbox_id, "running", 0)
+        but for its ID and network namespace (a new slot)."""
+        return await self._create(spec, "restore", "--detach", f"--image-path={image_dir}")
 
     async def state(self, sandbox_id: str) -> RuntimeSandbox | None:
         try:
