@@ -190,6 +190,16 @@ def bench_cold_creates(t: Tracker, log: NodeLog, n: int, rows: dict, raw: dict) 
     rows["baseline: cold create from template (API call)"] = summary(api_s)
     rows["baseline: cold create until a command runs"] = summary(cmd_s)
     rows["baseline: cold create, node-side (node log)"] = summary(node_ms)
+    parts: dict[str, list[float]] = {}
+    for sid in ids:
+        m = re.search(rf"created {sid} in [\d.]+ ms \(booted: slot (\d+), runtime (\d+), "
+                      r"envd (\d+), init (\d+)\)", log.text())
+        for name, value in zip(("slot", "runtime", "envd", "init"), m.groups() if m else (),
+                               strict=False):
+            parts.setdefault(name, []).append(float(value))
+    if parts:
+        rows["baseline: cold create, node-side parts p50 ms (node log)"] = {
+            k: sorted(v)[len(v) // 2] for k, v in parts.items()}
     raw["cold_create_s"] = api_s
 
 
@@ -356,7 +366,7 @@ def origin(log: NodeLog, sid: str) -> str:
         return "unknown"
     how = m.group(1)
     return ("warm pool" if "warm pool" in how else "template image" if "template image" in how
-            else "boot" if how.startswith("slot") else how)
+            else "boot" if how.startswith(("slot", "boot")) else how)
 
 
 def containers(node: Node) -> int:
@@ -389,13 +399,16 @@ def bench_template_creates(t: Tracker, log: NodeLog, n: int, pool: int, rows: di
     info["image_built_ms"] = float(built.group(1)) if built else None
     if pool:
         info["pool_filled"] = wait_containers(t.node, pool, 90)
-    api_s, cmd_s, per = [], [], []
+    api_s, cmd_s, second_s, per = [], [], [], []
     while len(per) < n:
         ids = []
         for _ in range(min(pool or n, n - len(per))):  # a full pool, back to back
             t0 = time.perf_counter()
             dt, body = t.create("base")
             ready = until_command(t.node, body["sandboxID"], body["envdAccessToken"], t0)
+            t1 = time.perf_counter()
+            until_command(t.node, body["sandboxID"], body["envdAccessToken"], t1)
+            second = time.perf_counter() - t1
             ids.append(body["sandboxID"])
             how = origin(log, body["sandboxID"])
             per.append({"sandboxID": body["sandboxID"], "api_ms": round(dt * 1000, 1),
@@ -403,6 +416,7 @@ def bench_template_creates(t: Tracker, log: NodeLog, n: int, pool: int, rows: di
             if how == label:
                 api_s.append(dt)
                 cmd_s.append(ready)
+                second_s.append(second)
         t.delete_many(ids)
         if pool:
             wait_containers(t.node, pool, 60)  # the pool refills in the background
@@ -416,6 +430,7 @@ def bench_template_creates(t: Tracker, log: NodeLog, n: int, pool: int, rows: di
     if api_s:
         rows[f"{name} (API call)"] = summary(api_s)
         rows[f"{name}, until a command runs"] = summary(cmd_s)
+        rows[f"{name}: the next command (new connection)"] = summary(second_s)
         if others:
             rows[f"{name}: creates not served that way"] = {
                 "count": len(per) - len(api_s), "origins": "/".join(sorted(others))}
@@ -512,6 +527,32 @@ def busy() -> list[str]:
     return [ln for ln in out.splitlines() if re.search(r"(^|\s|/)pytest(\s|$)", ln)]
 
 
+class Watch:
+    """Notes which steps a pytest run overlapped (2 cores: their timings are noisy)."""
+
+    def __init__(self) -> None:
+        self.step = ""
+        self.overlapped: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def enter(self, step: str) -> None:
+        self.step = step
+        print(f"== {step}", flush=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            if self.step and self.step not in self.overlapped and busy():
+                self.overlapped.append(self.step)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=10, help="samples for the cheap steps")
@@ -548,8 +589,10 @@ def main() -> int:
                     AENV_NET_POOL_LOW="8", AENV_NET_POOL_HIGH="12", AENV_WARM_POOL_SIZE="0"),
     }
     left: dict[str, list[str]] = {}
+    watch = Watch()
+    watch.start()
     try:
-        print("== bare runsc", flush=True)
+        watch.enter("bare runsc")
         try:
             bare_runsc(work / "bare", args.n, rows, raw)
         except Exception as exc:
@@ -573,7 +616,7 @@ def main() -> int:
                     ("capture of 256 MiB", lambda: bench_capture(t, args.changes, rows, raw,
                                                                  failures)),
                 ):
-                    print(f"== {name}", flush=True)
+                    watch.enter(name)
                     try:
                         step()
                     except Exception as exc:
@@ -584,7 +627,7 @@ def main() -> int:
 
         for prefix, pool in (("abi", 0), ("abw", WARM_POOL)):
             node = nodes[prefix]
-            print(f"== template creates, warm pool {pool}", flush=True)
+            watch.enter(f"template creates, warm pool {pool}")
             node.start()
             log = NodeLog(node)
             with node.client() as api:
@@ -598,6 +641,7 @@ def main() -> int:
                     t.cleanup(failures)
             node.stop()
     finally:
+        watch.stop()
         for prefix, node in nodes.items():
             with contextlib.suppress(Exception):
                 node.stop()
@@ -619,10 +663,14 @@ def main() -> int:
              "from a full pool, in groups of 4). Resume is measured after the pause's "
              "background commit finished. Bare runsc baseline: `sleep infinity`, overlay root "
              "in memory, no network, no compression.\n")
+    if watch.overlapped:
+        text += ("\nA pytest run went on during these steps (their timings are noisy): "
+                 + ", ".join(watch.overlapped) + "\n")
     if failures:
         text += "\nFailures:\n" + "\n".join(f"- {f}" for f in failures[:30]) + "\n"
     text += f"\nLeft behind: {left}\n"
-    write("snapshots", {"rows": rows, "raw": raw, "failures": failures, "leaks": left}, text)
+    write("snapshots", {"rows": rows, "raw": raw, "failures": failures, "leaks": left,
+                        "pytest_overlapped_steps": watch.overlapped}, text)
     return 1 if failures or any(left.values()) else 0
 
 
