@@ -205,8 +205,11 @@ class SlotPool:
 
     async def release(self, slot: Slot) -> None:
         """Hand ``slot`` back; it is reset or destroyed in the background."""
-        if self._acquired.pop(slot.index, None) is None:
-            raise ValueError(f"slot {slot.index} is not acquired from pool {self.prefix}")
+        # Only the holder's own Slot object releases it: a stale copy of an index
+        # that has since been handed to someone else must not take it from them.
+        if self._acquired.get(slot.index) is not slot:
+            raise ValueError(f"slot {slot.index} is not held by this caller in pool {self.prefix}")
+        del self._acquired[slot.index]
         self._busy.add(slot.index)
         if self._open and len(self._free) + self._pending < self.high:
             self._pending += 1
@@ -244,6 +247,10 @@ class SlotPool:
             **self._counts,
             "ms": {k: {"p50": pct(v, 0.5), "p90": pct(v, 0.9)} for k, v in self._timings.items()},
         }
+
+    def held(self, index: int) -> Slot | None:
+        """The Slot object of an acquired (or adopted) index."""
+        return self._acquired.get(index)
 
     def acquired(self) -> dict[int, bool]:
         """index -> internet flag of acquired slots (what a restart passes to start)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
-from ..network import SlotPool, SlotPoolExhausted
+from ..network import Slot, SlotPool, SlotPoolExhausted
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
 from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
@@ -78,6 +78,8 @@ class SandboxManager:
         self.store = store
         self.envd = EnvdClient()
         self._records: dict[str, SandboxRecord] = {}
+        # The network slot each sandbox holds: released from here, and only here.
+        self._slots: dict[str, Slot] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._bundle: Path | None = None
         self._init_argv: list[str] = []
@@ -142,6 +144,9 @@ class SandboxManager:
                                 if r.state is SandboxState.RUNNING})
         self._records = keep
         for record in keep.values():
+            held = self.slots.held(record.slot_index) if record.slot_index else None
+            if held is not None:
+                self._slots[record.sandbox_id] = held
             log.info("reconcile: adopted %s sandbox %s", record.state, record.sandbox_id)
             if record.state is SandboxState.PAUSED:
                 self._recommit_if_staged(record)
@@ -229,7 +234,7 @@ class SandboxManager:
     async def _adopt(self, record: SandboxRecord, member: PooledSandbox) -> SandboxRecord:
         """Hand out a sandbox the warm pool restored ahead of time."""
         t0 = time.perf_counter()
-        record.slot_index, record.slot_address = member.slot.index, member.slot.address
+        self._hold(record, member.slot)
         self.store.put(record)
         try:
             await self.envd.init(member.slot.address, record.envd_token, record.env_vars,
@@ -237,7 +242,7 @@ class SandboxManager:
             self._transition(record, SandboxState.RUNNING)
         except BaseException as exc:
             log.warning("adopting pooled sandbox %s failed: %s", record.sandbox_id, exc)
-            await asyncio.shield(self._teardown(record, member.slot, True))
+            await asyncio.shield(self._teardown(record, True))
             raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
         log.info("created %s in %.0f ms (from the warm pool)", record.sandbox_id,
                  (time.perf_counter() - t0) * 1000)
@@ -274,7 +279,7 @@ class SandboxManager:
                 slot = await self.slots.acquire(internet=record.internet)
             except SlotPoolExhausted as exc:
                 raise CapacityExceeded(f"no network slot free: {exc}") from exc
-            record.slot_index, record.slot_address = slot.index, slot.address
+            self._hold(record, slot)
             self.store.put(record)
             spec = self._spec(record, template, slot.netns_path, record.sandbox_id)
             started = True
@@ -293,7 +298,7 @@ class SandboxManager:
             return record
         except BaseException as exc:
             log.warning("create %s failed: %s", record.sandbox_id, exc)
-            await asyncio.shield(self._teardown(record, slot, started))
+            await asyncio.shield(self._teardown(record, started))
             if isinstance(exc, RuntimeFailure | EnvdUnavailable):
                 raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
             raise
@@ -388,7 +393,7 @@ class SandboxManager:
                 slot = await self.slots.acquire(internet=record.internet)
             except SlotPoolExhausted as exc:
                 raise CapacityExceeded(f"no network slot free: {exc}") from exc
-            record.slot_index, record.slot_address = slot.index, slot.address
+            self._hold(record, slot)
             self.store.put(record)
             spec = self._spec(record, template, slot.netns_path, hostname_of)
             started = True
@@ -400,7 +405,7 @@ class SandboxManager:
             return record
         except BaseException as exc:
             log.warning("restore of %s failed: %s", record.sandbox_id, exc)
-            await asyncio.shield(self._teardown(record, slot, started))
+            await asyncio.shield(self._teardown(record, started))
             if isinstance(exc, RuntimeFailure | EnvdUnavailable):
                 raise OrchestratorError(f"sandbox failed to restore: {exc}") from exc
             raise
@@ -533,9 +538,7 @@ class SandboxManager:
         if state is None or state.state != "running":
             log.error("pause of %s failed and the sandbox stopped (%s): it is lost",
                       record.sandbox_id, exc)
-            slot = (self.slots.layout.slot(record.slot_index, record.internet)
-                    if record.slot_index else None)
-            await asyncio.shield(self._teardown(record, slot, True))
+            await asyncio.shield(self._teardown(record, True))
 
     def _start_commit(self, snapshot_id: str, staging: Path, metadata: dict,
                       replaces: str = "") -> None:
@@ -640,7 +643,7 @@ class SandboxManager:
             if isinstance(exc, RuntimeFailure | EnvdUnavailable):
                 raise OrchestratorError(f"sandbox failed to resume: {exc}") from exc
             raise
-        record.slot_index, record.slot_address = slot.index, slot.address
+        self._hold(record, slot)
         self._transition(record, SandboxState.RUNNING)
 
     async def _create_from_snapshot(self, req: CreateRequest, manifest, ttl: int
@@ -676,9 +679,7 @@ class SandboxManager:
     async def _release_runtime(self, record: SandboxRecord) -> None:
         """Stop the sandbox's runtime and hand back its slot (the record stays)."""
         await self.runtime.destroy(record.sandbox_id)
-        if record.slot_index:
-            await self.slots.release(self.slots.layout.slot(record.slot_index, record.internet))
-        record.slot_index, record.slot_address = 0, ""
+        await self._release_slot(record)
         for listener in self.on_removed:
             listener(record.sandbox_id)
 
@@ -690,11 +691,7 @@ class SandboxManager:
             if record.state is SandboxState.PAUSED:
                 await self._forget_paused(record)
                 return
-            slot = (
-                self.slots.layout.slot(record.slot_index, record.internet)
-                if record.slot_index else None
-            )
-            await asyncio.shield(self._teardown(record, slot, True))
+            await asyncio.shield(self._teardown(record, True))
             if record.snapshot_id:  # its last pause snapshot is of no further use
                 with contextlib.suppress(SnapshotError):
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
@@ -720,18 +717,27 @@ class SandboxManager:
 
     # -- internals ------------------------------------------------------------
 
-    async def _teardown(self, record: SandboxRecord, slot, started: bool) -> None:
+    def _hold(self, record: SandboxRecord, slot: Slot) -> None:
+        self._slots[record.sandbox_id] = slot
+        record.slot_index, record.slot_address = slot.index, slot.address
+
+    async def _release_slot(self, record: SandboxRecord) -> None:
+        slot = self._slots.pop(record.sandbox_id, None)
+        record.slot_index, record.slot_address = 0, ""
+        if slot is not None:
+            try:
+                await self.slots.release(slot)
+            except Exception:
+                log.exception("release of slot %s of %s failed", slot.index, record.sandbox_id)
+
+    async def _teardown(self, record: SandboxRecord, started: bool) -> None:
         record.state = SandboxState.KILLED
         if started:
             try:
                 await self.runtime.destroy(record.sandbox_id)
             except Exception:
                 log.exception("destroy %s failed", record.sandbox_id)
-        if slot is not None:
-            try:
-                await self.slots.release(slot)
-            except Exception:
-                log.exception("release of slot %s failed", slot.index)
+        await self._release_slot(record)
         self.store.delete(record.sandbox_id)
         self._records.pop(record.sandbox_id, None)
         self._locks.pop(record.sandbox_id, None)

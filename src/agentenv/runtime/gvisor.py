@@ -313,8 +313,16 @@ def remove_cgroup(path: str) -> None:
 
 
 def _last_line(err: bytes) -> str:
-    lines = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
-    return lines[-1] if lines else "no output"
+    """runsc's error, not the Go stack trace a panic may end its output with; a full
+    disk is always named, whichever line said it."""
+    text = err.decode(errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    messages = [ln for ln in lines
+                if not ln[0].isspace() and ".go:" not in ln and not ln.startswith("goroutine")]
+    line = messages[-1] if messages else (lines[-1] if lines else "no output")
+    if "no space left on device" in text and "no space left" not in line:
+        line += " (no space left on device)"
+    return line
 
 
 def _tail(path: Path, lines: int = 3) -> str:
