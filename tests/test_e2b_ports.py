@@ -7,7 +7,6 @@ import json
 import socket
 import struct
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,42 +15,17 @@ from e2b import Sandbox
 from websockets.sync.client import connect as ws_connect
 
 from agentenv.testing import Node
-
-WS_ECHO = """
-import asyncio, sys
-sys.path.insert(0, "/home/user/lib")
-from websockets.asyncio.server import serve
-
-async def echo(ws):
-    async for message in ws:
-        await ws.send(message)
-
-async def main():
-    async with serve(echo, "0.0.0.0", 8765):
-        await asyncio.Future()
-
-asyncio.run(main())
-"""
+from sandbox_helpers import start_ws_echo, wait_port
 
 
 @pytest.fixture(scope="module")
 def served(node: Node):
     """A sandbox with an HTTP server on 8080 and a WebSocket echo server on 8765."""
     sbx = Sandbox.create(template="base", timeout=300)
-    # No websockets package in the template and no internet in tests: copy the
-    # pure-Python package from the test venv.
-    pkg = Path(websockets.__file__).parent
-    sbx.files.write_files([
-        {"path": f"/home/user/lib/websockets/{p.relative_to(pkg)}", "data": p.read_bytes()}
-        for p in pkg.rglob("*.py")
-    ])
-    sbx.files.write("/home/user/echo.py", WS_ECHO)
-    sbx.commands.run("python3 /home/user/echo.py", background=True)
+    start_ws_echo(sbx)
     sbx.files.write("/home/user/www/index.html", "served from the sandbox\n")
     sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
-    for port in (8080, 8765):
-        sbx.commands.run(f"for i in $(seq 100); do (echo > /dev/tcp/127.0.0.1/{port}) "
-                         f"2>/dev/null && exit 0; sleep 0.1; done; exit 1")
+    wait_port(sbx, 8080)
     yield sbx
     sbx.kill()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -13,36 +12,14 @@ from e2b import Sandbox
 from websockets.sync.client import connect as ws_connect
 
 from agentenv.testing import Node
-
-ECHO_SERVER = """
-import asyncio, sys
-sys.path.insert(0, "/home/user/lib")
-from websockets.asyncio.server import serve
-
-async def echo(ws):
-    async for message in ws:
-        await ws.send(message)
-
-async def main():
-    async with serve(echo, "0.0.0.0", 8765):
-        await asyncio.Future()
-
-asyncio.run(main())
-"""
+from sandbox_helpers import start_ws_echo
 
 
 @pytest.fixture
 def served(node: Node, api: httpx.Client):
     sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
     sbx = Sandbox.connect(sid)
-    # The template has no websockets package and tests have no internet: copy
-    # the pure-Python package from the test venv into the sandbox.
-    pkg = Path(websockets.__file__).parent
-    files = [{"path": f"/home/user/lib/websockets/{p.relative_to(pkg)}", "data": p.read_bytes()}
-             for p in pkg.rglob("*.py")]
-    sbx.files.write_files(files)
-    sbx.files.write("/home/user/echo.py", ECHO_SERVER)
-    sbx.commands.run("python3 /home/user/echo.py", background=True)
+    start_ws_echo(sbx)
     sbx.commands.run("mkdir -p www && echo hello-from-sandbox > www/index.html")
     sbx.commands.run("cd www && python3 -m http.server 8080", background=True)
     for _ in range(100):
