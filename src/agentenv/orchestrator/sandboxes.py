@@ -80,6 +80,8 @@ class SandboxManager:
         self._records: dict[str, SandboxRecord] = {}
         # The network slot each sandbox holds: released from here, and only here.
         self._slots: dict[str, Slot] = {}
+        # Paused sandboxes whose stopped runtime is still being freed.
+        self._releasing: dict[str, asyncio.Task] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._bundle: Path | None = None
         self._init_argv: list[str] = []
@@ -109,6 +111,8 @@ class SandboxManager:
             task.cancel()
         if self.images is not None:
             await self.images.close()
+        if self._releasing:
+            await asyncio.gather(*self._releasing.values(), return_exceptions=True)
         if self._commits:
             await asyncio.gather(*self._commits.values(), return_exceptions=True)
         if destroy:
@@ -525,11 +529,33 @@ class SandboxManager:
             metadata = self._snapshot_metadata(record, "pause")
             (staging.parent / f"{snapshot_id}.meta.json").write_text(json.dumps(metadata))
             previous = record.snapshot_id
-            await self._release_runtime(record)
+            # The state is saved: freeing the stopped runtime and its slot need not
+            # hold up the answer. Whatever reuses the ID waits for it (_settled).
+            slot = self._slots.pop(sandbox_id, None)
+            record.slot_index, record.slot_address = 0, ""
             record.snapshot_id = snapshot_id
             self._transition(record, SandboxState.PAUSED)
+            self._releasing[sandbox_id] = asyncio.create_task(self._free(sandbox_id, slot))
+            for listener in self.on_removed:
+                listener(sandbox_id)
             self._start_commit(snapshot_id, staging, metadata, replaces=previous)
             return record
+
+    async def _free(self, sandbox_id: str, slot: Slot | None) -> None:
+        try:
+            await self.runtime.destroy(sandbox_id)
+            if slot is not None:
+                await self.slots.release(slot)
+        except Exception:
+            log.exception("freeing the runtime of paused sandbox %s failed", sandbox_id)
+        finally:
+            self._releasing.pop(sandbox_id, None)
+
+    async def _settled(self, sandbox_id: str) -> None:
+        """Wait until a paused sandbox's old runtime is gone (its ID can be reused)."""
+        task = self._releasing.get(sandbox_id)
+        if task is not None:
+            await asyncio.shield(task)
 
     async def _after_failed_pause(self, record: SandboxRecord, exc: BaseException) -> None:
         """A failed capture may have stopped the sandbox: then nothing can be saved
@@ -604,6 +630,7 @@ class SandboxManager:
             if record.state is not SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
             image = await self._pause_image(record)
+            await self._settled(sandbox_id)
             await self._restore_in_place(record, image)
             if image.parent == self.snapshots.staging_dir:
                 await asyncio.to_thread(self._drop_staged_pause, record.snapshot_id)
@@ -676,13 +703,6 @@ class SandboxManager:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _release_runtime(self, record: SandboxRecord) -> None:
-        """Stop the sandbox's runtime and hand back its slot (the record stays)."""
-        await self.runtime.destroy(record.sandbox_id)
-        await self._release_slot(record)
-        for listener in self.on_removed:
-            listener(record.sandbox_id)
-
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)
@@ -697,6 +717,7 @@ class SandboxManager:
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
 
     async def _forget_paused(self, record: SandboxRecord) -> None:
+        await self._settled(record.sandbox_id)
         pending = self._commits.get(record.snapshot_id)
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)
