@@ -3,20 +3,49 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-app = typer.Typer(
+from .config import CliError
+
+
+class _App(typer.Typer):
+    """Errors are one line on stderr and exit 1; a traceback only with ``--debug``."""
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except KeyboardInterrupt:
+            sys.stderr.write("aenv: interrupted\n")
+            sys.exit(130)
+        except Exception as exc:
+            if _state["debug"]:
+                raise
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if not isinstance(exc, CliError):
+                message = f"{message} ({type(exc).__name__}; --debug shows the traceback)"
+            sys.stderr.write(f"aenv: {message}\n")
+            sys.exit(getattr(exc, "exit_code", 1))
+
+
+_state = {"debug": bool(os.environ.get("AENV_DEBUG"))}
+
+app = _App(
     name="aenv", help="agentenv: isolated, snapshot-able sandboxes for agents.",
     no_args_is_help=True, pretty_exceptions_enable=False,
 )
 
 
 @app.callback()
-def main() -> None:
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")] = False,
+) -> None:
     """agentenv: isolated, snapshot-able sandboxes for agents."""
+    _state["debug"] = _state["debug"] or debug
 
 
 @app.command()
@@ -53,5 +82,11 @@ def server(
                 lifespan="on", timeout_graceful_shutdown=10)
 
 
+
+from . import commands  # noqa: E402  (the client commands, talking HTTP to a node)
+
+app.registered_commands += commands.cli.registered_commands
+app.registered_groups += commands.cli.registered_groups
+
 if __name__ == "__main__":
-    app()
+    app(prog_name="aenv")

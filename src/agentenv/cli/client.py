@@ -1,0 +1,101 @@
+"""The node's HTTP API as the CLI uses it: errors as one line, IDs by unique prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from .config import CliError, Credentials, credentials
+
+
+class ApiError(CliError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Client:
+    def __init__(self, creds: Credentials | None = None, timeout: float = 120):
+        self.creds = creds or credentials()
+        self.http = httpx.Client(base_url=self.creds.url, timeout=timeout, trust_env=False,
+                                 headers={"X-API-Key": self.creds.key})
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.http.close()
+
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise CliError(f"cannot reach {self.creds.url}: {exc or type(exc).__name__}") from exc
+        if r.status_code >= 400:
+            try:
+                message = r.json().get("message") or r.text
+            except ValueError:
+                message = r.text or r.reason_phrase
+            if r.status_code == 401:
+                message = f"{message} (run `aenv auth`)"
+            raise ApiError(r.status_code, message)
+        return r
+
+    def json(self, method: str, path: str, **kw: Any) -> Any:
+        r = self.request(method, path, **kw)
+        return r.json() if r.content else None
+
+    # -- listings -----------------------------------------------------------------
+
+    def sandboxes(self, states: list[str] | None = None,
+                  metadata: dict[str, str] | None = None) -> list[dict]:
+        from urllib.parse import quote, urlencode
+
+        params: dict[str, Any] = {"limit": 100}
+        if states:
+            params["state"] = ",".join(states)
+        if metadata:
+            params["metadata"] = urlencode({quote(k, safe=""): quote(v, safe="")
+                                            for k, v in metadata.items()})
+        out: list[dict] = []
+        while True:
+            r = self.request("GET", "/v2/sandboxes", params=params)
+            out += r.json()
+            token = r.headers.get("x-next-token")
+            if not token:
+                return out
+            params["nextToken"] = token
+
+    def snapshots(self, sandbox_id: str | None = None) -> list[dict]:
+        params = {"sandboxID": sandbox_id} if sandbox_id else {}
+        return self.json("GET", "/snapshots", params=params)
+
+    # -- IDs by prefix --------------------------------------------------------------
+
+    def resolve(self, prefix: str) -> str:
+        """The sandbox whose ID is ``prefix`` or starts with it (running or paused)."""
+        ids = [s["sandboxID"] for s in self.sandboxes()]
+        return _unique(prefix, ids, "sandbox")
+
+    def resolve_snapshot(self, ref: str) -> str:
+        """A snapshot by name, full ID or unique ID prefix."""
+        snaps = self.snapshots()
+        for s in snaps:
+            if ref in s.get("names", []):
+                return s["snapshotID"]
+        return _unique(ref, [s["snapshotID"] for s in snaps], "snapshot")
+
+
+def _unique(prefix: str, ids: list[str], kind: str) -> str:
+    if not prefix:
+        raise CliError(f"empty {kind} ID")
+    if prefix in ids:
+        return prefix
+    matches = sorted(i for i in ids if i.startswith(prefix))
+    if not matches:
+        raise CliError(f"no {kind} matches '{prefix}'")
+    if len(matches) > 1:
+        shown = ", ".join(matches[:5]) + (", ..." if len(matches) > 5 else "")
+        raise CliError(f"'{prefix}' is ambiguous: it matches {len(matches)} {kind}s ({shown})")
+    return matches[0]

@@ -1,0 +1,354 @@
+"""The client commands: sandboxes, snapshots, exec, files and shells, over the node's HTTP API."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from . import output
+from .client import ApiError, Client
+from .config import CliError, Credentials, config_path, read_file, write_file
+
+cli = typer.Typer()
+snapshot_app = typer.Typer(help="Snapshots: create, list, remove.", no_args_is_help=True)
+cli.add_typer(snapshot_app, name="snapshot")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values or []:
+        if "=" not in v:
+            raise CliError(f"invalid {what} '{v}': expected KEY=VALUE")
+        k, _, val = v.partition("=")
+        out[k] = val
+    return out
+
+
+# -- auth ---------------------------------------------------------------------------
+
+@cli.command()
+def auth(
+    url: Annotated[str | None, typer.Option(help="Server URL, e.g. http://127.0.0.1:8000")] = None,
+    key: Annotated[str | None, typer.Option(help="API key (X-API-Key).")] = None,
+    verify: Annotated[bool, typer.Option(help="Check the URL and key with the server.")] = True,
+) -> None:
+    """Store the server URL and API key in the CLI's config.toml (mode 0600)."""
+    stored = read_file()
+    if url is None:
+        url = typer.prompt("Server URL", default=stored.get("api_url", "http://127.0.0.1:8000"))
+    if key is None:
+        key = typer.prompt("API key", hide_input=True)
+    url, key = url.strip().rstrip("/"), key.strip()
+    if not url.startswith(("http://", "https://")):
+        raise CliError(f"invalid URL '{url}': expected http://... or https://...")
+    if not key:
+        raise CliError("empty API key")
+    if verify:
+        with Client(Credentials(url, key), timeout=15) as c:
+            c.request("GET", "/sandboxes")
+    path = write_file(url, key)
+    output.err.print(f"Saved credentials for {url} to {path}")
+
+
+# -- sandboxes ----------------------------------------------------------------------
+
+def _create(c: Client, template: str, timeout: int | None, metadata: list[str] | None,
+            env: list[str] | None, auto_pause: bool | None) -> dict:
+    body: dict = {"templateID": template}
+    if timeout is not None:
+        body["timeout"] = timeout
+    if metadata:
+        body["metadata"] = _pairs(metadata, "metadata")
+    if env:
+        body["envVars"] = _pairs(env, "env var")
+    if auto_pause is not None:
+        body["autoPause"] = auto_pause
+    return c.json("POST", "/sandboxes", json=body)
+
+
+@cli.command()
+def start(
+    template: Annotated[str, typer.Argument(help="A template, or a snapshot ID or name.")],
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Print the ID, no shell.")] = False,
+    timeout: Annotated[int | None, typer.Option(help="Time to live in seconds.")] = None,
+    metadata: Annotated[list[str] | None, typer.Option("--metadata", "-m",
+                                                       help="KEY=VALUE (repeatable).")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e",
+                                                  help="KEY=VALUE (repeatable).")] = None,
+    auto_pause: Annotated[bool | None, typer.Option(
+        "--auto-pause/--no-auto-pause", help="On expiry pause (default) or delete.")] = None,
+    rm: Annotated[bool, typer.Option("--rm", help="Remove the sandbox when the shell ends.")
+                  ] = False,
+) -> None:
+    """Start a sandbox and attach a shell to it (or print its ID with --detach)."""
+    with Client() as c:
+        created = _create(c, template, timeout, metadata, env, auto_pause)
+        sid = created["sandboxID"]
+        if detach:
+            typer.echo(sid)
+            return
+        from .shell import attach
+
+        code = attach(c, sid)
+        if rm:
+            c.request("DELETE", f"/sandboxes/{sid}")
+        else:
+            output.err.print(f"Left sandbox {sid} running: `aenv cn {sid}` reattaches, "
+                             f"`aenv rm {sid}` removes it.")
+    raise typer.Exit(code)
+
+
+@cli.command()
+def cn(sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")]) -> None:
+    """Attach a shell to a running (or paused) sandbox."""
+    from .shell import attach
+
+    with Client() as c:
+        code = attach(c, c.resolve(sandbox))
+    raise typer.Exit(code)
+
+
+@cli.command("ls")
+def ls(
+    state: Annotated[list[str] | None, typer.Option(
+        "--state", "-s", help="running or paused (repeatable).")] = None,
+    metadata: Annotated[list[str] | None, typer.Option(
+        "--metadata", "-m", help="KEY=VALUE that must match (repeatable).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List sandboxes."""
+    with Client() as c:
+        items = c.sandboxes(state, _pairs(metadata, "metadata"))
+    if as_json:
+        output.print_json(items)
+        return
+    rows = [[s["sandboxID"], s.get("templateID", ""), s.get("state", ""),
+             output.ago(s.get("startedAt")),
+             output.until(s.get("endAt")) if s.get("state") == "running" else "-",
+             ",".join(f"{k}={v}" for k, v in (s.get("metadata") or {}).items())]
+            for s in items]
+    output.table(["SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "EXPIRES", "METADATA"], rows)
+
+
+def _each(ids: list[str], action) -> None:
+    """Run ``action(client, full_id)`` for every ID; report each failure, exit 1 if any."""
+    failed = 0
+    with Client() as c:
+        for ref in ids:
+            try:
+                sid = c.resolve(ref)
+                action(c, sid)
+                typer.echo(sid)
+            except CliError as exc:
+                failed += 1
+                output.err.print(f"aenv: {ref}: {exc}", markup=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+IdsArg = Annotated[list[str], typer.Argument(help="Sandbox IDs or unique prefixes.")]
+
+
+@cli.command()
+def rm(sandboxes: IdsArg) -> None:
+    """Remove (kill) sandboxes."""
+    _each(sandboxes, lambda c, sid: c.request("DELETE", f"/sandboxes/{sid}"))
+
+
+@cli.command()
+def pause(sandboxes: IdsArg) -> None:
+    """Pause sandboxes: memory, processes and files are saved."""
+    _each(sandboxes, lambda c, sid: c.request("POST", f"/sandboxes/{sid}/pause"))
+
+
+@cli.command()
+def resume(
+    sandboxes: IdsArg,
+    timeout: Annotated[int | None, typer.Option(help="New time to live in seconds.")] = None,
+) -> None:
+    """Resume paused sandboxes exactly where they were."""
+    body = {"timeout": timeout} if timeout is not None else {}
+    _each(sandboxes, lambda c, sid: c.request("POST", f"/sandboxes/{sid}/resume", json=body))
+
+
+@cli.command("timeout")
+def set_timeout(
+    sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],
+    seconds: Annotated[int, typer.Argument(help="The sandbox expires this many seconds from now.")],
+) -> None:
+    """Set when a sandbox expires."""
+    with Client() as c:
+        sid = c.resolve(sandbox)
+        c.request("POST", f"/sandboxes/{sid}/timeout", json={"timeout": seconds})
+
+
+# -- exec ---------------------------------------------------------------------------
+
+def sdk_sandbox(c: Client, sid: str):
+    """The e2b SDK's Sandbox for ``sid``, pointed at this node."""
+    from e2b import Sandbox
+
+    url = c.creds.url
+    try:
+        return Sandbox.connect(sid, api_key=c.creds.key, api_url=url, sandbox_url=url)
+    except Exception as exc:
+        raise CliError(f"cannot connect to sandbox {sid}: {exc}") from exc
+
+
+@cli.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_(
+    sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],
+    command: Annotated[list[str], typer.Argument(help="The command and its arguments.")],
+    user: Annotated[str | None, typer.Option("--user", "-u", help="user or root.")] = None,
+    cwd: Annotated[str | None, typer.Option("--cwd", "-w", help="Working directory.")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE.")] = None,
+) -> None:
+    """Run a command in a sandbox: its stdout and stderr stream apart, its exit code is ours."""
+    from e2b import CommandExitException
+
+    if command and command[0] == "--":  # parsing stops at ID, so a `--` after it is kept
+        command = command[1:]
+    if not command:
+        raise CliError("no command given: aenv exec ID -- CMD...")
+    envs = _pairs(env, "env var")
+    with Client() as c:
+        sid = c.resolve(sandbox)
+        sbx = sdk_sandbox(c, sid)
+
+    def put(stream):
+        def write(data: str) -> None:
+            stream.write(data)
+            stream.flush()
+        return write
+
+    cmd = command[0] if len(command) == 1 else shlex.join(command)
+    try:
+        result = sbx.commands.run(cmd, on_stdout=put(sys.stdout), on_stderr=put(sys.stderr),
+                                  user=user, cwd=cwd, envs=envs or None, timeout=0)
+        code = result.exit_code
+    except CommandExitException as exc:
+        code = exc.exit_code
+    raise typer.Exit(code)
+
+
+# -- fork and snapshots ----------------------------------------------------------------
+
+@cli.command()
+def fork(
+    sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],
+    count: Annotated[int, typer.Option("--count", "-n", help="Children to create, 1..16.")] = 1,
+    timeout: Annotated[int | None, typer.Option(help="Children's time to live in seconds.")
+                       ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Branch a running sandbox into children that continue its exact state."""
+    body: dict = {"count": count}
+    if timeout is not None:
+        body["timeout"] = timeout
+    with Client() as c:
+        results = c.json("POST", f"/sandboxes/{c.resolve(sandbox)}/fork", json=body)
+    if as_json:
+        output.print_json(results)
+    failed = [r["error"] for r in results if r.get("error")]
+    if not as_json:
+        for r in results:
+            if r.get("sandbox"):
+                typer.echo(r["sandbox"]["sandboxID"])
+            else:
+                output.err.print(f"aenv: child failed: {r['error']['message']}", markup=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+@snapshot_app.command("create")
+def snapshot_create(
+    sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],
+    name: Annotated[str | None, typer.Option("--name", help="A name to start it by.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Capture a running sandbox (stopped only for the capture); prints the snapshot ID."""
+    with Client() as c:
+        info = c.json("POST", f"/sandboxes/{c.resolve(sandbox)}/snapshots",
+                      json={"name": name} if name else {})
+    if as_json:
+        output.print_json(info)
+    else:
+        typer.echo(info["snapshotID"])
+
+
+@snapshot_app.command("ls")
+def snapshot_ls(
+    sandbox_id: Annotated[str | None, typer.Option("--sandbox-id", help="Of this sandbox only.")
+                          ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List snapshots (also of sandboxes since removed)."""
+    with Client() as c:
+        items = c.snapshots(sandbox_id)
+    if as_json:
+        output.print_json(items)
+        return
+    rows = [[s["snapshotID"], ",".join(s.get("names") or []) or "-", s.get("sandboxID") or "-",
+             s.get("templateID") or "-", output.ago(s.get("createdAt")),
+             output.size(s.get("totalBytes")), output.size(s.get("storedBytes"))]
+            for s in items]
+    output.table(["SNAPSHOT ID", "NAME", "SANDBOX", "TEMPLATE", "CREATED", "SIZE", "STORED"],
+                 rows)
+
+
+@snapshot_app.command("rm")
+def snapshot_rm(
+    snapshots: Annotated[list[str], typer.Argument(help="Snapshot IDs, prefixes or names.")],
+) -> None:
+    """Remove snapshots."""
+    failed = 0
+    with Client() as c:
+        for ref in snapshots:
+            try:
+                snap = c.resolve_snapshot(ref)
+                c.request("DELETE", f"/snapshots/{snap}")
+                typer.echo(snap)
+            except CliError as exc:
+                failed += 1
+                output.err.print(f"aenv: {ref}: {exc}", markup=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+__all__ = ["ApiError", "cli", "config_path", "sdk_sandbox"]
+
+
+# -- files --------------------------------------------------------------------------
+
+@cli.command()
+def upload(
+    sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],
+    local: Annotated[Path, typer.Argument(help="A local file or directory.")],
+    remote: Annotated[str, typer.Argument(help="Destination path in the sandbox.")],
+) -> None:
+    """Copy a file or directory (recursively) into a sandbox."""
+    from .files import upload as copy_in
+
+    with Client() as c:
+        sbx = sdk_sandbox(c, c.resolve(sandbox))
+    copy_in(sbx, local, remote)
+
+
+@cli.command()
+def download(
+    sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],
+    remote: Annotated[str, typer.Argument(help="A file or directory in the sandbox.")],
+    local: Annotated[Path, typer.Argument(help="Local destination.")],
+) -> None:
+    """Copy a file or directory (recursively) out of a sandbox."""
+    from .files import download as copy_out
+
+    with Client() as c:
+        sbx = sdk_sandbox(c, c.resolve(sandbox))
+    copy_out(sbx, remote, local)
