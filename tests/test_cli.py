@@ -154,6 +154,11 @@ def test_exec_streams_apart_and_exit_code(cli_env, sid: str) -> None:
     assert r.stdout == "out-2\n" and r.stderr == "err-3\n"
     r = aenv(cli_env, "exec", sid, "--", "ls", "-d", "/home/user")
     assert r.stdout == "/home/user\n"
+    r = aenv(cli_env, "exec", "-i", sid, "--", "sh", "-c", "wc -l; echo done >&2; exit 4",
+             input="a\nb\nc\n", check=False)
+    assert (r.returncode, r.stdout.strip(), r.stderr) == (4, "3", "done\n")
+    r = aenv(cli_env, "exec", sid, "--", "nosuchcommand", check=False)
+    assert r.returncode == 127 and "not found" in r.stderr
 
 
 def test_fork_and_snapshots(cli_env, sid: str) -> None:

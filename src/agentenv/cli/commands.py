@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -208,8 +209,12 @@ def exec_(
     user: Annotated[str | None, typer.Option("--user", "-u", help="user or root.")] = None,
     cwd: Annotated[str | None, typer.Option("--cwd", "-w", help="Working directory.")] = None,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE.")] = None,
+    interactive: Annotated[bool, typer.Option(
+        "--interactive", "-i", help="Send this stdin to the command (until EOF).")] = False,
 ) -> None:
-    """Run a command in a sandbox: its stdout and stderr stream apart, its exit code is ours."""
+    """Run a command in a sandbox: its stdout and stderr stream apart, its exit code is ours.
+
+    Options go before the ID: aenv exec -i ID -- CMD..."""
     from e2b import CommandExitException
 
     if command and command[0] == "--":  # parsing stops at ID, so a `--` after it is kept
@@ -229,12 +234,33 @@ def exec_(
 
     cmd = command[0] if len(command) == 1 else shlex.join(command)
     try:
-        result = sbx.commands.run(cmd, on_stdout=put(sys.stdout), on_stderr=put(sys.stderr),
-                                  user=user, cwd=cwd, envs=envs or None, timeout=0)
+        if interactive:
+            handle = sbx.commands.run(cmd, background=True, stdin=True, user=user, cwd=cwd,
+                                      envs=envs or None, timeout=0)
+            threading.Thread(target=_feed_stdin, args=(sbx, handle.pid), daemon=True).start()
+            result = handle.wait(on_stdout=put(sys.stdout), on_stderr=put(sys.stderr))
+        else:
+            result = sbx.commands.run(cmd, on_stdout=put(sys.stdout), on_stderr=put(sys.stderr),
+                                      user=user, cwd=cwd, envs=envs or None, timeout=0)
         code = result.exit_code
     except CommandExitException as exc:
         code = exc.exit_code
     raise typer.Exit(code)
+
+
+def _feed_stdin(sbx, pid: int) -> None:
+    """Our stdin to the command's, then EOF. The command may end first: that is fine."""
+    import os
+
+    def chunks():
+        while data := os.read(sys.stdin.fileno(), 65536):
+            yield data
+
+    try:
+        sbx.commands.stream_input(pid, chunks(), timeout=0)
+        sbx.commands.close_stdin(pid)
+    except Exception:
+        pass
 
 
 # -- fork and snapshots ----------------------------------------------------------------
