@@ -109,3 +109,20 @@ def test_fork_count_out_of_range_is_400(api: httpx.Client, source, n: int) -> No
 def test_fork_of_unknown_sandbox_is_404(api: httpx.Client) -> None:
     r = api.post("/sandboxes/nosuchsandbox/fork", json={"count": 1})
     assert r.status_code == 404
+
+
+def test_a_child_pauses_and_resumes(node: Node, api: httpx.Client, source) -> None:
+    for _ in range(3):
+        memory(node, source.sandbox_id, "/inc")
+    child = api.post(f"/sandboxes/{source.sandbox_id}/fork",
+                     json={"count": 1}).json()[0]["sandbox"]["sandboxID"]
+    try:
+        memory(node, child, "/inc")
+        assert api.post(f"/sandboxes/{child}/pause").status_code == 204
+        assert api.get(f"/sandboxes/{child}").json()["state"] == "paused"
+        assert api.post(f"/sandboxes/{child}/resume").status_code == 201
+        assert memory(node, child) == 4  # its own state, kept across the pause
+        assert counting(Sandbox.connect(child))
+        assert memory(node, source.sandbox_id) == 3
+    finally:
+        api.delete(f"/sandboxes/{child}")

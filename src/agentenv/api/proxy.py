@@ -104,10 +104,7 @@ class SandboxProxy:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send,
                     sandbox_id: str, address: str, port: int) -> None:
-        path = scope.get("raw_path") or scope["path"].encode()
-        url = f"http://{address}:{port}{path.decode('latin-1')}"
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
+        url = _upstream_url("http", scope, address, port)
         headers = [
             (k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _DROP_REQUEST
         ]
@@ -158,10 +155,7 @@ class SandboxProxy:
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send,
                          sandbox_id: str, address: str, port: int) -> None:
-        path = scope.get("raw_path") or scope["path"].encode()
-        url = f"ws://{address}:{port}{path.decode('latin-1')}"
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
+        url = _upstream_url("ws", scope, address, port)
         first = await receive()
         if first["type"] != "websocket.connect":
             return
@@ -206,6 +200,13 @@ class SandboxProxy:
         for task in pending:
             task.cancel()
         await upstream.close()
+
+
+def _upstream_url(scheme: str, scope: Scope, address: str, port: int) -> str:
+    """The request's own path and query, on the sandbox's address."""
+    path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+    query = scope.get("query_string") or b""
+    return f"{scheme}://{address}:{port}{path}" + (f"?{query.decode('latin-1')}" if query else "")
 
 
 async def _body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:

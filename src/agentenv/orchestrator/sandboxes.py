@@ -301,11 +301,7 @@ class SandboxManager:
                      (time.perf_counter() - t3) * 1000)
             return record
         except BaseException as exc:
-            log.warning("create %s failed: %s", record.sandbox_id, exc)
-            await asyncio.shield(self._teardown(record, started))
-            if isinstance(exc, RuntimeFailure | EnvdUnavailable):
-                raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
-            raise
+            raise await self._aborted(record, started, exc, "start")  # noqa: B904
 
     async def run_start_command(self, template: Template, address: str, token: str) -> None:
         if template.start_cmd:
@@ -408,11 +404,7 @@ class SandboxManager:
             self._transition(record, SandboxState.RUNNING)
             return record
         except BaseException as exc:
-            log.warning("restore of %s failed: %s", record.sandbox_id, exc)
-            await asyncio.shield(self._teardown(record, started))
-            if isinstance(exc, RuntimeFailure | EnvdUnavailable):
-                raise OrchestratorError(f"sandbox failed to restore: {exc}") from exc
-            raise
+            raise await self._aborted(record, started, exc, "restore")  # noqa: B904
 
     def _spec(self, record: SandboxRecord, template: Template, netns_path: str,
               hostname_of: str) -> SandboxSpec:
@@ -737,6 +729,17 @@ class SandboxManager:
         return record
 
     # -- internals ------------------------------------------------------------
+
+    async def _aborted(self, record: SandboxRecord, started: bool, exc: BaseException,
+                       verb: str) -> BaseException:
+        """Undo a sandbox that failed to start or restore; the error to raise."""
+        log.warning("%s of %s failed: %s", verb, record.sandbox_id, exc)
+        await asyncio.shield(self._teardown(record, started))
+        if isinstance(exc, RuntimeFailure | EnvdUnavailable):
+            wrapped = OrchestratorError(f"sandbox failed to {verb}: {exc}")
+            wrapped.__cause__ = exc
+            return wrapped
+        return exc
 
     def _hold(self, record: SandboxRecord, slot: Slot) -> None:
         self._slots[record.sandbox_id] = slot
