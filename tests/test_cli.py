@@ -265,3 +265,14 @@ def test_start_shell_over_pty_resize_ctrl_d_then_cn(cli_env) -> None:
         assert child.exitstatus == 3  # the shell's exit code is the CLI's
     finally:
         aenv(cli_env, "rm", sid)
+
+
+def test_start_rm_with_piped_stdin(cli_env) -> None:
+    """Not a terminal: the shell reads the piped lines; --rm removes the sandbox after."""
+    before = {s["sandboxID"] for s in json.loads(aenv(cli_env, "ls", "--json").stdout)}
+    r = aenv(cli_env, "start", "base", "--rm", input="echo piped-$((2*21))\nexit 5\n",
+             check=False)
+    assert r.returncode == 5, r.stderr
+    assert "piped-42" in r.stdout
+    after = {s["sandboxID"] for s in json.loads(aenv(cli_env, "ls", "--json").stdout)}
+    assert after <= before

@@ -87,13 +87,21 @@ def attach(c: Client, sid: str) -> int:
             if resized.is_set():
                 resized.clear()
                 rows, cols = _size(out_fd)
-                sbx.pty.resize(handle.pid, PtySize(rows=rows, cols=cols))
+                try:
+                    sbx.pty.resize(handle.pid, PtySize(rows=rows, cols=cols))
+                except Exception:
+                    pass  # a missed resize is not worth ending the session for
             if in_fd in ready and not done.is_set():
                 data = os.read(in_fd, 4096)
                 if not data:  # stdin ended (not a terminal): end the shell's input too
                     stdin_open = False
                     data = b"\x04"
-                sbx.pty.send_stdin(handle.pid, data)
+                try:
+                    sbx.pty.send_stdin(handle.pid, data)
+                except Exception:
+                    if done.wait(3):  # the shell had just ended: its exit code stands
+                        break
+                    raise
     finally:
         signal.signal(signal.SIGWINCH, old_winch)
         if saved is not None:
