@@ -200,7 +200,8 @@ def test_upload_download_file_and_directory(cli_env, sid: str, tmp_path: Path) -
     (src / "a.txt").write_text("alpha\n")
     (src / "sub" / "b.bin").write_bytes(os.urandom(3 << 20))
     (src / "sub" / "deeper" / "c.txt").write_text("gamma\n")
-    aenv(cli_env, "upload", sid, str(src), "/home/user/up")
+    r = aenv(cli_env, "upload", sid, str(src), "/home/user/up")
+    assert "-> /home/user/up" in r.stderr and "3.1/3.1 MB" in r.stderr  # the progress bar
     listing = aenv(cli_env, "exec", sid, "--", "sh", "-c",
                    "cd /home/user/up && find . | sort && cat sub/deeper/c.txt").stdout
     assert listing.split() == [".", "./a.txt", "./empty", "./sub", "./sub/b.bin", "./sub/deeper",
