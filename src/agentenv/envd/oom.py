@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 
 log = logging.getLogger(__name__)
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -55,6 +56,13 @@ class OomGuard:
     def __init__(self, limit_bytes: int):
         self.limit = limit_bytes
         self.kills = 0
+        # Killing a process this small frees too little to matter (the usage is
+        # then in files of the in-memory root, say): leave such processes alone.
+        self.min_victim = max(16 * MIB, limit_bytes // 20)
+        # After a kill the freed memory shows up in the accounting a little later:
+        # no further kill until the victim is gone (or this long has passed).
+        self._victim: int | None = None
+        self._victim_deadline = 0.0
 
     def interval(self, used: int) -> float:
         # Cheap when idle, tight when close: allocations run at GB/s.
@@ -64,17 +72,26 @@ class OomGuard:
             return 0.05
         return 0.01
 
+    def _settling(self) -> bool:
+        if self._victim is None:
+            return False
+        if os.path.exists(f"/proc/{self._victim}") and time.monotonic() < self._victim_deadline:
+            return True
+        self._victim = None
+        return False
+
     def check_once(self) -> int:
         used = used_bytes()
-        if used > self.limit:
+        if used > self.limit and not self._settling():
             victim = largest_process({1, os.getpid()})
-            if victim is not None:
+            if victim is not None and victim[1] >= self.min_victim:
                 pid, rss = victim
                 log.warning("out of memory: %d MiB used of %d MiB; killing pid %d (rss %d MiB)",
                             used // MIB, self.limit // MIB, pid, rss // MIB)
                 try:
                     os.kill(pid, signal.SIGKILL)
                     self.kills += 1
+                    self._victim, self._victim_deadline = pid, time.monotonic() + 2.0
                 except ProcessLookupError:
                     pass
         return used
