@@ -115,6 +115,12 @@ class GVisorRuntime:
             )
             try:
                 code = await asyncio.wait_for(proc.wait(), 60)
+            except asyncio.CancelledError:
+                # Killing runsc half-way orphans the sandbox processes it already
+                # started; let it finish (the caller then destroys the sandbox whole).
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), 60)
+                raise
             except BaseException:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

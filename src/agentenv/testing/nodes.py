@@ -122,7 +122,7 @@ def leaks(prefix: str, home: Path) -> list[str]:
         out = subprocess.run(["runsc", f"--root={state}", "list", "-quiet"],
                              capture_output=True, text=True).stdout
         found += [f"runsc container {c}" for c in out.split()]
-    found += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*/{prefix}/*") if p.is_dir()]
+    found += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*/{prefix}") if p.is_dir()]
     sandboxes = home / "run" / "sandboxes"
     if sandboxes.is_dir():
         found += [f"bundle dir {p.name}" for p in sandboxes.iterdir()]
