@@ -14,15 +14,12 @@ bench/results/snapshot_store.{json,md}. Everything it creates is removed.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import blake3
@@ -31,6 +28,7 @@ from moto.server import ThreadedMotoServer
 from pyfastcdc import FastCDC
 
 from agentenv.snapshot import SnapshotStore, open_repository
+from agentenv.testing.checkpoints import two_checkpoints
 from common import summary, table, write
 
 ROOTFS = Path(os.environ.get("AENV_HOME", "/var/lib/aenv")) / "images/templates/base/rootfs"
@@ -38,43 +36,7 @@ MiB = 1 << 20
 
 
 def capture(work: Path, mib: int) -> tuple[Path, Path]:
-    runsc = shutil.which("runsc") or "/usr/bin/runsc"
-    root, bundle = work / "state", work / "bundle"
-    root.mkdir(parents=True)
-    bundle.mkdir()
-    cid = f"snapbench-{uuid.uuid4().hex[:8]}"
-    program = (f"import os, time\nkeep = os.urandom({mib} << 20)\n"
-               "open('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n")
-    subprocess.run([runsc, "spec", "--bundle", str(bundle), "--", "/usr/bin/python3", "-c",
-                    program], check=True)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["root"] = {"path": str(ROOTFS), "readonly": False}
-    spec["process"]["terminal"] = False
-    (bundle / "config.json").write_text(json.dumps(spec))
-    base = [runsc, f"--root={root}", "--network=none", "--overlay2=root:memory"]
-    log = work / "runsc.err"
-
-    def run(*args: str) -> None:
-        with open(log, "ab") as err:
-            code = subprocess.run([*base, *args], timeout=120, stdin=subprocess.DEVNULL,
-                                  stdout=err, stderr=err).returncode
-        if code:
-            raise RuntimeError(f"runsc {args[0]} failed: {log.read_text()[-2000:]}")
-
-    try:
-        run("run", "--detach", "--bundle", str(bundle), cid)
-        run("exec", cid, "/bin/sh", "-c",
-            "for i in $(seq 600); do [ -e /tmp/ready ] && exit 0; sleep 0.05; done; exit 1")
-        first, second = work / "ck1", work / "ck2"
-        run("checkpoint", "--image-path", str(first), "--leave-running", "--compression=none",
-            cid)
-        run("exec", cid, "/bin/sh", "-c", "head -c 1048576 /dev/urandom > /root/change.bin")
-        run("checkpoint", "--image-path", str(second), "--leave-running", "--compression=none",
-            cid)
-        return first, second
-    finally:
-        subprocess.run([*base, "kill", cid, "KILL"], check=False, capture_output=True)
-        subprocess.run([*base, "delete", "--force", cid], check=False, capture_output=True)
+    return two_checkpoints(work, ROOTFS, mib)
 
 
 def chunk_digests(image_dir: Path, strategy: str) -> list[tuple[str, int]]:

@@ -9,16 +9,14 @@ both must come back byte-identical.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from agentenv.testing.checkpoints import two_checkpoints
 from test_snapshot_store import (  # noqa: F401  (fixtures)
     fixture_backend,
     fixture_config,
@@ -34,50 +32,12 @@ pytestmark = pytest.mark.skipif(
     RUNSC is None or os.geteuid() != 0 or not (ROOTFS / "usr/bin/python3").exists(),
     reason="needs root, runsc and the base template rootfs")
 
-PROGRAM = ("import os, time\n"
-           "keep = os.urandom(48 << 20)\n"
-           "open('/tmp/ready', 'w').close()\n"
-           "time.sleep(1e9)\n")
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     work = tmp_path_factory.mktemp("runsc")
-    root, bundle = work / "state", work / "bundle"
-    root.mkdir()
-    bundle.mkdir()
-    cid = f"snaptest-{uuid.uuid4().hex[:8]}"
-    runsc = [RUNSC, f"--root={root}", "--network=none", "--overlay2=root:memory"]
-    subprocess.run([RUNSC, "spec", "--bundle", str(bundle), "--", "/usr/bin/python3", "-c",
-                    PROGRAM], check=True)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["root"] = {"path": str(ROOTFS), "readonly": False}
-    spec["process"]["terminal"] = False
-    (bundle / "config.json").write_text(json.dumps(spec))
-
-    log = work / "runsc.err"
-
-    def run(*args: str, timeout: float = 30) -> None:
-        # Never a pipe: a detached sandbox would keep it open for its whole life.
-        with open(log, "ab") as err:
-            code = subprocess.run([*runsc, *args], timeout=timeout, stdin=subprocess.DEVNULL,
-                                  stdout=err, stderr=err).returncode
-        assert code == 0, f"runsc {args[0]} failed: {log.read_text()[-2000:]}"
-
     try:
-        run("run", "--detach", "--bundle", str(bundle), cid)
-        run("exec", cid, "/bin/sh", "-c",
-            "for i in $(seq 200); do [ -e /tmp/ready ] && exit 0; sleep 0.05; done; exit 1")
-        first, second = work / "ck1", work / "ck2"
-        run("checkpoint", "--image-path", str(first), "--leave-running", "--compression=none",
-            cid)
-        run("exec", cid, "/bin/sh", "-c", "head -c 1048576 /dev/urandom > /root/change.bin")
-        run("checkpoint", "--image-path", str(second), "--leave-running", "--compression=none",
-            cid)
-        yield first, second
+        yield two_checkpoints(work, ROOTFS, 48)
     finally:
-        subprocess.run([*runsc, "kill", cid, "KILL"], check=False, capture_output=True)
-        subprocess.run([*runsc, "delete", "--force", cid], check=False, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
