@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import re
 import shutil
 import subprocess
@@ -36,6 +35,7 @@ import httpx
 
 from agentenv.runtime.gvisor import reap_runsc_orphans
 from agentenv.testing import SHARED_HOME, Node, leaks
+from agentenv.testing.checkpoints import bare_sandbox
 from bench_node import exec_native
 from common import summary, table, write
 
@@ -446,17 +446,7 @@ def bench_template_creates(t: Tracker, log: NodeLog, n: int, pool: int, rows: di
 
 def bare_runsc(work: Path, n: int, rows: dict, raw: dict) -> None:
     """runsc checkpoint/restore of `sleep infinity` (overlay root in memory, no network)."""
-    runsc = shutil.which("runsc") or "/usr/bin/runsc"
-    root, bundle = work / "state", work / "bundle"
-    root.mkdir(parents=True)
-    bundle.mkdir()
-    subprocess.run([runsc, "spec", "--bundle", str(bundle), "--", "sleep", "infinity"],
-                   check=True)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["root"] = {"path": str(ROOTFS), "readonly": False}
-    spec["process"]["terminal"] = False
-    (bundle / "config.json").write_text(json.dumps(spec))
-    base = [runsc, f"--root={root}", "--network=none", "--overlay2=root:memory"]
+    base, bundle = bare_sandbox(work, ROOTFS, ["sleep", "infinity"])
     err_log = work / "runsc.err"
 
     def run(*args: str) -> float:

@@ -37,12 +37,8 @@ def small_disk_node(tmp_path: Path) -> Iterator[Node]:
 
 
 def test_disk_full_during_capture(small_disk_node: Node, monkeypatch) -> None:
-    for k, v in small_disk_node.e2b_env().items():
-        monkeypatch.setenv(k, v)
     with small_disk_node.client() as api:
-        sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
-        sbx = Sandbox.connect(sid)
-        sbx.commands.run(COUNTER, background=True)
+        sid, sbx = counting_sandbox(small_disk_node, api, monkeypatch)
         r = api.post(f"/sandboxes/{sid}/snapshots", json={"name": "too-big"})
         assert r.status_code == 507, r.text
         assert "space" in r.json()["message"]
@@ -76,21 +72,25 @@ def s3_node(tmp_path: Path) -> Iterator[tuple[Node, S3Server]]:
     assert leaks(node.prefix, node.home) == []
 
 
-def test_s3_down_snapshot_fails_clearly_then_retry_works(s3_node, monkeypatch) -> None:
-    node, s3 = s3_node
+def counting_sandbox(node: Node, api, monkeypatch) -> tuple[str, Sandbox]:
+    """A sandbox on ``node`` running the counter loop, with the SDK pointed at the node."""
     for k, v in node.e2b_env().items():
         monkeypatch.setenv(k, v)
+    sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    sbx = Sandbox.connect(sid)
+    sbx.commands.run(COUNTER, background=True)
+    return sid, sbx
+
+
+def test_s3_down_snapshot_fails_clearly_then_retry_works(s3_node, monkeypatch) -> None:
+    node, s3 = s3_node
     with node.client() as api:
-        sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
-        sbx = Sandbox.connect(sid)
-        sbx.commands.run(COUNTER, background=True)
-        port = s3.port
+        sid, sbx = counting_sandbox(node, api, monkeypatch)
         s3.stop()
         r = api.post(f"/sandboxes/{sid}/snapshots", json={"name": "later"})
         assert r.status_code == 503, r.text
         assert "unavailable" in r.json()["message"]
         assert counting(sbx)
-        s3.port = port
         s3.start()
         r = api.post(f"/sandboxes/{sid}/snapshots", json={"name": "later"})
         assert r.status_code == 201, r.text
@@ -100,14 +100,9 @@ def test_s3_down_snapshot_fails_clearly_then_retry_works(s3_node, monkeypatch) -
 
 def test_s3_down_pause_still_resumes_from_local_state(s3_node, monkeypatch) -> None:
     node, s3 = s3_node
-    for k, v in node.e2b_env().items():
-        monkeypatch.setenv(k, v)
     with node.client() as api:
-        sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
-        sbx = Sandbox.connect(sid)
-        sbx.commands.run(COUNTER, background=True)
+        sid, sbx = counting_sandbox(node, api, monkeypatch)
         sbx.files.write("/home/user/state.txt", "kept")
-        port = s3.port
         s3.stop()
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
         time.sleep(1)  # the background commit fails meanwhile
@@ -116,7 +111,6 @@ def test_s3_down_pause_still_resumes_from_local_state(s3_node, monkeypatch) -> N
         back = Sandbox.connect(sid)
         assert back.files.read("/home/user/state.txt") == "kept"
         assert counting(back)
-        s3.port = port
         s3.start()
         # Paused again with the store back: the commit goes through.
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204

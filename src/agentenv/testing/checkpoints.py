@@ -14,22 +14,27 @@ import uuid
 from pathlib import Path
 
 
-def two_checkpoints(work: Path, rootfs: Path, mib: int) -> tuple[Path, Path]:
-    """``(first, second)`` image directories under ``work``, 1 MiB apart."""
+def bare_sandbox(work: Path, rootfs: Path, argv: list[str]) -> tuple[list[str], Path]:
+    """An OCI bundle for ``argv`` over ``rootfs`` (root overlay in memory, no network),
+    and the runsc command prefix (own state dir under ``work``) to run it with."""
     runsc = shutil.which("runsc") or "/usr/bin/runsc"
     root, bundle = work / "state", work / "bundle"
     root.mkdir(parents=True)
     bundle.mkdir()
-    cid = f"ckpt-{uuid.uuid4().hex[:8]}"
-    program = (f"import os, time\nkeep = os.urandom({mib} << 20)\n"
-               "open('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n")
-    subprocess.run([runsc, "spec", "--bundle", str(bundle), "--", "/usr/bin/python3", "-c",
-                    program], check=True)
+    subprocess.run([runsc, "spec", "--bundle", str(bundle), "--", *argv], check=True)
     spec = json.loads((bundle / "config.json").read_text())
     spec["root"] = {"path": str(rootfs), "readonly": False}
     spec["process"]["terminal"] = False
     (bundle / "config.json").write_text(json.dumps(spec))
-    base = [runsc, f"--root={root}", "--network=none", "--overlay2=root:memory"]
+    return [runsc, f"--root={root}", "--network=none", "--overlay2=root:memory"], bundle
+
+
+def two_checkpoints(work: Path, rootfs: Path, mib: int) -> tuple[Path, Path]:
+    """``(first, second)`` image directories under ``work``, 1 MiB apart."""
+    cid = f"ckpt-{uuid.uuid4().hex[:8]}"
+    program = (f"import os, time\nkeep = os.urandom({mib} << 20)\n"
+               "open('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n")
+    base, bundle = bare_sandbox(work, rootfs, ["/usr/bin/python3", "-c", program])
     log = work / "runsc.err"
 
     def run(*args: str) -> None:
