@@ -77,6 +77,11 @@ class Config:
     def templates_dir(self) -> Path:
         return (self.images_dir or self.home / "images") / "templates"
 
+    @property
+    def local_templates_dir(self) -> Path:
+        """The templates this node pulled or built (``templates_dir`` holds the built-in ones)."""
+        return self.home / "templates"
+
     def snapshot_repository(self) -> dict[str, Any]:
         """The repository settings in the form ``agentenv.snapshot.open_repository`` takes."""
         if self.snapshot_backend == "posix_fs":

@@ -44,7 +44,7 @@ def build_manager(config: Config) -> SandboxManager:
         staging_dir=config.home / "snapshots-staging",
     )
     return SandboxManager(
-        config, runtime, slots, TemplateRegistry(config.templates_dir),
+        config, runtime, slots, TemplateRegistry(config.templates_dir, config.local_templates_dir),
         SandboxStore(config.db_path), snapshots,
     )
 

@@ -1,4 +1,8 @@
-"""Finds templates on disk: ``<templates_dir>/<id>/{template.json, rootfs/}``."""
+"""Finds templates on disk: ``<dir>/<id>/template.json`` (plus ``rootfs/`` for built-in ones).
+
+Two directories are searched: the built-in templates made at set-up (shared,
+read-only to the node) and the node's own, which pulls and builds write.
+"""
 
 from __future__ import annotations
 
@@ -33,25 +37,34 @@ class Template:
 
 
 class TemplateRegistry:
-    def __init__(self, templates_dir: Path):
+    def __init__(self, templates_dir: Path, local_dir: Path | None = None):
         self.templates_dir = templates_dir
+        # Where this node writes the templates it pulls or builds.
+        self.local_dir = local_dir or templates_dir
+
+    @property
+    def dirs(self) -> list[Path]:
+        return [self.templates_dir] if self.local_dir == self.templates_dir else \
+            [self.templates_dir, self.local_dir]
 
     def list(self) -> list[Template]:
-        if not self.templates_dir.is_dir():
-            return []
-        found = []
-        for meta in sorted(self.templates_dir.glob("*/template.json")):
-            template = self._load(meta.parent)
-            if template is not None:
-                found.append(template)
-        return found
+        found: dict[str, Template] = {}
+        for directory in self.dirs:
+            if not directory.is_dir():
+                continue
+            for meta in sorted(directory.glob("*/template.json")):
+                template = self._load(meta.parent)
+                if template is not None:
+                    found.setdefault(template.template_id, template)
+        return list(found.values())
 
     def get(self, name: str) -> Template:
         """By template ID, or by alias; raises TemplateNotFound."""
         if name and "/" not in name and not name.startswith("."):
-            template = self._load(self.templates_dir / name)
-            if template is not None:
-                return template
+            for directory in self.dirs:
+                template = self._load(directory / name)
+                if template is not None:
+                    return template
         for template in self.list():
             if name in template.aliases:
                 return template
