@@ -16,6 +16,7 @@ from ..orchestrator import SandboxManager, SandboxStore
 from ..runtime import GVisorRuntime
 from ..snapshot import SnapshotStore, open_repository
 from ..templates import TemplateRegistry
+from ..templates.builder import TemplateBuilder
 from .auth import load_or_create_api_key
 from .errors import install_error_handlers
 from .limits import BodyLimitMiddleware
@@ -23,6 +24,8 @@ from .proxy import SandboxProxy
 from .routes import public, require_api_key, router
 from .routes_lifecycle import router as lifecycle_router
 from .signed_files import SignedFileRouter
+from .template_routes import unlimited_uploads
+from .template_routes import uploads as template_uploads
 
 log = logging.getLogger(__name__)
 API_BODY_LIMIT = 1 << 20  # 1 MiB: far above any sandbox request, far below harm
@@ -52,17 +55,20 @@ def build_manager(config: Config) -> SandboxManager:
 def create_app(config: Config) -> ASGIApp:
     api_key = load_or_create_api_key(config.secrets_dir)
     manager = build_manager(config)
+    builder = TemplateBuilder(manager, config.home, api_key)
     proxy_holder: dict[str, SandboxProxy] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await manager.start()
+        await builder.start()
         log.info("node %s serving on %s:%d (home %s)", config.node_id, config.host, config.port,
                  config.home)
         try:
             yield
         finally:
             await proxy_holder["proxy"].close()
+            await builder.close()
             await manager.close(destroy=True)
             manager.store.close()
             log.info("node stopped cleanly")
@@ -71,11 +77,13 @@ def create_app(config: Config) -> ASGIApp:
     app.state.config = config
     app.state.api_key = api_key
     app.state.manager = manager
+    app.state.builder = builder
     install_error_handlers(app)
     app.include_router(public)
+    app.include_router(template_uploads)
     app.include_router(router, dependencies=[Depends(require_api_key)])
     app.include_router(lifecycle_router, dependencies=[Depends(require_api_key)])
-    limited = BodyLimitMiddleware(app, API_BODY_LIMIT)
+    limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT), app)
     proxy = SandboxProxy(limited, manager.endpoint, config.domain)
     proxy_holder["proxy"] = proxy
     manager.on_removed.append(proxy.forget)

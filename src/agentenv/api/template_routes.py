@@ -1,15 +1,33 @@
-"""Templates as the E2B SDKs and CLI list them (read-only: builds are another API)."""
+"""Templates as the E2B SDKs and CLI see them: listing, aliases, and builds
+(``POST /v3/templates``, context uploads, ``POST /v2/templates/{id}/builds/{id}``,
+status with logs), and deletion."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request, Response
+import re
+import time
+from datetime import datetime
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Body, Query, Request, Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..orchestrator import BadRequest, NotFound
 from ..templates import Template, TemplateNotFound, TemplateRegistry
+from ..templates.builder import HASH, UPLOAD_URL_TTL, BuildError, TemplateBuilder
 from . import models
 
 router = APIRouter()
+# Context uploads carry a signed URL instead of the API key (the SDKs send them
+# like uploads to object storage), and may exceed the API's body limit.
+uploads = APIRouter()
+UPLOAD_PATH = re.compile(r"^/templates/[^/]+/files/[0-9a-f]{64}/upload$")
+JsonBody = Annotated[dict[str, Any], Body()]
 MAX_PAGE = 100
+LOG_PAGE = 100
+LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
 
 
 def _registry(request: Request) -> TemplateRegistry:
@@ -78,3 +96,137 @@ async def template_by_alias(alias: str, request: Request) -> models.TemplateAlia
 async def get_template(template_id: str, request: Request) -> models.TemplateWithBuilds:
     template = _get(request, template_id)
     return models.template_with_builds(template, _spawned(request).get(template.template_id, 0))
+
+
+# -- builds ---------------------------------------------------------------------------------
+
+def _builder(request: Request) -> TemplateBuilder:
+    return request.app.state.builder
+
+
+def _fail(exc: BuildError) -> HTTPException:
+    return HTTPException(exc.status, str(exc))
+
+
+@router.post("/v3/templates", status_code=202)
+async def request_build(request: Request, body: JsonBody) -> dict:
+    name = body.get("name") or body.get("alias") or ""
+    try:
+        build = _builder(request).request(name, body.get("tags"), body.get("cpuCount"),
+                                          body.get("memoryMB"))
+    except BuildError as exc:
+        raise _fail(exc) from exc
+    return {"templateID": build.template_id, "buildID": build.build_id, "public": False,
+            "names": build.names, "tags": build.tags, "aliases": build.names}
+
+
+@router.get("/templates/{template_id}/files/{files_hash}", status_code=201)
+async def file_upload_link(template_id: str, files_hash: str, request: Request) -> dict:
+    builder = _builder(request)
+    if not builder.known_template(template_id):
+        raise NotFound(f"template '{template_id}' not found")
+    if builder.file_path(files_hash) is not None:
+        return {"present": True}
+    if not HASH.match(files_hash):
+        raise BadRequest("files hash must be 64 lowercase hex digits")
+    expires = int(time.time()) + UPLOAD_URL_TTL
+    query = urlencode({"expires": expires,
+                       "signature": builder.upload_token(template_id, files_hash, expires)})
+    base = str(request.base_url).rstrip("/")
+    return {"present": False,
+            "url": f"{base}/templates/{template_id}/files/{files_hash}/upload?{query}"}
+
+
+@uploads.put("/templates/{template_id}/files/{files_hash}/upload", status_code=201)
+async def upload_file(template_id: str, files_hash: str, request: Request,
+                      expires: str = "", signature: str = "") -> Response:
+    builder = _builder(request)
+    try:
+        builder.check_upload(template_id, files_hash, expires, signature)
+    except BuildError as exc:
+        raise _fail(exc) from exc
+    await builder.receive(files_hash, request.stream())
+    return Response(status_code=201)
+
+
+@router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
+async def start_build(template_id: str, build_id: str, request: Request,
+                      body: JsonBody) -> Response:
+    try:
+        _builder(request).start_build(template_id, build_id, body)
+    except BuildError as exc:
+        raise _fail(exc) from exc
+    return Response(status_code=202)
+
+
+def _get_build(request: Request, template_id: str, build_id: str):
+    try:
+        return _builder(request).build(template_id, build_id)
+    except BuildError as exc:
+        raise _fail(exc) from exc
+
+
+def _level_ok(entry: dict, level: str | None) -> bool:
+    return level is None or LEVELS.get(entry.get("level", "info"), 1) >= LEVELS.get(level, 0)
+
+
+@router.get("/templates/{template_id}/builds/{build_id}/status")
+async def build_status(template_id: str, build_id: str, request: Request,
+                       logs_offset: int = Query(default=0, alias="logsOffset", ge=0),
+                       limit: int = Query(default=LOG_PAGE, ge=0, le=LOG_PAGE),
+                       level: str | None = None) -> dict:
+    build = _get_build(request, template_id, build_id)
+    entries = _builder(request).logs(build_id)[logs_offset:logs_offset + limit]
+    out = {"templateID": template_id, "buildID": build_id, "status": build.status,
+           "logs": [], "logEntries": [e for e in entries if _level_ok(e, level)]}
+    if build.reason:
+        out["reason"] = build.reason
+    return out
+
+
+@router.get("/templates/{template_id}/builds/{build_id}/logs")
+async def build_logs(template_id: str, build_id: str, request: Request,
+                     cursor: int | None = None,
+                     limit: int = Query(default=LOG_PAGE, ge=0, le=LOG_PAGE),
+                     direction: str = "forward", level: str | None = None) -> dict:
+    """Entries after (forward) or before (backward) ``cursor``, a time in Unix ms."""
+    _get_build(request, template_id, build_id)
+    entries = [e for e in _builder(request).logs(build_id) if _level_ok(e, level)]
+    if cursor is not None:
+        entries = [e for e in entries if (_ms(e) >= cursor if direction == "forward"
+                                          else _ms(e) <= cursor)]
+    entries = entries[:limit] if direction == "forward" else entries[::-1][:limit]
+    return {"logs": entries}
+
+
+def _ms(entry: dict) -> int:
+    return int(datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00"))
+               .timestamp() * 1000)
+
+
+@router.delete("/templates/{template_id}/builds/{build_id}", status_code=204)
+async def cancel_build(template_id: str, build_id: str, request: Request) -> Response:
+    """Not in E2B's API: stops a build under way (it ends with status error)."""
+    _get_build(request, template_id, build_id)
+    await _builder(request).cancel(build_id)
+    return Response(status_code=204)
+
+
+@router.delete("/templates/{template_id}", status_code=204)
+async def delete_template(template_id: str, request: Request) -> Response:
+    try:
+        await _builder(request).delete_template(template_id)
+    except BuildError as exc:
+        raise _fail(exc) from exc
+    return Response(status_code=204)
+
+
+def unlimited_uploads(limited: ASGIApp, app: ASGIApp) -> ASGIApp:
+    """Context uploads skip the API body limit (archives are large; they stream to disk)."""
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        target = app if scope["type"] == "http" and scope["method"] == "PUT" and \
+            UPLOAD_PATH.match(scope["path"]) else limited
+        await target(scope, receive, send)
+
+    return route

@@ -7,6 +7,7 @@ import base64
 import json
 import struct
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -49,6 +50,7 @@ class EnvdClient:
     async def init(
         self, address: str, access_token: str, env_vars: dict[str, str],
         default_user: str = "user", current_token: str | None = None,
+        default_workdir: str = "",
     ) -> None:
         """Set env vars and the access token; ``current_token`` authorizes a rotation
         (a fork's child gets a token of its own)."""
@@ -58,6 +60,8 @@ class EnvdClient:
             "defaultUser": default_user,
             "timestamp": _rfc3339_now(),
         }
+        if default_workdir:
+            body["defaultWorkdir"] = default_workdir
         headers = {"X-Access-Token": current_token} if current_token else {}
         r = await self._http.post(f"http://{address}:{ENVD_PORT}/init", json=body, headers=headers)
         if r.status_code >= 300:
@@ -66,8 +70,14 @@ class EnvdClient:
 
     # -- processes (Connect protocol, JSON codec, over HTTP/1.1) ---------------------
 
-    def _process_request(self, token: str, user: str, command: str) -> tuple[dict, bytes]:
-        message = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", command]}})
+    def _process_request(self, token: str, user: str, command: str, cwd: str = "",
+                         envs: dict[str, str] | None = None) -> tuple[dict, bytes]:
+        process: dict = {"cmd": "/bin/bash", "args": ["-l", "-c", command]}
+        if cwd:
+            process["cwd"] = cwd
+        if envs:
+            process["envs"] = envs
+        message = json.dumps({"process": process})
         body = b"\x00" + struct.pack(">I", len(message)) + message.encode()
         headers = {
             "Content-Type": "application/connect+json",
@@ -95,9 +105,35 @@ class EnvdClient:
             raise EnvdUnavailable("envd ended the command's stream without an exit code")
         return exit_code
 
-    async def start(self, address: str, token: str, command: str, user: str = "root") -> int:
+    async def run_logged(self, address: str, token: str, command: str,
+                         on_output: Callable[[str, bytes], None], user: str = "root",
+                         cwd: str = "", envs: dict[str, str] | None = None,
+                         deadline_s: float | None = None) -> int:
+        """Run a shell command to its end, handing each chunk of its output to
+        ``on_output("stdout"|"stderr", data)``; return its exit code."""
+        headers, body = self._process_request(token, user, command, cwd, envs)
+        url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
+        timeout = httpx.Timeout(5.0, read=deadline_s)
+        async with self._http.stream("POST", url, headers=headers, content=body,
+                                     timeout=timeout) as r:
+            if r.status_code != 200:
+                raise EnvdUnavailable(f"envd refused the command: HTTP {r.status_code}")
+            exit_code = None
+            async for frame in _frames(r):
+                event = frame.get("event", {})
+                for stream, data in event.get("data", {}).items():
+                    if stream in ("stdout", "stderr") and data:
+                        on_output(stream, base64.b64decode(data))
+                if event.get("end") is not None:
+                    exit_code = int(event["end"].get("exitCode", 0))
+        if exit_code is None:
+            raise EnvdUnavailable("envd ended the command's stream without an exit code")
+        return exit_code
+
+    async def start(self, address: str, token: str, command: str, user: str = "root",
+                    cwd: str = "", envs: dict[str, str] | None = None) -> int:
         """Start a shell command in the background; return its pid once it runs."""
-        headers, body = self._process_request(token, user, command)
+        headers, body = self._process_request(token, user, command, cwd, envs)
         url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
         async with self._http.stream("POST", url, headers=headers, content=body) as r:
             if r.status_code != 200:

@@ -56,6 +56,10 @@ class CreateRequest:
     env_vars: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = False
     internet: bool = True
+    # Resources other than the template's (template builds ask for them): such a
+    # sandbox boots, as no template image or pooled sandbox has them.
+    cpu_count: int | None = None
+    memory_mb: int | None = None
 
 
 class SandboxManager:
@@ -132,7 +136,10 @@ class SandboxManager:
         keep: dict[str, SandboxRecord] = {}
         for record in self.store.all():
             running = alive.get(record.sandbox_id)
-            if record.state is SandboxState.RUNNING and running and running.state == "running":
+            if record.metadata.get("aenv.build"):  # no use without the build that died too
+                log.info("reconcile: dropping template build sandbox %s", record.sandbox_id)
+                self.store.delete(record.sandbox_id)
+            elif record.state is SandboxState.RUNNING and running and running.state == "running":
                 keep[record.sandbox_id] = record
             elif record.state is SandboxState.PAUSED:
                 keep[record.sandbox_id] = record
@@ -200,8 +207,17 @@ class SandboxManager:
             except SnapshotError as snap_exc:
                 raise OrchestratorError(f"snapshot repository: {snap_exc}") from snap_exc
             return await self._create_from_snapshot(req, manifest, timeout)
+        if template.snapshot_id:  # a built template: restore its snapshot
+            try:
+                manifest = await asyncio.to_thread(self.snapshots.resolve, template.snapshot_id)
+            except SnapshotNotFound as exc:
+                raise NotFound(f"snapshot of template '{req.template}' is gone") from exc
+            except SnapshotError as exc:
+                raise OrchestratorError(f"snapshot repository: {exc}") from exc
+            return await self._create_from_snapshot(req, manifest, timeout, template)
         self._check_capacity()
-        member = self.images.take(template) if self.images else None
+        custom = bool(req.cpu_count or req.memory_mb)
+        member = self.images.take(template) if self.images and not custom else None
         now = time.time()
         record = SandboxRecord(
             sandbox_id=member.sandbox_id if member else new_sandbox_id(),
@@ -209,8 +225,8 @@ class SandboxManager:
             alias=template.alias,
             state=SandboxState.CREATING,
             node_id=self.config.node_id,
-            cpu_count=template.cpu_count or self.config.default_cpu_count,
-            memory_mb=template.memory_mb or self.config.default_memory_mb,
+            cpu_count=req.cpu_count or template.cpu_count or self.config.default_cpu_count,
+            memory_mb=req.memory_mb or template.memory_mb or self.config.default_memory_mb,
             disk_size_mb=template.disk_size_mb,
             started_at=now,
             end_at=now + timeout,
@@ -227,7 +243,7 @@ class SandboxManager:
         if member is not None:
             work = self._adopt(record, member)
         else:
-            image = await self.images.image(template) if self.images else None
+            image = await self.images.image(template) if self.images and not custom else None
             work = (self._restore_or_boot(record, template, image) if image
                     else self._build(record, template))
         task = asyncio.create_task(work)
@@ -400,6 +416,8 @@ class SandboxManager:
             await self.runtime.restore(spec, image)
             await self.envd.wait_ready(slot.address)
             await self.envd.init(slot.address, record.envd_token, record.env_vars,
+                                 default_user=template.default_user or "user",
+                                 default_workdir=template.default_workdir,
                                  current_token=source_token)
             self._transition(record, SandboxState.RUNNING)
             return record
@@ -665,8 +683,10 @@ class SandboxManager:
         self._hold(record, slot)
         self._transition(record, SandboxState.RUNNING)
 
-    async def _create_from_snapshot(self, req: CreateRequest, manifest, ttl: int
-                                    ) -> SandboxRecord:
+    async def _create_from_snapshot(self, req: CreateRequest, manifest, ttl: int,
+                                    template: Template | None = None) -> SandboxRecord:
+        """A sandbox restored from a snapshot; ``template`` when that snapshot is a
+        built template's (the sandbox is then of that template, with its env vars)."""
         meta = manifest.metadata
         self._check_restorable(meta)
         self._check_capacity()
@@ -676,14 +696,17 @@ class SandboxManager:
             raise OrchestratorError(f"snapshot repository: {exc}") from exc
         now = time.time()
         record = SandboxRecord(
-            sandbox_id=new_sandbox_id(), template_id=meta["template_id"],
-            alias=meta.get("alias") or meta["template_id"], state=SandboxState.CREATING,
+            sandbox_id=new_sandbox_id(),
+            template_id=template.template_id if template else meta["template_id"],
+            alias=template.alias if template else meta.get("alias") or meta["template_id"],
+            state=SandboxState.CREATING,
             node_id=self.config.node_id, cpu_count=meta["cpu_count"],
             memory_mb=meta["memory_mb"], disk_size_mb=meta.get("disk_size_mb", 0),
             started_at=now, end_at=now + ttl, auto_pause=req.auto_pause,
             internet=req.internet,
             metadata={**meta.get("metadata", {}), **req.metadata},
-            env_vars={**meta.get("env_vars", {}), **req.env_vars},
+            env_vars={**meta.get("env_vars", {}), **dict(template.envs if template else ()),
+                      **req.env_vars},
             envd_token=secrets.token_urlsafe(32),
         )
         self._records[record.sandbox_id] = record

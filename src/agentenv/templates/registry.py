@@ -30,6 +30,12 @@ class Template:
     start_cmd: str = ""
     ready_cmd: str = ""
     ready_timeout_s: float = 60.0
+    # A built template is a snapshot (taken with its start command running) over
+    # the rootfs its build started from; sandboxes restore it instead of booting.
+    snapshot_id: str = ""
+    envs: tuple[tuple[str, str], ...] = ()
+    default_user: str = ""
+    default_workdir: str = ""
 
     @property
     def alias(self) -> str:
@@ -76,6 +82,8 @@ class TemplateRegistry:
         except (OSError, ValueError):
             return None
         rootfs = directory / "rootfs"
+        if meta.get("snapshotID") and meta.get("rootfs"):
+            rootfs = Path(meta["rootfs"])
         if not rootfs.is_dir():
             return None
         return Template(
@@ -90,4 +98,8 @@ class TemplateRegistry:
             start_cmd=meta.get("startCmd", ""),
             ready_cmd=meta.get("readyCmd", ""),
             ready_timeout_s=float(meta.get("readyTimeoutSec", 60)),
+            snapshot_id=meta.get("snapshotID", ""),
+            envs=tuple(sorted((str(k), str(v)) for k, v in meta.get("envs", {}).items())),
+            default_user=meta.get("defaultUser", ""),
+            default_workdir=meta.get("defaultWorkdir", ""),
         )
