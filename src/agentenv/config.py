@@ -59,6 +59,18 @@ class Config:
     template_snapshots: bool = True
     warm_pool_size: int = 0
     log_level: str = "info"
+    # Cluster (docs: README "Cluster"). A node with scheduler_url set registers and
+    # heartbeats there, advertising advertise_url (default http://host:port).
+    scheduler_url: str = ""
+    advertise_url: str = ""
+    heartbeat_interval_ms: int = 1000
+    # The scheduler marks a node down after this long without a heartbeat.
+    node_ttl_ms: int = 5000
+    # Gateway and scheduler keep cluster state here.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # A node may fetch snapshot chunks from a peer that caches them (digest-verified;
+    # the repository stays the source of truth).
+    peer_transfer: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -83,6 +83,66 @@ def server(
 
 
 
+def _cluster_config(home: Path | None, redis_url: str | None):
+    from ..config import ConfigError, load_config
+
+    try:
+        config = load_config({"home": home, "redis_url": redis_url})
+    except ConfigError as exc:
+        typer.echo(f"aenv: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return config
+
+
+@app.command()
+def scheduler(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 9090,
+    redis_url: Annotated[str | None, typer.Option(help="Cluster state (AENV_REDIS_URL).")] = None,
+    home: Annotated[Path | None, typer.Option(help="Holds secrets/api-key, the cluster's key.")
+                    ] = None,
+) -> None:
+    """Run the cluster scheduler: node registry and placement."""
+    import uvicorn
+
+    from ..api.auth import load_or_create_api_key
+    from ..cluster.scheduler import create_scheduler_app
+
+    config = _cluster_config(home, redis_url)
+    asgi = create_scheduler_app(config.redis_url, load_or_create_api_key(config.secrets_dir),
+                                config.node_ttl_ms)
+    typer.echo(f"agentenv scheduler on http://{host}:{port}", err=True)
+    uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on")
+
+
+@app.command()
+def gateway(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
+    redis_url: Annotated[str | None, typer.Option(help="Cluster state (AENV_REDIS_URL).")] = None,
+    scheduler_url: Annotated[str | None, typer.Option(help="AENV_SCHEDULER_URL.")] = None,
+    home: Annotated[Path | None, typer.Option(help="Holds secrets/api-key, the cluster's key.")
+                    ] = None,
+) -> None:
+    """Run the cluster gateway: the node API in front of every node."""
+    import uvicorn
+
+    from ..api.auth import load_or_create_api_key
+    from ..cluster.gateway import create_gateway_app
+
+    config = _cluster_config(home, redis_url)
+    asgi = create_gateway_app(config.redis_url,
+                              scheduler_url or config.scheduler_url or "http://127.0.0.1:9090",
+                              load_or_create_api_key(config.secrets_dir), config.domain)
+    typer.echo(f"agentenv gateway on http://{host}:{port}", err=True)
+    uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on",
+                timeout_graceful_shutdown=5)
+
+
 from . import commands  # noqa: E402  (the client commands, talking HTTP to a node)
 
 app.registered_commands += commands.cli.registered_commands

@@ -464,6 +464,9 @@ class SandboxManager:
             "env_vars": record.env_vars,
             # The token lives in the memory image too; a child rotates it.
             "envd_token": record.envd_token,
+            # With the rest, enough for another node to rebuild the record (adopt_paused).
+            "auto_pause": record.auto_pause,
+            "started_at": record.started_at,
             "runtime": {"kind": self.runtime.kind, "version": self.runtime.version},
             "bundle": self._bundle.name if self._bundle else "",
             "created_at": time.time(),
@@ -648,6 +651,51 @@ class SandboxManager:
             if auto_pause is not None:
                 record.auto_pause = auto_pause
             self.store.put(record)
+            return record
+
+    def pause_committed(self, record: SandboxRecord) -> bool:
+        """Whether a paused sandbox's snapshot is in the repository (not only staged here)."""
+        sid = record.snapshot_id
+        return bool(sid) and sid not in self._commits and not (
+            self.snapshots.staging_dir / f"{sid}.meta.json").is_file()
+
+    async def adopt_paused(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
+        """Take over a paused sandbox whose node is gone, from its committed pause
+        snapshot: the record is rebuilt from the snapshot's metadata, PAUSED, same ID
+        and envd token; a resume then restores it on this node."""
+        async with self._lock(sandbox_id):
+            existing = self._records.get(sandbox_id)
+            if existing is not None and existing.state is not SandboxState.KILLED:
+                if existing.state is SandboxState.PAUSED and existing.snapshot_id == snapshot_id:
+                    return existing
+                raise Conflict(f"sandbox '{sandbox_id}' is already on this node "
+                               f"({existing.state})")
+            try:
+                manifest = await asyncio.to_thread(self.snapshots.get, snapshot_id)
+            except SnapshotNotFound as exc:
+                raise NotFound(f"snapshot '{snapshot_id}' not found") from exc
+            except SnapshotError as exc:
+                raise OrchestratorError(f"snapshot repository: {exc}") from exc
+            meta = manifest.metadata
+            if meta.get("kind") != "pause" or meta.get("source_sandbox_id") != sandbox_id:
+                raise BadRequest(f"snapshot '{snapshot_id}' is not a pause of '{sandbox_id}'")
+            self._check_restorable(meta)
+            now = time.time()
+            record = SandboxRecord(
+                sandbox_id=sandbox_id, template_id=meta["template_id"],
+                alias=meta.get("alias") or meta["template_id"], state=SandboxState.PAUSED,
+                node_id=self.config.node_id, cpu_count=meta["cpu_count"],
+                memory_mb=meta["memory_mb"], disk_size_mb=meta.get("disk_size_mb", 0),
+                started_at=float(meta.get("started_at") or now), end_at=now,
+                auto_pause=bool(meta.get("auto_pause", True)),
+                internet=bool(meta.get("internet", True)),
+                metadata=dict(meta.get("metadata") or {}),
+                env_vars=dict(meta.get("env_vars") or {}),
+                envd_token=meta["envd_token"], snapshot_id=snapshot_id,
+            )
+            self._records[sandbox_id] = record
+            self.store.put(record)
+            log.info("adopted paused sandbox %s from snapshot %s", sandbox_id, snapshot_id)
             return record
 
     async def connect(self, sandbox_id: str, ttl: int | None = None) -> SandboxRecord:

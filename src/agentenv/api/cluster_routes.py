@@ -1,0 +1,53 @@
+"""Node routes only the cluster uses: adopt a paused sandbox, serve chunks to peers, status."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import Field
+
+from ..cluster.heartbeat import node_status
+from ..cluster.peer import read_cached_chunk
+from ..orchestrator import NotFound, SandboxManager
+from . import models
+from .routes_lifecycle import _snapshot_call
+
+router = APIRouter(prefix="/cluster")
+
+
+class AdoptRequest(models._Body):
+    snapshot_id: str = Field(alias="snapshotID", min_length=1, max_length=128)
+
+
+def _manager(request: Request) -> SandboxManager:
+    return request.app.state.manager
+
+
+@router.post("/sandboxes/{sandbox_id}/adopt", status_code=201,
+             response_model=models.SandboxDetail, response_model_by_alias=True)
+async def adopt(sandbox_id: str, body: AdoptRequest, request: Request) -> models.SandboxDetail:
+    """Take over a paused sandbox from its committed pause snapshot (its node is gone)."""
+    record = await _manager(request).adopt_paused(sandbox_id, body.snapshot_id)
+    return models.detail(record, request.app.state.config.domain)
+
+
+@router.get("/chunks/{digest}")
+async def chunk(digest: str, snapshot: str, request: Request) -> Response:
+    """A chunk of a snapshot this node caches, zstd-compressed (the caller verifies it)."""
+    store = _manager(request).snapshots
+    blob = await _snapshot_call(asyncio.to_thread(read_cached_chunk, store, snapshot, digest))
+    if blob is None:
+        raise NotFound(f"chunk {digest} of snapshot {snapshot} is not cached on this node")
+    return Response(blob, media_type="application/octet-stream")
+
+
+@router.get("/status")
+async def status(request: Request) -> dict[str, Any]:
+    """What the node heartbeats, plus peer-transfer counters."""
+    mgr = _manager(request)
+    cfg = request.app.state.config
+    body = node_status(mgr, cfg.advertise_url or f"http://{cfg.host}:{cfg.port}").to_dict()
+    body["peer"] = getattr(mgr.snapshots.repo, "stats", None)
+    return body

@@ -1,0 +1,102 @@
+"""The node's side of the cluster: register with the scheduler and keep heartbeating.
+
+Each heartbeat is the node's whole status (capacity, load, free memory, caches,
+runtime, its sandboxes with their latest pause snapshot), so a scheduler that
+lost its state, or a node that was cut off, is whole again after one beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+
+from ..orchestrator import SandboxState
+from .registry import NodeStatus, SandboxEntry
+
+if TYPE_CHECKING:
+    from ..orchestrator import SandboxManager
+
+log = logging.getLogger(__name__)
+
+
+def free_memory_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    return 0
+
+
+def node_status(manager: SandboxManager, url: str) -> NodeStatus:
+    cfg = manager.config
+    images = getattr(manager.images, "_images", {}) if manager.images else {}
+    # Template image aliases read tpl.<template>.<hash>; a cached image makes a warm create.
+    templates = sorted({alias.split(".")[1] for alias, img in images.items()
+                        if alias.count(".") >= 2 and img.path.is_dir()})
+    store = manager.snapshots
+    cached = store.cache_dir.iterdir() if store.cache_dir.is_dir() else iter(())
+    snapshots = sorted(p.name for p in cached if p.is_dir() and store.is_cached(p.name))
+    sandboxes = [
+        SandboxEntry(sandbox_id=r.sandbox_id, state=str(r.state.value), snapshot_id=r.snapshot_id,
+                     committed=r.state is SandboxState.PAUSED and manager.pause_committed(r))
+        for r in manager.list()
+    ]
+    return NodeStatus(
+        node_id=cfg.node_id, url=url, capacity=cfg.max_sandboxes, load=manager.active_count(),
+        free_memory_mb=free_memory_mb(), runtime_kind=manager.runtime.kind,
+        runtime_version=manager.runtime.version, templates=templates, snapshots=snapshots,
+        sandboxes=sandboxes,
+    )
+
+
+class Heartbeat:
+    """Posts the node's status to ``scheduler_url`` every ``interval`` seconds."""
+
+    def __init__(self, manager: SandboxManager, scheduler_url: str, advertise_url: str,
+                 api_key: str, interval: float) -> None:
+        self.manager = manager
+        self.url = scheduler_url.rstrip("/") + "/nodes/heartbeat"
+        self.advertise_url = advertise_url
+        self.interval = interval
+        self._http = httpx.AsyncClient(headers={"X-API-Key": api_key}, trust_env=False,
+                                       timeout=max(interval, 1.0))
+        self._task: asyncio.Task | None = None
+        self._failing = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="heartbeat")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._http.aclose()
+
+    async def beat(self) -> None:
+        # On the loop, not a thread: it reads the manager's live records (a few stats).
+        status = node_status(self.manager, self.advertise_url)
+        r = await self._http.post(self.url, json=status.to_dict())
+        r.raise_for_status()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+                if self._failing:
+                    log.info("heartbeats to the scheduler go through again")
+                self._failing = False
+            except Exception as exc:
+                if not self._failing:  # once per outage, not once per beat
+                    log.warning("heartbeat to %s failed: %s", self.url, exc)
+                self._failing = True
+            await asyncio.sleep(self.interval)
+
+
+def advertised_url(config) -> str:
+    """Where the cluster reaches this node: ``advertise_url``, else ``http://host:port``."""
+    return (config.advertise_url or f"http://{config.host}:{config.port}").rstrip("/")

@@ -1,0 +1,172 @@
+"""Cluster state in Redis: nodes, their liveness, and which node owns each sandbox.
+
+Keys (under ``prefix``, default ``aenv:``):
+- ``nodes``: set of every node ID ever registered;
+- ``node:<id>``: the node's last heartbeat (JSON), plus ``state`` up/down;
+- ``alive:<id>``: exists while the node's heartbeats keep coming (a TTL);
+- ``reserved:<id>``: placements handed out since the node's last heartbeat;
+- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``;
+- ``node-sbx:<id>``: the sandbox IDs the node reported last.
+
+Nothing lives only in a process: a gateway or scheduler restarted, or a second
+one started, sees the same cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis.asyncio as redis
+
+
+@dataclass
+class SandboxEntry:
+    sandbox_id: str
+    state: str
+    snapshot_id: str = ""
+    committed: bool = False
+
+
+@dataclass
+class NodeStatus:
+    node_id: str
+    url: str
+    capacity: int
+    load: int
+    free_memory_mb: int
+    runtime_kind: str
+    runtime_version: str
+    health: str = "ok"
+    templates: list[str] = field(default_factory=list)
+    snapshots: list[str] = field(default_factory=list)
+    sandboxes: list[SandboxEntry] = field(default_factory=list)
+    # Filled in by the registry on read.
+    state: str = "up"
+    last_seen: float = 0.0
+    reserved: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> NodeStatus:
+        data = dict(raw)
+        data["sandboxes"] = [SandboxEntry(**s) for s in data.get("sandboxes") or []]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def effective_load(self) -> int:
+        return self.load + self.reserved
+
+
+class Registry:
+    def __init__(self, url: str, prefix: str = "aenv:") -> None:
+        self.redis = redis.from_url(url, decode_responses=True)
+        self.prefix = prefix
+
+    def _k(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    # -- nodes ------------------------------------------------------------------
+
+    async def heartbeat(self, status: NodeStatus, ttl_ms: int) -> None:
+        """Record a heartbeat: the node is up for ``ttl_ms`` more, and owns what it lists."""
+        status.state, status.last_seen, status.reserved = "up", time.time(), 0
+        body = status.to_dict()
+        body.pop("sandboxes")
+        nid = status.node_id
+        reported = {s.sandbox_id: s for s in status.sandboxes}
+        previous = await self.redis.smembers(self._k("node-sbx", nid))
+        pipe = self.redis.pipeline()
+        pipe.sadd(self._k("nodes"), nid)
+        pipe.set(self._k("node", nid), json.dumps(body))
+        pipe.set(self._k("alive", nid), "1", px=ttl_ms)
+        pipe.delete(self._k("reserved", nid))
+        pipe.delete(self._k("node-sbx", nid))
+        if reported:
+            pipe.sadd(self._k("node-sbx", nid), *reported)
+        await pipe.execute()
+        for entry in reported.values():
+            owner = await self.redis.hget(self._k("sbx", entry.sandbox_id), "node")
+            # A sandbox another live node has taken over stays with that node.
+            if owner and owner != nid and await self.is_up(owner):
+                continue
+            await self.set_sandbox(entry.sandbox_id, nid, entry.state, entry.snapshot_id,
+                                   entry.committed)
+        for sid in previous - set(reported):
+            if await self.redis.hget(self._k("sbx", sid), "node") == nid:
+                await self.redis.delete(self._k("sbx", sid))
+
+    async def is_up(self, node_id: str) -> bool:
+        return bool(await self.redis.exists(self._k("alive", node_id)))
+
+    async def node(self, node_id: str) -> NodeStatus | None:
+        raw = await self.redis.get(self._k("node", node_id))
+        if raw is None:
+            return None
+        status = NodeStatus.from_dict(json.loads(raw))
+        pipe = self.redis.pipeline()
+        pipe.exists(self._k("alive", node_id))
+        pipe.get(self._k("reserved", node_id))
+        alive, reserved = await pipe.execute()
+        status.state = "up" if alive else "down"
+        status.reserved = int(reserved or 0)
+        return status
+
+    async def nodes(self) -> list[NodeStatus]:
+        out = []
+        for nid in sorted(await self.redis.smembers(self._k("nodes"))):
+            status = await self.node(nid)
+            if status is not None:
+                out.append(status)
+        return out
+
+    async def mark_down(self, node_id: str) -> bool:
+        """Record that a node stopped heartbeating; True if this call made the change."""
+        key = self._k("node", node_id)
+        raw = await self.redis.get(key)
+        if raw is None:
+            return False
+        body = json.loads(raw)
+        if body.get("state") == "down":
+            return False
+        body["state"] = "down"
+        await self.redis.set(key, json.dumps(body))
+        return True
+
+    async def reserve(self, node_id: str, ttl_ms: int) -> None:
+        """Count a placement against a node until its next heartbeat reports it."""
+        pipe = self.redis.pipeline()
+        pipe.incr(self._k("reserved", node_id))
+        pipe.pexpire(self._k("reserved", node_id), ttl_ms)
+        await pipe.execute()
+
+    async def forget_node(self, node_id: str) -> None:
+        await self.redis.srem(self._k("nodes"), node_id)
+        await self.redis.delete(self._k("node", node_id), self._k("alive", node_id))
+
+    # -- sandboxes ----------------------------------------------------------------
+
+    async def set_sandbox(self, sandbox_id: str, node_id: str, state: str,
+                          snapshot_id: str = "", committed: bool = False) -> None:
+        await self.redis.hset(self._k("sbx", sandbox_id), mapping={
+            "node": node_id, "state": state, "snapshot": snapshot_id,
+            "committed": "1" if committed else "0",
+        })
+
+    async def sandbox(self, sandbox_id: str) -> dict[str, str] | None:
+        data = await self.redis.hgetall(self._k("sbx", sandbox_id))
+        return data or None
+
+    async def forget_sandbox(self, sandbox_id: str) -> None:
+        await self.redis.delete(self._k("sbx", sandbox_id))

@@ -1,0 +1,260 @@
+"""A real cluster on one machine for tests and benchmarks: redis-server, `aenv
+scheduler`, `aenv gateway` and node servers, each node in its own network
+namespace with its own address, AENV_HOME, slot prefix and address pool, all
+sharing one posix_fs snapshot repository and one API key.
+
+Topology: node k lives in netns ``<ns>k`` and reaches the root netns over a veth
+pair, root side ``<link>k`` 10.<link_net>.k.1/24, node side ``up0`` .2/24. The
+scheduler listens on every address, so nodes reach it at their link's .1; the
+gateway (root netns) reaches node k at .2. Cutting node k's link is ``ip link
+set <link>k down``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from .nodes import AENV, Node, free_port, leaks
+
+NODE_PORT = 8000
+
+
+def _ip(*args: str, netns: str | None = None, check: bool = True) -> None:
+    argv = ["ip", *(["-n", netns] if netns else []), *args]
+    subprocess.run(argv, check=check, capture_output=True)
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, wait: float = 30) -> None:
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=1, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen | None, timeout: float = 20) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class ClusterNode(Node):
+    """A node server inside netns ``netns`` listening on ``address``."""
+
+    def __init__(self, home: Path, prefix: str, cidr: str, netns: str, address: str, **env: str):
+        super().__init__(home, prefix, cidr, **env)
+        self.netns = netns
+        self.address = address
+        self.port = NODE_PORT
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+    def start(self, wait: float = 90) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        # Only the network namespace changes; the node sees the host's mounts.
+        self.proc = subprocess.Popen(
+            ["nsenter", f"--net=/var/run/netns/{self.netns}", str(AENV), "server",
+             "--host", self.address, "--port", str(self.port)],
+            env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True,
+        )
+        log.close()
+        _wait_http(self.url + "/health", self.proc, self.log_path, wait)
+
+    def leaks(self) -> list[str]:
+        """What the node left behind, its host-side links looked for in its own netns."""
+        found = leaks(self.prefix, self.home)
+        out = subprocess.run(["ip", "-n", self.netns, "-o", "link", "show"],
+                             capture_output=True, text=True).stdout
+        for ln in out.splitlines():
+            name = ln.split(":")[1].strip().split("@")[0]
+            if name.startswith(f"{self.prefix}h"):
+                found.append(f"link {name} (in {self.netns})")
+        return found
+
+
+class Cluster:
+    def __init__(self, root: Path, tag: str, nodes: int = 3, link_net: int = 23,
+                 pool_nets: tuple[int, ...] = (24, 25, 26), max_sandboxes: int = 3,
+                 heartbeat_ms: int = 300, node_ttl_ms: int = 1500, **node_env: str):
+        self.root = root
+        self.tag = tag
+        self.count = nodes
+        self.link_net = link_net
+        self.pool_nets = pool_nets
+        self.max_sandboxes = max_sandboxes
+        self.heartbeat_ms = heartbeat_ms
+        self.node_ttl_ms = node_ttl_ms
+        self.node_env = node_env
+        self.home = root / "cluster-home"
+        self.repo = root / "repository"
+        self.redis_port = free_port()
+        self.scheduler_port = free_port()
+        self.gateway_port = free_port()
+        self.redis: subprocess.Popen | None = None
+        self.scheduler: subprocess.Popen | None = None
+        self.gateway: subprocess.Popen | None = None
+        self.nodes: list[ClusterNode] = []
+        self.api_key = "aenv_cluster_" + os.urandom(16).hex()
+
+    # -- names ------------------------------------------------------------------------
+    def netns(self, k: int) -> str:
+        return f"xcn{self.tag}{k}"
+
+    def link(self, k: int) -> str:
+        return f"xcv{self.tag}{k}"
+
+    def node_address(self, k: int) -> str:
+        return f"10.{self.link_net}.{k}.2"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def scheduler_url(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler_port}"
+
+    def e2b_env(self) -> dict[str, str]:
+        return {"E2B_API_URL": self.gateway_url, "E2B_SANDBOX_URL": self.gateway_url,
+                "E2B_API_KEY": self.api_key}
+
+    def client(self, url: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=url or self.gateway_url, timeout=120, trust_env=False,
+                            headers={"X-API-Key": self.api_key})
+
+    # -- start / stop -------------------------------------------------------------------
+    def _write_key(self, home: Path) -> None:
+        secrets = home / "secrets"
+        secrets.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = secrets / "api-key"
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.api_key + "\n")
+
+    def _service(self, name: str, argv: list[str], url: str) -> subprocess.Popen:
+        log_path = self.root / f"{name}.log"
+        log = open(log_path, "ab")
+        env = {**os.environ, "AENV_HOME": str(self.home),
+               "AENV_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+               "AENV_NODE_TTL_MS": str(self.node_ttl_ms)}
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True)
+        log.close()
+        _wait_http(url, proc, log_path)
+        return proc
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.repo.mkdir(exist_ok=True)
+        self._write_key(self.home)
+        log = open(self.root / "redis.log", "ab")
+        self.redis = subprocess.Popen(
+            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        end = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(self.redis_port), "ping"],
+                             capture_output=True, text=True).stdout.strip() != "PONG":
+            if time.monotonic() > end or self.redis.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+        self.scheduler = self._service(
+            "scheduler", [str(AENV), "scheduler", "--host", "0.0.0.0",
+                          "--port", str(self.scheduler_port)], self.scheduler_url + "/health")
+        self.gateway = self._service(
+            "gateway", [str(AENV), "gateway", "--port", str(self.gateway_port),
+                        "--scheduler-url", self.scheduler_url], self.gateway_url + "/health")
+        for k in range(1, self.count + 1):
+            self.add_node(k)
+        self.wait_nodes_up(list(range(1, self.count + 1)))
+
+    def add_node(self, k: int) -> ClusterNode:
+        ns, link = self.netns(k), self.link(k)
+        _ip("netns", "add", ns)
+        _ip("link", "add", link, "type", "veth", "peer", "name", "up0", "netns", ns)
+        _ip("addr", "add", f"10.{self.link_net}.{k}.1/24", "dev", link)
+        _ip("link", "set", link, "up")
+        _ip("link", "set", "lo", "up", netns=ns)
+        _ip("addr", "add", f"{self.node_address(k)}/24", "dev", "up0", netns=ns)
+        _ip("link", "set", "up0", "up", netns=ns)
+        home = self.root / f"node{k}"
+        self._write_key(home)
+        node = ClusterNode(
+            home, f"xc{self.tag}n{k}", f"10.{self.pool_nets[k - 1]}.0.0/16", ns,
+            self.node_address(k),
+            AENV_NODE_ID=f"node-{k}", AENV_SNAPSHOT_PATH=str(self.repo),
+            AENV_SCHEDULER_URL=f"http://10.{self.link_net}.{k}.1:{self.scheduler_port}",
+            AENV_HEARTBEAT_INTERVAL_MS=str(self.heartbeat_ms),
+            AENV_MAX_SANDBOXES=str(self.max_sandboxes),
+            AENV_NET_POOL_LOW="1", AENV_NET_POOL_HIGH="2", **self.node_env,
+        )
+        node.start()
+        self.nodes.append(node)
+        return node
+
+    def node(self, node_id: str) -> ClusterNode:
+        return self.nodes[int(node_id.rsplit("-", 1)[1]) - 1]
+
+    def states(self) -> dict[str, str]:
+        with self.client(self.scheduler_url) as c:
+            return {n["node_id"]: n["state"] for n in c.get("/nodes").json()}
+
+    def wait_state(self, k: int, state: str, wait: float = 20) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < wait:
+            if self.states().get(f"node-{k}") == state:
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        raise AssertionError(f"node-{k} is not {state} after {wait}s: {self.states()}")
+
+    def wait_nodes_up(self, ks: list[int], wait: float = 30) -> None:
+        for k in ks:
+            self.wait_state(k, "up", wait)
+
+    def cut_link(self, k: int) -> None:
+        _ip("link", "set", self.link(k), "down")
+
+    def restore_link(self, k: int) -> None:
+        _ip("link", "set", self.link(k), "up")
+
+    def stop(self) -> list[str]:
+        """Stop everything; what any node leaked (a killed node is restarted first,
+        so that it cleans up after itself as after any crash)."""
+        left: list[str] = []
+        for node in self.nodes:
+            try:
+                if node.proc is not None and node.proc.poll() is not None and \
+                        node.proc.returncode == -signal.SIGKILL:
+                    node.start()
+                node.stop()
+            except Exception as exc:  # keep stopping the rest
+                left.append(f"node {node.netns}: {exc}")
+            left += node.leaks()
+        for proc in (self.gateway, self.scheduler, self.redis):
+            _stop(proc)
+        for k in range(1, len(self.nodes) + 1):
+            _ip("link", "del", self.link(k), check=False)
+            _ip("netns", "del", self.netns(k), check=False)
+        return left
