@@ -18,6 +18,7 @@ from ..snapshot import SnapshotStore, open_repository
 from ..templates import TemplateRegistry
 from ..templates.builder import TemplateBuilder
 from .auth import load_or_create_api_key
+from .cluster_routes import router as cluster_router
 from .errors import install_error_handlers
 from .limits import BodyLimitMiddleware
 from .proxy import SandboxProxy
@@ -41,8 +42,16 @@ def build_manager(config: Config) -> SandboxManager:
         high=config.net_pool_high,
         capacity=config.max_sandboxes,
     )
+    repository = open_repository(config.snapshot_repository())
+    if config.peer_transfer and config.scheduler_url:
+        from ..cluster.heartbeat import advertised_url
+        from ..cluster.peer import PeerRepository
+
+        repository = PeerRepository(repository, config.scheduler_url,
+                                    load_or_create_api_key(config.secrets_dir),
+                                    advertised_url(config))
     snapshots = SnapshotStore(
-        open_repository(config.snapshot_repository()),
+        repository,
         cache_dir=config.home / "cache" / "snapshots",
         staging_dir=config.home / "snapshots-staging",
     )
@@ -64,9 +73,18 @@ def create_app(config: Config) -> ASGIApp:
         await builder.start()
         log.info("node %s serving on %s:%d (home %s)", config.node_id, config.host, config.port,
                  config.home)
+        heartbeat = None
+        if config.scheduler_url:  # a cluster node: register and keep heartbeating
+            from ..cluster.heartbeat import Heartbeat, advertised_url
+
+            heartbeat = Heartbeat(manager, config.scheduler_url, advertised_url(config), api_key,
+                                  config.heartbeat_interval_ms / 1000)
+            heartbeat.start()
         try:
             yield
         finally:
+            if heartbeat is not None:
+                await heartbeat.close()
             await proxy_holder["proxy"].close()
             await builder.close()
             await manager.close(destroy=True)
@@ -83,6 +101,7 @@ def create_app(config: Config) -> ASGIApp:
     app.include_router(template_uploads)
     app.include_router(router, dependencies=[Depends(require_api_key)])
     app.include_router(lifecycle_router, dependencies=[Depends(require_api_key)])
+    app.include_router(cluster_router, dependencies=[Depends(require_api_key)])
     limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT), app)
     proxy = SandboxProxy(limited, manager.endpoint, config.domain)
     proxy_holder["proxy"] = proxy
