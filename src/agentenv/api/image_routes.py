@@ -1,0 +1,131 @@
+"""Pulled images (our extension of the E2B API): pull an image as a template, list, delete.
+
+``POST /images`` answers with NDJSON progress lines (per layer bytes) ending in
+``{"status": "done", "template": ...}``. Errors found before the first byte is
+sent (bad reference, image not found, registry unreachable, hostile input, cache
+too small) are plain JSON errors with their status; later ones end the stream
+with ``{"status": "error", "code": ..., "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from ..images import ImageError, ImageService
+from .errors import error_response
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+class Credentials(BaseModel):
+    username: str = Field(default="", max_length=1024)
+    password: str = Field(default="", max_length=8192)
+
+
+class PullRequest(BaseModel):
+    image: str = Field(max_length=1024)
+    name: str = Field(max_length=63)
+    credentials: Credentials | None = None
+
+
+def _service(request: Request) -> ImageService:
+    return request.app.state.manager.image_cache
+
+
+def _line(event: dict) -> bytes:
+    return (json.dumps(event) + "\n").encode()
+
+
+@router.post("/images", response_model=None)
+async def pull_image(request: Request, body: PullRequest) -> Response:
+    service = _service(request)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[dict | BaseException | None] = asyncio.Queue()
+    cancel = threading.Event()
+
+    def progress(event: dict) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    def run() -> None:
+        try:
+            service.pull(body.image, body.name,
+                         body.credentials.model_dump() if body.credentials else None,
+                         progress=progress, cancel=cancel)
+            loop.call_soon_threadsafe(events.put_nowait, None)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(events.put_nowait, exc)
+
+    worker = asyncio.create_task(asyncio.to_thread(run))
+    # Hold the answer until the image is resolved: its errors get a real status.
+    first: list[dict] = []
+    while True:
+        item = await events.get()
+        if isinstance(item, BaseException):
+            await worker
+            return _error(item)
+        if item is None:
+            break
+        first.append(item)
+        if item.get("status") != "resolving":
+            break
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            for event in first:
+                yield _line(event)
+            if first and first[-1].get("status") == "done":
+                return
+            while True:
+                item = await events.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    status, message = _describe(item)
+                    yield _line({"status": "error", "code": status, "message": message})
+                    return
+                yield _line(item)
+        finally:
+            # A client gone mid-pull stops the download; the store removes the half layer.
+            cancel.set()
+            await asyncio.shield(worker)
+
+    return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+
+def _describe(exc: BaseException) -> tuple[int, str]:
+    if isinstance(exc, ImageError):
+        return exc.status, str(exc)
+    log.error("image pull failed", exc_info=exc)
+    return 500, f"internal error: {type(exc).__name__}"
+
+
+def _error(exc: BaseException) -> Response:
+    status, message = _describe(exc)
+    if status >= 500:
+        log.warning("image pull failed: %s", message)
+    return error_response(status, message)
+
+
+@router.get("/images")
+async def list_images(request: Request) -> dict:
+    service = _service(request)
+    images = await asyncio.to_thread(service.list)
+    return {"images": images, "cache": service.usage()}
+
+
+@router.delete("/images/{name}", status_code=204, response_model=None)
+async def delete_image(request: Request, name: str) -> Response:
+    try:
+        await asyncio.to_thread(_service(request).delete, name)
+    except ImageError as exc:
+        return _error(exc)
+    return Response(status_code=204)

@@ -1,0 +1,26 @@
+"""OCI images: pull (registry, OCI layout, docker archive), a content-addressed layer
+store within a byte budget, and read-only overlay rootfs mounts of image templates."""
+
+from .errors import (
+    BadReference,
+    CacheTooSmall,
+    HostileInput,
+    ImageError,
+    ImageInUse,
+    ImageNotFound,
+    PullCancelled,
+    RegistryAuthError,
+    RegistryUnavailable,
+)
+from .mounts import mounted_under
+from .reference import parse_reference
+from .service import ImageService
+from .sources import open_source
+from .store import LayerStore
+from .unpack import unpack_layer
+
+__all__ = [
+    "BadReference", "CacheTooSmall", "HostileInput", "ImageError", "ImageInUse",
+    "ImageNotFound", "ImageService", "LayerStore", "PullCancelled", "RegistryAuthError",
+    "RegistryUnavailable", "mounted_under", "open_source", "parse_reference", "unpack_layer",
+]

@@ -1,0 +1,153 @@
+"""A client of the OCI distribution (registry v2) API: manifests and blobs.
+
+Auth follows the registry's ``WWW-Authenticate`` challenge: Bearer (a token from
+the realm, with basic credentials when given) or Basic. Documents are read with
+a size cap before parsing; blobs are streamed (the caller verifies digests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+
+import httpx
+
+from .errors import HostileInput, ImageNotFound, RegistryAuthError, RegistryUnavailable
+from .manifest import ACCEPT, MAX_MANIFEST_BYTES
+from .reference import DOCKER_HUB, RegistryRef
+
+log = logging.getLogger(__name__)
+CHUNK = 1 << 20
+_PARAM = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _is_local(host: str) -> bool:
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0][1:]
+    return name in ("localhost", "::1") or name.startswith("127.")
+
+
+class RegistryClient:
+    """One repository of one registry; holds its token for the pull."""
+
+    def __init__(self, ref: RegistryRef, username: str = "", password: str = "",
+                 timeout: float = 30.0, insecure: bool | None = None):
+        self.ref = ref
+        self._auth = (username, password) if username or password else None
+        # Plain HTTP only for loopback registries (tests, local mirrors).
+        plain = _is_local(ref.registry) if insecure is None else insecure
+        self.base = f"{'http' if plain else 'https'}://{ref.registry}/v2/{ref.repository}"
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0),
+                                    follow_redirects=True)
+        self._token = ""
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _login(self, challenge: str) -> None:
+        scheme, _, params_text = challenge.partition(" ")
+        params = dict(_PARAM.findall(params_text))
+        if scheme.lower() == "basic":
+            if self._auth is None:
+                raise RegistryAuthError(f"{self.ref.registry} requires credentials")
+            self._client.auth = httpx.BasicAuth(*self._auth)
+            return
+        if scheme.lower() != "bearer" or "realm" not in params:
+            raise RegistryAuthError(f"{self.ref.registry}: unsupported auth challenge {scheme!r}")
+        query = {"scope": params.get("scope") or f"repository:{self.ref.repository}:pull"}
+        if "service" in params:
+            query["service"] = params["service"]
+        try:
+            resp = self._client.get(params["realm"], params=query,
+                                    auth=httpx.BasicAuth(*self._auth) if self._auth else None)
+        except httpx.HTTPError as exc:
+            raise RegistryUnavailable(f"token server of {self.ref.registry}: {exc}") from exc
+        if resp.status_code in (401, 403):
+            raise RegistryAuthError(f"{self.ref.registry}: credentials refused by the token "
+                                    "server")
+        if resp.status_code != 200:
+            raise RegistryUnavailable(f"token server of {self.ref.registry} answered "
+                                      f"{resp.status_code}")
+        try:
+            body = resp.json()
+            self._token = body.get("token") or body["access_token"]
+        except (ValueError, KeyError) as exc:
+            raise RegistryUnavailable(f"token server of {self.ref.registry}: no token") from exc
+
+    @contextlib.contextmanager
+    def _get(self, url: str, accept: str = "") -> Iterator[httpx.Response]:
+        for attempt in range(2):
+            headers = {"Accept": accept} if accept else {}
+            if self._token:
+                headers["Authorization"] = f"Bearer {self._token}"
+            try:
+                with self._client.stream("GET", url, headers=headers) as resp:
+                    if resp.status_code == 401 and attempt == 0:
+                        self._login(resp.headers.get("www-authenticate", ""))
+                        continue
+                    self._check(resp, url)
+                    yield resp
+                    return
+            except httpx.HTTPError as exc:
+                raise RegistryUnavailable(f"{self.ref.registry} unreachable: {exc}") from exc
+        raise RegistryAuthError(f"{self.ref.registry}: access to {self.ref.repository} denied")
+
+    def _check(self, resp: httpx.Response, url: str) -> None:
+        code = resp.status_code
+        if code == 200:
+            return
+        if code in (401, 403):
+            raise RegistryAuthError(f"{self.ref.registry}: access to {self.ref.repository} "
+                                    f"denied ({code})")
+        if code == 404:
+            what = url.rsplit("/", 2)
+            raise ImageNotFound(f"{self.ref.registry}/{self.ref.repository}: {what[-2][:-1]} "
+                                f"{what[-1]} not found")
+        if code == 429 or code >= 500:
+            raise RegistryUnavailable(f"{self.ref.registry} answered {code}")
+        raise RegistryUnavailable(f"{self.ref.registry} answered {code} for {url}")
+
+    def manifest(self, reference: str) -> tuple[bytes, str]:
+        """The raw manifest or index and its media type; refuses documents over the cap."""
+        with self._get(f"{self.base}/manifests/{reference}", accept=ACCEPT) as resp:
+            declared = resp.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > MAX_MANIFEST_BYTES:
+                raise HostileInput(f"manifest {reference} is {declared} bytes; at most "
+                                   f"{MAX_MANIFEST_BYTES} are accepted")
+            data = _read_capped(resp, MAX_MANIFEST_BYTES, f"manifest {reference}")
+            return data, resp.headers.get("content-type", "")
+
+    def blob_bytes(self, digest: str, limit: int) -> bytes:
+        with self._get(f"{self.base}/blobs/{digest}") as resp:
+            return _read_capped(resp, limit, f"blob {digest}")
+
+    @contextlib.contextmanager
+    def blob(self, digest: str) -> Iterator[Iterator[bytes]]:
+        with self._get(f"{self.base}/blobs/{digest}") as resp:
+            yield _guarded(resp.iter_raw(CHUNK), self.ref.registry)
+
+
+def _guarded(chunks: Iterator[bytes], registry: str) -> Iterator[bytes]:
+    try:
+        yield from chunks
+    except httpx.HTTPError as exc:
+        raise RegistryUnavailable(f"{registry}: blob download failed: {exc}") from exc
+
+
+def _read_capped(resp: httpx.Response, limit: int, what: str) -> bytes:
+    out = bytearray()
+    for chunk in resp.iter_raw(CHUNK):
+        out += chunk
+        if len(out) > limit:
+            raise HostileInput(f"{what} is larger than {limit} bytes; refused")
+    return bytes(out)
+
+
+__all__ = ["DOCKER_HUB", "RegistryClient"]

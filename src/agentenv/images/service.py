@@ -1,0 +1,342 @@
+"""Images on a node: pull an image into the layer store and make it a template;
+ensure a template's rootfs (layers fetched again if evicted, then mounted) before
+a sandbox starts; keep the store within its budget.
+
+Everything here blocks (network, disk, mount): callers run it in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..templates import ImageInfo, Template, TemplateNotFound, TemplateRegistry
+from .errors import BadReference, CacheTooSmall, ImageError, ImageInUse, ImageNotFound
+from .manifest import Image, Layer
+from .mounts import mount_layers, mounted_under, unmount
+from .sources import Source, open_source
+from .store import LayerStore, hex_of
+from .unpack import unpack_layer
+
+log = logging.getLogger(__name__)
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+PARALLEL_LAYERS = 3
+Progress = Callable[[dict], None]
+
+
+class ImageService:
+    def __init__(self, store: LayerStore, templates: TemplateRegistry, secrets_dir: Path,
+                 in_use: Callable[[], set[str]] = set, pinned: Iterable[str] = ()):
+        self.store = store
+        self.templates = templates
+        self.secrets_dir = secrets_dir / "images"
+        # Template IDs whose rootfs must stay (running sandboxes, boots under way).
+        self.in_use = in_use
+        self.pinned = set(pinned)
+        self._lock = threading.RLock()
+        self._template_locks: dict[str, threading.Lock] = {}
+        # Layers a pull or an ensure is working with right now: never evicted.
+        self._busy: dict[str, int] = {}
+
+    @property
+    def mounts_dir(self) -> Path:
+        return self.templates.rootfs_dir
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self, keep_templates: Iterable[str] = ()) -> None:
+        """Open the store; unmount rootfs mounts a crashed run left, except those of
+        templates whose sandboxes survived it."""
+        self.store.open()
+        self.mounts_dir.mkdir(parents=True, exist_ok=True)
+        keep = {t.rootfs for t in self._image_templates() if t.template_id in set(keep_templates)}
+        for point in mounted_under(self.mounts_dir):
+            if point not in keep:
+                log.info("images: removing stale rootfs mount %s", point)
+                unmount(point)
+        for d in self.mounts_dir.iterdir():
+            if d not in keep and not os.path.ismount(d):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        """Unmount every rootfs (the node's sandboxes are gone)."""
+        for point in mounted_under(self.mounts_dir):
+            unmount(point)
+
+    # -- pull -----------------------------------------------------------------------
+
+    def pull(self, ref: str, name: str, credentials: dict | None = None,
+             progress: Progress | None = None,
+             cancel: threading.Event | None = None) -> dict:
+        """Pull ``ref`` into the store and write template ``name``; its template.json."""
+        emit = progress or (lambda _: None)
+        if not NAME.match(name or ""):
+            raise BadReference("name must be 1-63 of a-z, 0-9, '-', '_' (starting with a "
+                               "letter or digit)")
+        self._check_name_free(name)
+        user, password = _creds(credentials)
+        emit({"status": "resolving", "image": ref})
+        source = open_source(ref, user, password)
+        try:
+            image = source.resolve()
+            compressed = sum(layer.size for layer in image.layers)
+            if compressed > self.store.budget:
+                raise CacheTooSmall(f"image needs at least {compressed} bytes; the image cache "
+                                    f"budget is {self.store.budget} (image_cache_bytes)")
+            emit({"status": "resolved", "manifestDigest": image.manifest_digest,
+                  "layers": [{"digest": x.digest, "size": x.size} for x in image.layers]})
+            self._fetch(source, image, ref, emit, cancel)
+        finally:
+            source.close()
+        unpacked = sum(self.store.size(hex_of(x.digest)) for x in image.layers)
+        if unpacked > self.store.budget:
+            raise CacheTooSmall(f"image unpacks to {unpacked} bytes; the image cache budget is "
+                                f"{self.store.budget} (image_cache_bytes)")
+        record = self._write_template(name, ref, image, credentials)
+        self.store.touch(hex_of(x.digest) for x in image.layers)
+        self._make_room()
+        emit({"status": "done", "template": record})
+        return record
+
+    def _check_name_free(self, name: str) -> None:
+        try:
+            existing = self.templates.get(name)
+        except TemplateNotFound:
+            return
+        if existing.image is None:
+            raise ImageInUse(f"template '{name}' exists and is not an image template")
+
+    def _fetch(self, source: Source, image: Image, ref: str, emit: Progress,
+               cancel: threading.Event | None) -> None:
+        hexes = [hex_of(x.digest) for x in image.layers]
+        self._hold(hexes)
+        try:
+            missing = [x for x in image.layers if not self.store.has(hex_of(x.digest))]
+            for layer in image.layers:
+                if layer not in missing:
+                    emit({"status": "cached", "digest": layer.digest, "size": layer.size})
+            if not missing:
+                return
+            with ThreadPoolExecutor(min(PARALLEL_LAYERS, len(missing))) as pool:
+                futures = [pool.submit(self._fetch_layer, source, layer, ref, emit, cancel)
+                           for layer in missing]
+                errors = [f.exception() for f in futures]
+            for exc in errors:
+                if exc is not None:
+                    if cancel is not None:
+                        cancel.set()
+                    raise exc
+        finally:
+            self._release(hexes)
+
+    def _fetch_layer(self, source: Source, layer: Layer, ref: str, emit: Progress,
+                     cancel: threading.Event | None) -> None:
+        h = hex_of(layer.digest)
+        last = [0.0]
+
+        def report(done: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.2:
+                last[0] = now
+                emit({"status": "downloading", "digest": layer.digest, "size": layer.size,
+                      "done": done})
+
+        def unpack(dest: Path):
+            with source.layer(layer) as chunks:
+                return unpack_layer(
+                    chunks, dest, digest=layer.digest if source.blob_digests else "",
+                    diff_id=layer.diff_id, declared_size=layer.size,
+                    max_bytes=self.store.budget, what=f"layer {layer.digest[:19]}",
+                    progress=report, cancel=cancel)
+
+        t0 = time.perf_counter()
+        self._make_room(need=layer.size)
+        fetched = self.store.add(h, unpack, ref)
+        emit({"status": "done-layer" if fetched else "cached", "digest": layer.digest,
+              "size": layer.size, "unpacked": self.store.size(h),
+              "seconds": round(time.perf_counter() - t0, 3)})
+
+    def _write_template(self, name: str, ref: str, image: Image,
+                        credentials: dict | None) -> dict:
+        directory = self.templates.local_dir / name
+        directory.mkdir(parents=True, exist_ok=True)
+        record = {
+            "templateID": name, "aliases": [name], "cpuCount": 2, "memoryMB": 512,
+            "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "buildID": str(uuid.uuid5(uuid.NAMESPACE_URL, image.manifest_digest)),
+            "image": {
+                "source": ref, "manifestDigest": image.manifest_digest,
+                "layers": [{"digest": x.digest, "size": x.size,
+                            "unpackedSize": self.store.size(hex_of(x.digest))}
+                           for x in image.layers],
+                "config": image.run_config,
+            },
+        }
+        if credentials:
+            # Kept (0600) so that evicted layers can be fetched again.
+            self.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            secret = self.secrets_dir / f"{name}.json"
+            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"username": credentials.get("username", ""),
+                           "password": credentials.get("password", "")}, f)
+        tmp = directory / ".template.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, directory / "template.json")
+        log.info("images: %s pulled as template %s (%s, %d layers)", ref, name,
+                 image.manifest_digest[:19], len(image.layers))
+        return record
+
+    # -- rootfs -------------------------------------------------------------------
+
+    def ensure(self, template: Template) -> Path:
+        """The template's rootfs, ready to boot from: evicted layers are fetched
+        again from the image's source, then the layers are mounted."""
+        info = template.image
+        if info is None:
+            return template.rootfs
+        hexes = [hex_of(d) for d, _ in info.layers]
+        with self._template_lock(info.manifest_digest):
+            self._hold(hexes)
+            try:
+                missing = [(d, s) for d, s in info.layers if not self.store.has(hex_of(d))]
+                if missing:
+                    self._refetch(template, info, missing)
+                if not os.path.ismount(template.rootfs):
+                    mount_layers(template.rootfs, self.store.layers_dir, hexes)
+                    log.info("images: mounted rootfs of %s (%d layers)", template.template_id,
+                             len(hexes))
+                self.store.touch(hexes)
+            finally:
+                self._release(hexes)
+        return template.rootfs
+
+    def _refetch(self, template: Template, info: ImageInfo,
+                 missing: list[tuple[str, int]]) -> None:
+        log.info("images: fetching %d evicted layers of %s from %s", len(missing),
+                 template.template_id, info.source)
+        user, password = _creds(self._saved_creds(template.template_id))
+        source = open_source(info.source, user, password)
+        try:
+            image = source.resolve()
+            if image.manifest_digest != info.manifest_digest:
+                log.info("images: %s now points at %s; fetching the pulled layers by digest",
+                         info.source, image.manifest_digest[:19])
+            by_digest = {x.digest: x for x in image.layers}
+            layers = [by_digest.get(d) or Layer(d, s) for d, s in missing]
+            self._fetch(source, Image(info.manifest_digest, layers, image.config),
+                        info.source, lambda _: None, None)
+        finally:
+            source.close()
+
+    # -- listing, deleting, eviction ---------------------------------------------------
+
+    def list(self) -> list[dict]:
+        out = []
+        for t in self._image_templates():
+            assert t.image is not None
+            cached = [self.store.has(hex_of(d)) for d, _ in t.image.layers]
+            out.append({
+                "name": t.alias, "templateID": t.template_id, "image": t.image.source,
+                "manifestDigest": t.image.manifest_digest, "createdAt": t.created_at,
+                "layers": len(t.image.layers),
+                "size": sum(s for _, s in t.image.layers),
+                "cachedLayers": sum(cached), "mounted": os.path.ismount(t.rootfs),
+            })
+        return out
+
+    def usage(self) -> dict:
+        return {"bytes": self.store.total(), "budget": self.store.budget,
+                "layers": len(self.store.stored())}
+
+    def delete(self, name: str) -> None:
+        try:
+            template = self.templates.get(name)
+        except TemplateNotFound as exc:
+            raise ImageNotFound(f"image template '{name}' not found") from exc
+        info = template.image
+        if info is None or template.snapshot_id or \
+                not (self.templates.local_dir / template.template_id).is_dir():
+            raise ImageInUse(f"template '{name}' is not a pulled image")
+        if template.template_id in self.in_use():
+            raise ImageInUse(f"template '{name}' is in use by sandboxes")
+        with self._template_lock(info.manifest_digest):
+            others = [t for t in self._image_templates() if t.template_id != template.template_id]
+            if os.path.ismount(template.rootfs) and not any(
+                    o.rootfs == template.rootfs for o in others):
+                unmount(template.rootfs)
+            shutil.rmtree(self.templates.local_dir / template.template_id, ignore_errors=True)
+            (self.secrets_dir / f"{template.template_id}.json").unlink(missing_ok=True)
+            still = {hex_of(d) for o in others if o.image for d, _ in o.image.layers}
+            for d, _ in info.layers:
+                h = hex_of(d)
+                if h not in still and self.store.has(h) and h not in self._busy:
+                    self.store.remove(h)
+        log.info("images: template %s deleted", name)
+
+    def _protected(self) -> set[str]:
+        used = self.in_use() | self.pinned
+        out = {h for h, n in self._busy.items() if n > 0}
+        for t in self._image_templates():
+            if t.image and (t.template_id in used or t.alias in used):
+                out.update(hex_of(d) for d, _ in t.image.layers)
+        return out
+
+    def _make_room(self, need: int = 0) -> None:
+        with self._lock:
+            if self.store.total() + need <= self.store.budget:
+                return
+            templates = self._image_templates()
+            protected = self._protected()
+
+            def before_remove(h: str) -> None:
+                # A mount of an unused template still references the layer: drop it.
+                for t in templates:
+                    if t.image and any(hex_of(d) == h for d, _ in t.image.layers) and \
+                            os.path.ismount(t.rootfs):
+                        unmount(t.rootfs)
+                        if os.path.ismount(t.rootfs):
+                            raise ImageError(f"rootfs of {t.template_id} is still mounted")
+            self.store.evict(protected, before_remove, need)
+
+    def _image_templates(self) -> list[Template]:
+        return [t for t in self.templates.list() if t.image is not None]
+
+    def _hold(self, hexes: list[str]) -> None:
+        with self._lock:
+            for h in hexes:
+                self._busy[h] = self._busy.get(h, 0) + 1
+
+    def _release(self, hexes: list[str]) -> None:
+        with self._lock:
+            for h in hexes:
+                self._busy[h] -= 1
+                if self._busy[h] <= 0:
+                    del self._busy[h]
+
+    def _template_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._template_locks.setdefault(key, threading.Lock())
+
+    def _saved_creds(self, template_id: str) -> dict | None:
+        try:
+            return json.loads((self.secrets_dir / f"{template_id}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def _creds(credentials: dict | None) -> tuple[str, str]:
+    if not credentials:
+        return "", ""
+    if not isinstance(credentials, dict):
+        raise BadReference("credentials must be an object with username and password")
+    return str(credentials.get("username", "")), str(credentials.get("password", ""))
