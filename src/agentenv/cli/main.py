@@ -148,5 +148,9 @@ from . import commands  # noqa: E402  (the client commands, talking HTTP to a no
 app.registered_commands += commands.cli.registered_commands
 app.registered_groups += commands.cli.registered_groups
 
+from .templates import template_app  # noqa: E402
+
+app.add_typer(template_app, name="template")
+
 if __name__ == "__main__":
     app(prog_name="aenv")
