@@ -58,6 +58,8 @@ class Config:
     # template are kept restored ahead of need.
     template_snapshots: bool = True
     warm_pool_size: int = 0
+    # Seconds a template build waits for its ready check to pass.
+    build_ready_timeout: int = 120
     log_level: str = "info"
     # Cluster (docs: README "Cluster"). A node with scheduler_url set registers and
     # heartbeats there, advertising advertise_url (default http://host:port).

@@ -84,7 +84,7 @@ class TemplateBuilder:
         self._key = hashlib.sha256(b"aenv-build-upload:" + signing_key.encode()).digest()
         self._tasks: dict[str, asyncio.Task] = {}
         self._publish_lock = asyncio.Lock()
-        self.ready_timeout_s = float(manager.config.extra.get("build_ready_timeout", 120))
+        self.ready_timeout_s = float(manager.config.build_ready_timeout)
 
     # -- life ---------------------------------------------------------------------------
 
