@@ -12,6 +12,7 @@ Device nodes are skipped: a sandbox never gets a host device from an image.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import shutil
@@ -37,20 +38,22 @@ WHITEOUT = ".wh."
 ENTRY_OVERHEAD = 512  # bytes counted per entry on top of its data, for the cache budget
 
 
-class _Compressed:
-    """A file-like view of the blob's chunks that hashes and counts what it reads."""
+class _Compressed(io.RawIOBase):
+    """The blob's chunks as a raw stream that hashes, counts and bounds what it reads."""
 
     def __init__(self, chunks: Iterator[bytes], limit: int, what: str,
                  progress: Callable[[int], None] | None, cancel: threading.Event | None):
         self._chunks = chunks
-        self._buf = b""
+        self._chunk = memoryview(b"")
         self._limit = limit
         self._what = what
         self._progress = progress
         self._cancel = cancel
         self.hash = hashlib.sha256()
         self.count = 0
-        self.done = False
+
+    def readable(self) -> bool:
+        return True
 
     def _pull(self) -> bool:
         if self._cancel is not None and self._cancel.is_set():
@@ -58,7 +61,6 @@ class _Compressed:
         try:
             chunk = next(self._chunks)
         except StopIteration:
-            self.done = True
             return False
         self.hash.update(chunk)
         self.count += len(chunk)
@@ -67,87 +69,86 @@ class _Compressed:
                                "its descriptor declares")
         if self._progress is not None:
             self._progress(self.count)
-        self._buf += chunk
+        self._chunk = memoryview(chunk)
         return True
 
-    def peek(self, n: int) -> bytes:
-        while len(self._buf) < n and self._pull():
-            pass
-        return self._buf[:n]
-
-    def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            while self._pull():
-                pass
-            n = len(self._buf)
-        while not self._buf and self._pull():
-            pass
-        out, self._buf = self._buf[:n], self._buf[n:]
-        return out
-
-    def drain(self) -> None:
-        while self._pull():
-            self._buf = b""
-        self._buf = b""
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        while not self._chunk:
+            if not self._pull():
+                return 0
+        n = min(len(buffer), len(self._chunk))
+        buffer[:n] = self._chunk[:n]
+        self._chunk = self._chunk[n:]
+        return n
 
 
-class _Tar:
+class _Tar(io.RawIOBase):
     """The uncompressed tar bytes of a layer (gzip, zstd or plain), hashed and bounded."""
 
-    def __init__(self, source: _Compressed, max_bytes: int, what: str):
+    def __init__(self, source: io.BufferedReader, max_bytes: int, what: str):
         self.source = source
         self.hash = hashlib.sha256()
         self.count = 0
         self._max = max_bytes
         self._what = what
-        self._pending = b""
-        magic = source.peek(4)
+        self._pending = memoryview(b"")
+        magic = source.peek(4)[:4]
         self.kind = ("gzip" if magic[:2] == GZIP_MAGIC else
                      "zstd" if magic == ZSTD_MAGIC else "tar")
-        self._gzip = zlib.decompressobj(wbits=31) if self.kind == "gzip" else None
+        self.gzip = zlib.decompressobj(wbits=31) if self.kind == "gzip" else None
         self._zstd = (zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
                       if self.kind == "zstd" else None)
 
-    def _inflate(self, n: int) -> bytes:
-        assert self._gzip is not None
+    def readable(self) -> bool:
+        return True
+
+    def _inflate(self) -> bytes:
+        """The next piece of gzip output, at most CHUNK bytes (bounds a bomb's memory)."""
+        assert self.gzip is not None
         while True:
-            if self._gzip.unconsumed_tail:
-                out = self._gzip.decompress(self._gzip.unconsumed_tail, n)
-            elif self._gzip.eof:
-                rest = self._gzip.unused_data
-                if not rest:
-                    rest = self.source.read(CHUNK)
+            if self.gzip.unconsumed_tail:
+                out = self.gzip.decompress(self.gzip.unconsumed_tail, CHUNK)
+            elif self.gzip.eof:
+                rest = self.gzip.unused_data or self.source.read1(CHUNK)
                 if not rest:
                     return b""
                 # Concatenated gzip members are one stream (as gzip(1) reads them).
-                self._gzip = zlib.decompressobj(wbits=31)
-                out = self._gzip.decompress(rest, n)
+                self.gzip = zlib.decompressobj(wbits=31)
+                out = self.gzip.decompress(rest, CHUNK)
             else:
-                data = self.source.read(CHUNK)
+                data = self.source.read1(CHUNK)
                 if not data:
                     raise HostileInput(f"{self._what}: gzip stream is truncated")
-                out = self._gzip.decompress(data, n)
+                out = self.gzip.decompress(data, CHUNK)
             if out:
                 return out
 
-    def read(self, n: int = -1) -> bytes:
-        n = CHUNK if n < 0 else n
-        if self._gzip is not None:
-            out = self._inflate(n)
-        elif self._zstd is not None:
-            out = self._zstd.read(n)
-        else:
-            out = self.source.read(n)
-        self.hash.update(out)
-        self.count += len(out)
-        if self.count > self._max:
-            raise HostileInput(f"{self._what}: unpacks to more than {self._max} bytes")
-        return out
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        if not self._pending:
+            if self.gzip is not None:
+                out = self._inflate()
+            elif self._zstd is not None:
+                out = self._zstd.read(CHUNK)
+            else:
+                out = self.source.read1(CHUNK)
+            if not out:
+                return 0
+            self.hash.update(out)
+            self.count += len(out)
+            if self.count > self._max:
+                raise HostileInput(f"{self._what}: unpacks to more than {self._max} bytes")
+            self._pending = memoryview(out)
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
 
     def drain(self) -> None:
-        while self.read(CHUNK):
+        sink = bytearray(CHUNK)
+        while self.readinto(sink):
             pass
-        self.source.drain()
+        while self.source.read1(CHUNK):
+            pass
 
 
 @dataclass
@@ -170,17 +171,17 @@ def unpack_layer(chunks: Iterator[bytes], dest: Path, *, digest: str = "", diff_
     """
     limit = declared_size if declared_size >= 0 else 1 << 62
     source = _Compressed(chunks, limit, what, progress, cancel)
-    stream = _Tar(source, max_bytes, what)
+    stream = _Tar(io.BufferedReader(source, CHUNK), max_bytes, what)
     writer = _Writer(dest, what)
     try:
-        with tarfile.open(fileobj=stream, mode="r|", encoding="utf-8",  # type: ignore[call-overload]
-                          errors="surrogateescape") as tar:
+        with tarfile.open(fileobj=io.BufferedReader(stream, CHUNK), mode="r|",
+                          encoding="utf-8", errors="surrogateescape") as tar:
             for member in tar:
                 writer.add(tar, member)
         stream.drain()
     except (tarfile.TarError, zlib.error, zstandard.ZstdError, EOFError) as exc:
         raise HostileInput(f"{what}: corrupt or truncated layer ({exc})") from exc
-    if stream.kind == "gzip" and stream._gzip is not None and not stream._gzip.eof:
+    if stream.gzip is not None and not stream.gzip.eof:
         raise HostileInput(f"{what}: gzip stream is truncated")
     got = "sha256:" + source.hash.hexdigest()
     if declared_size >= 0 and source.count != declared_size:
@@ -362,6 +363,8 @@ class _Writer:
 
     def finish(self) -> None:
         """Directory metadata last (a read-only directory must be filled first), deepest first."""
+        if "" not in self._dirs:  # no entry for the root: the usual 0755, not mkdtemp's 0700
+            os.chmod(self.root, 0o755)
         for rel in sorted(self._dirs, key=lambda r: r.count("/") + (1 if r else 0),
                           reverse=True):
             member = self._dirs[rel]
