@@ -17,7 +17,7 @@ from ..runtime import GVisorRuntime
 from ..snapshot import SnapshotStore, open_repository
 from ..templates import TemplateRegistry
 from ..templates.builder import TemplateBuilder
-from .auth import load_or_create_api_key
+from .auth import ApiKeys, load_or_create_api_key
 from .cluster_routes import router as cluster_router
 from .errors import install_error_handlers
 from .limits import BodyLimitMiddleware
@@ -94,6 +94,8 @@ def create_app(config: Config) -> ASGIApp:
     app = FastAPI(title="agentenv node API", version=__version__, lifespan=lifespan)
     app.state.config = config
     app.state.api_key = api_key
+    # Re-read on change: `aenv keys rotate` takes effect without a restart.
+    app.state.api_keys = ApiKeys(config.secrets_dir)
     app.state.manager = manager
     app.state.builder = builder
     install_error_handlers(app)
@@ -103,7 +105,8 @@ def create_app(config: Config) -> ASGIApp:
     app.include_router(lifecycle_router, dependencies=[Depends(require_api_key)])
     app.include_router(cluster_router, dependencies=[Depends(require_api_key)])
     limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT), app)
-    proxy = SandboxProxy(limited, manager.endpoint, config.domain)
+    proxy = SandboxProxy(limited, manager.endpoint, config.domain,
+                         traffic_token=lambda sid: manager.get(sid).traffic_token)
     proxy_holder["proxy"] = proxy
     manager.on_removed.append(proxy.forget)
     return SignedFileRouter(proxy, manager.list, config.domain)

@@ -80,6 +80,8 @@ class SandboxDetail(ListedSandbox):
                                                   serialization_alias="allowInternetAccess")
     allow_internet_access: bool | None = None
     domain: str | None = None
+    # The egress policy in force (E2B's SandboxNetworkConfig shape).
+    network: dict[str, Any] | None = None
 
 
 class SandboxMetric(_Body):
@@ -156,7 +158,7 @@ def created(record: SandboxRecord, domain: str | None) -> SandboxCreated:
     return SandboxCreated(
         template_id=record.template_id, sandbox_id=record.sandbox_id, client_id=record.node_id,
         envd_version=ENVD_VERSION, alias=record.alias, envd_access_token=record.envd_token,
-        domain=domain,
+        traffic_access_token=record.traffic_token or None, domain=domain,
     )
 
 
@@ -168,7 +170,8 @@ def detail(record: SandboxRecord, domain: str | None) -> SandboxDetail:
     return SandboxDetail(
         **_common(record), envd_access_token=record.envd_token,
         allow_internet_access=record.internet, allow_internet_access_v2=record.internet,
-        domain=domain,
+        domain=domain, network={**record.network,
+                                "allowPublicTraffic": not record.traffic_token},
     )
 
 

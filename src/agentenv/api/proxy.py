@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import re
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 # Hop-by-hop headers (RFC 9110 7.6.1) and the routing/auth headers the sandbox must not see.
 _DROP_REQUEST = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "host", "x-api-key",
+    "transfer-encoding", "upgrade", "host", "x-api-key", "e2b-traffic-access-token",
 }
 _DROP_RESPONSE = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -34,12 +35,18 @@ _DROP_RESPONSE = {
 }
 
 Resolver = Callable[[str, int], tuple[str, int]]
+# A sandbox's traffic access token ("" when its ports are public).
+TrafficToken = Callable[[str], str]
+TRAFFIC_HEADER = "e2b-traffic-access-token"
+ENVD_PORT = 49983  # envd checks its own access token; the traffic token is for user ports
 
 
 class SandboxProxy:
-    def __init__(self, app: ASGIApp, resolve: Resolver, domain: str):
+    def __init__(self, app: ASGIApp, resolve: Resolver, domain: str,
+                 traffic_token: TrafficToken | None = None):
         self.app = app
         self.resolve = resolve
+        self.traffic_token = traffic_token
         self._host_re = re.compile(
             r"^(?P<port>\d{1,5})-(?P<sid>[a-z0-9]+)\." + re.escape(domain.lower()) + r"(:\d+)?$"
         )
@@ -87,10 +94,27 @@ class SandboxProxy:
         except Conflict as exc:
             await _reply(scope, send, 502, f"The sandbox {sandbox_id} is not running: {exc}")
             return
+        if not self._traffic_allowed(scope, sandbox_id, port):
+            await _reply(scope, send, 403, f"sandbox {sandbox_id}: port {port} is private; send "
+                         f"the sandbox's traffic access token in the {TRAFFIC_HEADER} header")
+            return
         if scope["type"] == "websocket":
             await self._websocket(scope, receive, send, sandbox_id, address, port)
         else:
             await self._http(scope, receive, send, sandbox_id, address, port)
+
+    def _traffic_allowed(self, scope: Scope, sandbox_id: str, port: int) -> bool:
+        if self.traffic_token is None or port == ENVD_PORT:
+            return True
+        try:
+            expected = self.traffic_token(sandbox_id)
+        except (NotFound, Conflict):
+            return False
+        if not expected:
+            return True
+        given = next((v for k, v in scope["headers"]
+                      if k.decode("latin-1").lower() == TRAFFIC_HEADER), b"")
+        return bool(given) and hmac.compare_digest(given, expected.encode())
 
     def _client(self, sandbox_id: str) -> httpx.AsyncClient:
         client = self._clients.get(sandbox_id)

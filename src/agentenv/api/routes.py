@@ -12,15 +12,11 @@ from .. import __version__
 from ..orchestrator import BadRequest, CreateRequest, NotFound, SandboxManager, SandboxState
 from ..orchestrator import query as q
 from ..orchestrator.envd_client import ENVD_PORT
-from . import models
+from . import models, network_routes
 from .auth import key_matches
 
 public = APIRouter()
 router = APIRouter()
-
-# Egress "deny everything" as E2B clients spell it in network.denyOut.
-ALL_TRAFFIC = {"0.0.0.0/0", "0.0.0.0/0.0.0.0", "::/0"}
-
 
 def manager(request: Request) -> SandboxManager:
     return request.app.state.manager
@@ -29,7 +25,10 @@ def manager(request: Request) -> SandboxManager:
 async def require_api_key(
     request: Request, x_api_key: str | None = Header(default=None, alias="X-API-Key")
 ) -> None:
-    if not key_matches(x_api_key, request.app.state.api_key):
+    keys = getattr(request.app.state, "api_keys", None)
+    ok = keys.matches(x_api_key) if keys is not None else key_matches(
+        x_api_key, request.app.state.api_key)
+    if not ok:
         raise HTTPException(status_code=401, detail="missing or invalid X-API-Key header")
 
 
@@ -46,19 +45,9 @@ def _domain(request: Request) -> str | None:
 
 
 def _internet(body: models.NewSandbox) -> bool:
-    """Egress on or off. Only the all-or-nothing forms of E2B's network rules exist here."""
-    internet = body.allow_internet_access is not False
-    network = body.network or {}
-    allow_out = [str(a) for a in network.get("allowOut") or []]
-    deny_out = [str(d) for d in network.get("denyOut") or []]
-    if allow_out or any(d not in ALL_TRAFFIC for d in deny_out):
-        raise BadRequest(
-            "per-address egress rules (network.allowOut / network.denyOut) are not supported; "
-            "use allow_internet_access, or network.denyOut = ['0.0.0.0/0']"
-        )
-    if deny_out:
-        internet = False
-    return internet
+    """Egress on or off as a whole (finer rules: ``network_routes.policy_of``)."""
+    policy = network_routes.policy_of(body.network, body.allow_internet_access)
+    return policy is None or not policy.denies_all
 
 
 # -- sandboxes ----------------------------------------------------------------------
@@ -78,6 +67,8 @@ async def create_sandbox(body: models.NewSandbox, request: Request) -> models.Sa
             env_vars=body.env_vars or {},
             auto_pause=body.auto_pause,
             internet=_internet(body),
+            network=network_routes.policy_of(body.network, body.allow_internet_access),
+            public_traffic=network_routes.public_traffic(body.network),
         )
     )
     return models.created(record, _domain(request))
@@ -243,3 +234,4 @@ async def refresh(sandbox_id: str, request: Request,
 from . import template_routes  # noqa: E402  (its routes go after the sandbox routes)
 
 router.include_router(template_routes.router)
+router.include_router(network_routes.router)

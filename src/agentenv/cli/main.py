@@ -39,6 +39,10 @@ app = _App(
     no_args_is_help=True, pretty_exceptions_enable=False,
 )
 
+from .keys import keys as _keys  # noqa: E402  (after the app it joins)
+
+app.add_typer(_keys, name="keys")
+
 
 @app.callback()
 def main(

@@ -5,10 +5,14 @@ Every sandbox sees the same inside addresses (eth0 169.254.0.21/30, gateway
 slot K at its own address through the slot's router netns.
 """
 
+from .policy import CompiledPolicy, EgressPolicy, PolicyError, compile_policy, parse_policy
 from .pool import SlotPool, SlotPoolClosed, SlotPoolExhausted, cleanup_all
 from .slot import Slot, SlotError, SlotLayout
 
 __all__ = [
+    "CompiledPolicy",
+    "EgressPolicy",
+    "PolicyError",
     "Slot",
     "SlotError",
     "SlotLayout",
@@ -16,4 +20,6 @@ __all__ = [
     "SlotPoolClosed",
     "SlotPoolExhausted",
     "cleanup_all",
+    "compile_policy",
+    "parse_policy",
 ]

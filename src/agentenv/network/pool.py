@@ -24,8 +24,17 @@ from typing import Any
 from pyroute2 import IPRoute
 
 from . import nsutil
+from .policy import CompiledPolicy
 from .rules import HostChains
-from .slot import Slot, SlotLayout, create_slot, destroy_slot, reset_slot, set_egress
+from .slot import (
+    Slot,
+    SlotLayout,
+    apply_policy,
+    create_slot,
+    destroy_slot,
+    reset_slot,
+    set_egress,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +130,8 @@ class SlotPool:
         self._open = False
         self._counts = {"created": 0, "recycled": 0, "destroyed": 0, "failures": 0}
         self._timings: dict[str, deque[float]] = {
-            k: deque(maxlen=200) for k in ("create", "reset", "destroy", "set_internet")
+            k: deque(maxlen=200)
+            for k in ("create", "reset", "destroy", "set_internet", "apply_policy")
         }
 
     # --- lifecycle ------------------------------------------------------------
@@ -225,6 +235,12 @@ class SlotPool:
         held = self._acquired.get(slot.index)
         if held is not None:
             held.internet = allowed
+
+    async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None:
+        """Put an egress policy in force on an acquired slot (released slots lose it)."""
+        t0 = time.perf_counter()
+        await nsutil.run_in_thread(apply_policy, slot, self.pool_cidr, compiled)
+        self._timings["apply_policy"].append(time.perf_counter() - t0)
 
     def stats(self) -> dict[str, Any]:
         def pct(values: deque[float], q: float) -> float | None:

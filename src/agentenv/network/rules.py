@@ -22,19 +22,26 @@ ROUTER_DOWN_IF = "dn0"
 ROUTER_UP_IF = "up0"
 LINK_LOCAL = "169.254.0.0/16"
 LOOPBACK_NET = "127.0.0.0/8"
+EGRESS_CHAIN = "AENV-EGRESS"
 
 
-def router_rules(slot_address: str, pool_cidr: str) -> str:
+def router_rules(slot_address: str, pool_cidr: str, egress: list[str] | None = None) -> str:
     """The complete rule set of a router netns (applied with a flushing restore).
 
-    The internet switch is not here but in policy routing (see ``slot.set_egress``):
-    flipping it is one netlink message instead of an iptables transaction.
+    The all-off internet switch is not here but in policy routing (see
+    ``slot.set_egress``): flipping it is one netlink message instead of an
+    iptables transaction. Finer egress policy is the ``AENV-EGRESS`` chain
+    (``egress``: its lines, from ``policy.chain_rules``), consulted after the
+    fixed isolation drops, so no policy can open those.
     """
     up, dn = ROUTER_UP_IF, ROUTER_DOWN_IF
+    chain = "\n".join(egress or [])
     return f"""*filter
 :INPUT DROP [0:0]
 :FORWARD DROP [0:0]
 :OUTPUT ACCEPT [0:0]
+:{EGRESS_CHAIN} - [0:0]
+{chain}
 -A INPUT -i lo -j ACCEPT
 -A INPUT -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
 -A INPUT -i {dn} -d {GATEWAY_IP}/32 -p icmp --icmp-type echo-request -j ACCEPT
@@ -45,6 +52,7 @@ def router_rules(slot_address: str, pool_cidr: str) -> str:
 -A FORWARD -i {dn} -o {up} -d {LINK_LOCAL} -j DROP
 -A FORWARD -i {dn} -o {up} -d {LOOPBACK_NET} -j DROP
 -A FORWARD -i {dn} -o {up} -d {pool_cidr} -j DROP
+-A FORWARD -i {dn} -o {up} -s {SANDBOX_IP}/32 -m conntrack --ctdir ORIGINAL -j {EGRESS_CHAIN}
 -A FORWARD -i {dn} -o {up} -s {SANDBOX_IP}/32 -m conntrack --ctdir ORIGINAL -j ACCEPT
 COMMIT
 *nat

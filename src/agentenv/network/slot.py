@@ -19,7 +19,9 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
 from . import nsutil
+from .policy import CompiledPolicy, chain_rules
 from .rules import (
+    EGRESS_CHAIN,
     GATEWAY_IP,
     INSIDE_PREFIXLEN,
     ROUTER_DOWN_IF,
@@ -268,6 +270,23 @@ def set_egress(slot: Slot, allowed: bool) -> None:
         _set_blackhole(ipr, not allowed)
 
 
+def apply_policy(slot: Slot, pool_cidr: str, compiled: CompiledPolicy | None) -> None:
+    """Put an egress policy in force in the slot's router (None: everything goes out).
+
+    One flushing iptables-restore of the router's whole rule set (atomic, and it
+    also upgrades a router built before the egress chain existed) plus the
+    blackhole switch. Rules match every packet the sandbox sends, not only new
+    connections, so open connections to a newly refused address stop too.
+    """
+    blackhole = compiled.blocks_everything if compiled is not None else not slot.internet
+    with nsutil.entered(slot.router_netns):
+        nsutil.iptables_restore(router_rules(slot.address, pool_cidr, chain_rules(compiled)),
+                                noflush=False)
+        with IPRoute() as ipr:
+            _set_blackhole(ipr, blackhole)
+    slot.internet = not blackhole
+
+
 def reset_slot(slot: Slot, internet: bool) -> None:
     """Give ``slot`` a fresh sandbox side and policy, keeping router netns and uplink.
 
@@ -283,6 +302,8 @@ def reset_slot(slot: Slot, internet: bool) -> None:
             if idx is not None:
                 ipr_router.link("del", index=idx)
             _set_blackhole(ipr_router, not internet)
+            # The previous sandbox's egress policy goes with it.
+            nsutil.iptables_restore(f"*filter\n:{EGRESS_CHAIN} - [0:0]\nCOMMIT\n")
             with Conntrack() as ct:
                 ct.flush()
         except BaseException:

@@ -79,6 +79,11 @@ class SandboxRecord:
     slot_address: str = ""
     # The snapshot a paused sandbox resumes from (its latest pause).
     snapshot_id: str = ""
+    # Egress policy as E2B spells it ({"allowOut": [...], "denyOut": [...]}); {} = open.
+    network: dict[str, Any] = field(default_factory=dict)
+    # Set when the sandbox's ports are private (E2B allowPublicTraffic=false): the
+    # proxy then wants it in the e2b-traffic-access-token header.
+    traffic_token: str = ""
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.end_at

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
-from ..network import Slot, SlotPool, SlotPoolExhausted
+from ..network import EgressPolicy, Slot, SlotPool, SlotPoolExhausted, compile_policy
+from ..network.policy import REFRESH_S as POLICY_REFRESH_S
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
 from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
@@ -56,6 +57,10 @@ class CreateRequest:
     env_vars: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = False
     internet: bool = True
+    # Finer egress policy (E2B's network.allowOut / denyOut); None = by ``internet``.
+    network: EgressPolicy | None = None
+    # False: the sandbox's ports want its traffic access token (E2B allowPublicTraffic).
+    public_traffic: bool = True
     # Resources other than the template's (template builds ask for them): such a
     # sandbox boots, as no template image or pooled sandbox has them.
     cpu_count: int | None = None
@@ -158,6 +163,11 @@ class SandboxManager:
             held = self.slots.held(record.slot_index) if record.slot_index else None
             if held is not None:
                 self._slots[record.sandbox_id] = held
+                if record.network:  # the rules are rebuilt from the record
+                    try:
+                        await self._apply_network(record, held)
+                    except Exception:
+                        log.exception("reconcile: egress policy of %s", record.sandbox_id)
             log.info("reconcile: adopted %s sandbox %s", record.state, record.sandbox_id)
             if record.state is SandboxState.PAUSED:
                 self._recommit_if_staged(record)
@@ -232,6 +242,8 @@ class SandboxManager:
             end_at=now + timeout,
             auto_pause=req.auto_pause,
             internet=req.internet,
+            network=req.network.to_json() if req.network else {},
+            traffic_token="" if req.public_traffic else secrets.token_urlsafe(32),
             metadata=dict(req.metadata),
             env_vars=dict(req.env_vars),
             envd_token=secrets.token_urlsafe(32),
@@ -257,6 +269,7 @@ class SandboxManager:
         self._hold(record, member.slot)
         self.store.put(record)
         try:
+            await self._apply_network(record, member.slot)
             await self.envd.init(member.slot.address, record.envd_token, record.env_vars,
                                  current_token=member.envd_token)
             self._transition(record, SandboxState.RUNNING)
@@ -301,6 +314,7 @@ class SandboxManager:
                 raise CapacityExceeded(f"no network slot free: {exc}") from exc
             self._hold(record, slot)
             self.store.put(record)
+            await self._apply_network(record, slot)
             spec = self._spec(record, template, slot.netns_path, record.sandbox_id)
             started = True
             t1 = time.perf_counter()
@@ -382,6 +396,8 @@ class SandboxManager:
             cpu_count=source.cpu_count, memory_mb=source.memory_mb,
             disk_size_mb=source.disk_size_mb, started_at=now, end_at=now + ttl,
             auto_pause=source.auto_pause, internet=source.internet,
+            network=dict(source.network),
+            traffic_token=secrets.token_urlsafe(32) if source.traffic_token else "",
             metadata=dict(source.metadata), env_vars=dict(source.env_vars),
             envd_token=secrets.token_urlsafe(32),
         )
@@ -411,6 +427,7 @@ class SandboxManager:
                 raise CapacityExceeded(f"no network slot free: {exc}") from exc
             self._hold(record, slot)
             self.store.put(record)
+            await self._apply_network(record, slot)
             spec = self._spec(record, template, slot.netns_path, hostname_of)
             started = True
             await self.runtime.restore(spec, image)
@@ -716,6 +733,7 @@ class SandboxManager:
                 slot = await self.slots.acquire(internet=record.internet)
             except SlotPoolExhausted as exc:
                 raise CapacityExceeded(f"no network slot free: {exc}") from exc
+            await self._apply_network(record, slot)
             spec = self._spec(record, template, slot.netns_path, record.sandbox_id)
             await self.runtime.restore(spec, image)
             await self.envd.wait_ready(slot.address)
@@ -752,6 +770,8 @@ class SandboxManager:
             memory_mb=meta["memory_mb"], disk_size_mb=meta.get("disk_size_mb", 0),
             started_at=now, end_at=now + ttl, auto_pause=req.auto_pause,
             internet=req.internet,
+            network=req.network.to_json() if req.network else {},
+            traffic_token="" if req.public_traffic else secrets.token_urlsafe(32),
             metadata={**meta.get("metadata", {}), **req.metadata},
             env_vars={**meta.get("env_vars", {}), **dict(template.envs if template else ()),
                       **req.env_vars},
@@ -812,6 +832,55 @@ class SandboxManager:
             return wrapped
         return exc
 
+    async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
+        """Replace a sandbox's egress policy; in force at once when it runs, and kept
+        in its record for resume, fork and restarts."""
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            if record.state is SandboxState.CREATING:
+                raise Conflict(f"sandbox '{sandbox_id}' is still being created")
+            previous = (record.network, record.internet)
+            record.network, record.internet = policy.to_json(), not policy.denies_all
+            slot = self._slots.get(sandbox_id)
+            if record.state is SandboxState.RUNNING and slot is not None:
+                try:
+                    await self._apply_network(record, slot, force=True)
+                except BaseException:
+                    record.network, record.internet = previous
+                    raise
+            self.store.put(record)
+            return record
+
+    async def _apply_network(self, record: SandboxRecord, slot: Slot, force: bool = False
+                             ) -> None:
+        """Put the record's egress policy in force on its slot (no-op for an open one
+        unless ``force``: a fresh slot has no policy)."""
+        if not record.network and not force:
+            return
+        policy = EgressPolicy.from_json(record.network)
+        if not record.internet and policy.is_open:
+            policy = EgressPolicy(deny_out=("0.0.0.0/0",))
+        compiled = await asyncio.to_thread(compile_policy, policy)
+        if compiled.unresolved:
+            log.warning("sandbox %s: allowOut names that did not resolve (retried every %.0fs): "
+                        "%s", record.sandbox_id, POLICY_REFRESH_S, ", ".join(compiled.unresolved))
+        await self.slots.apply_policy(slot, compiled)
+
+    async def _refresh_domain_policies(self) -> None:
+        """Re-resolve the domains of running sandboxes' policies (addresses change)."""
+        for record in list(self._records.values()):
+            slot = self._slots.get(record.sandbox_id)
+            if record.state is not SandboxState.RUNNING or slot is None or not record.network:
+                continue
+            if not EgressPolicy.from_json(record.network).domains:
+                continue
+            try:
+                async with self._lock(record.sandbox_id):
+                    if self._slots.get(record.sandbox_id) is slot:
+                        await self._apply_network(record, slot)
+            except Exception:
+                log.exception("refreshing the egress policy of %s failed", record.sandbox_id)
+
     def _hold(self, record: SandboxRecord, slot: Slot) -> None:
         self._slots[record.sandbox_id] = slot
         record.slot_index, record.slot_address = slot.index, slot.address
@@ -868,6 +937,8 @@ class SandboxManager:
             ticks += 1
             if ticks % COMMIT_RETRY_TICKS == 0:
                 self._retry_failed_commits()
+            if ticks % int(POLICY_REFRESH_S) == 0:
+                await self._refresh_domain_policies()
             now = time.time()
             for record in list(self._records.values()):
                 if record.state is SandboxState.RUNNING and record.expired(now):

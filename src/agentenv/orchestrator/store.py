@@ -32,16 +32,20 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     envd_token   TEXT NOT NULL,
     slot_index   INTEGER NOT NULL,
     slot_address TEXT NOT NULL,
-    snapshot_id  TEXT NOT NULL DEFAULT ''
+    snapshot_id  TEXT NOT NULL DEFAULT '',
+    network      TEXT NOT NULL DEFAULT '{}',
+    traffic_token TEXT NOT NULL DEFAULT ''
 );
 """
 _COLUMNS = [
     "sandbox_id", "template_id", "alias", "state", "node_id", "cpu_count", "memory_mb",
     "disk_size_mb", "started_at", "end_at", "auto_pause", "internet", "metadata", "env_vars",
-    "envd_token", "slot_index", "slot_address", "snapshot_id",
+    "envd_token", "slot_index", "slot_address", "snapshot_id", "network",
+    "traffic_token",
 ]
 # Columns added after the first release, with their defaults (for old files).
-_ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''"}
+_ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL DEFAULT '{}'",
+          "traffic_token": "TEXT NOT NULL DEFAULT ''"}
 
 
 class SandboxStore:
@@ -83,7 +87,8 @@ def _to_row(r: SandboxRecord) -> tuple:
         r.sandbox_id, r.template_id, r.alias, r.state.value, r.node_id, r.cpu_count, r.memory_mb,
         r.disk_size_mb, r.started_at, r.end_at, int(r.auto_pause), int(r.internet),
         json.dumps(r.metadata), json.dumps(r.env_vars), r.envd_token, r.slot_index,
-        r.slot_address, r.snapshot_id,
+        r.slot_address, r.snapshot_id, json.dumps(r.network),
+        r.traffic_token,
     )
 
 
@@ -94,4 +99,5 @@ def _from_row(row: tuple) -> SandboxRecord:
     d["internet"] = bool(d["internet"])
     d["metadata"] = json.loads(d["metadata"])
     d["env_vars"] = json.loads(d["env_vars"])
+    d["network"] = json.loads(d["network"] or "{}")
     return SandboxRecord(**d)
