@@ -60,6 +60,12 @@ class Config:
     warm_pool_size: int = 0
     # Seconds a template build waits for its ready check to pass.
     build_ready_timeout: int = 120
+    # Pulled images: unpacked layers live here (default <home>/cache/images) within
+    # image_cache_bytes; least recently used layers no running sandbox or pinned
+    # template (comma-separated names) needs are evicted, and fetched again on use.
+    image_cache_dir: Path | None = None
+    image_cache_bytes: int = 20 << 30
+    pinned_templates: str = ""
     log_level: str = "info"
     # Cluster (docs: README "Cluster"). A node with scheduler_url set registers and
     # heartbeats there, advertising advertise_url (default http://host:port).
@@ -111,6 +117,15 @@ class Config:
             if value:
                 repo[name] = str(value)
         return repo
+
+    @property
+    def images_cache_dir(self) -> Path:
+        return self.image_cache_dir or self.home / "cache" / "images"
+
+    @property
+    def rootfs_mounts_dir(self) -> Path:
+        """Where image templates' layers are mounted, one read-only overlay per image."""
+        return self.run_dir / "rootfs"
 
     @property
     def bundles_dir(self) -> Path:

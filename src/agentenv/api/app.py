@@ -20,6 +20,7 @@ from ..templates.builder import TemplateBuilder
 from .auth import ApiKeys, load_or_create_api_key
 from .cluster_routes import router as cluster_router
 from .errors import install_error_handlers
+from .image_routes import router as image_router
 from .limits import BodyLimitMiddleware
 from .proxy import SandboxProxy
 from .routes import public, require_api_key, router
@@ -56,7 +57,8 @@ def build_manager(config: Config) -> SandboxManager:
         staging_dir=config.home / "snapshots-staging",
     )
     return SandboxManager(
-        config, runtime, slots, TemplateRegistry(config.templates_dir, config.local_templates_dir),
+        config, runtime, slots, TemplateRegistry(config.templates_dir, config.local_templates_dir,
+                                           config.rootfs_mounts_dir),
         SandboxStore(config.db_path), snapshots,
     )
 
@@ -104,6 +106,7 @@ def create_app(config: Config) -> ASGIApp:
     app.include_router(router, dependencies=[Depends(require_api_key)])
     app.include_router(lifecycle_router, dependencies=[Depends(require_api_key)])
     app.include_router(cluster_router, dependencies=[Depends(require_api_key)])
+    app.include_router(image_router, dependencies=[Depends(require_api_key)])
     limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT), app)
     proxy = SandboxProxy(limited, manager.endpoint, config.domain,
                          traffic_token=lambda sid: manager.get(sid).traffic_token)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
+from ..images import ImageError, ImageService, LayerStore
 from ..network import EgressPolicy, Slot, SlotPool, SlotPoolExhausted, compile_policy
 from ..network.policy import REFRESH_S as POLICY_REFRESH_S
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
@@ -101,6 +102,11 @@ class SandboxManager:
         self.on_removed: list[Callable[[str], None]] = []
         self.images = (TemplateImages(self, config.warm_pool_size)
                        if config.template_snapshots else None)
+        # Pulled images: their layers, and the rootfs mounts of image templates.
+        self.image_cache = ImageService(
+            LayerStore(config.images_cache_dir, config.image_cache_bytes), templates,
+            config.secrets_dir, in_use=self._templates_in_use,
+            pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()])
 
     # -- start / stop ---------------------------------------------------------
 
@@ -108,6 +114,9 @@ class SandboxManager:
         self._bundle = await asyncio.to_thread(build_bundle, self.config.bundles_dir)
         self._init_argv, self._init_env = envd_command(BUNDLE_MOUNT, ENVD_PORT)
         await self._reconcile()
+        # Mounts a crash left are removed, except those adopted sandboxes run on.
+        await asyncio.to_thread(self.image_cache.start, {
+            r.template_id for r in self._records.values() if r.state is SandboxState.RUNNING})
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
 
     async def close(self, destroy: bool = True) -> None:
@@ -133,6 +142,7 @@ class SandboxManager:
             )
             await self.slots.close()
             await self.runtime.reconcile(keep=set())
+            await asyncio.to_thread(self.image_cache.close)
         await self.envd.close()
 
     async def _reconcile(self) -> None:
@@ -308,6 +318,7 @@ class SandboxManager:
         started = False
         t0 = time.perf_counter()
         try:
+            await self.ensure_rootfs(template)
             try:
                 slot = await self.slots.acquire(internet=record.internet)
             except SlotPoolExhausted as exc:
@@ -421,6 +432,7 @@ class SandboxManager:
                 template = self.templates.get(record.template_id)
             except TemplateNotFound as exc:
                 raise NotFound(f"template of the snapshot is gone: {exc}") from exc
+            await self.ensure_rootfs(template)
             try:
                 slot = await self.slots.acquire(internet=record.internet)
             except SlotPoolExhausted as exc:
@@ -440,6 +452,31 @@ class SandboxManager:
             return record
         except BaseException as exc:
             raise await self._aborted(record, started, exc, "restore")  # noqa: B904
+
+    async def ensure_rootfs(self, template: Template) -> None:
+        """An image template's layers fetched (if evicted) and mounted. Held for as long
+        as a sandbox of the template runs or is being started (``_templates_in_use``)."""
+        if template.image is None:
+            return
+        try:
+            await asyncio.to_thread(self.image_cache.ensure, template)
+        except ImageError as exc:
+            err = OrchestratorError(f"rootfs of template '{template.template_id}': {exc}")
+            err.status = 502 if exc.status in (401, 404, 502) else exc.status
+            raise err from exc
+
+    def _templates_in_use(self) -> set[str]:
+        """Templates whose rootfs must stay: sandboxes starting, running or being resumed,
+        pooled ones and template images being built. Called from worker threads."""
+        used = set()
+        for r in list(self._records.values()):
+            lock = self._locks.get(r.sandbox_id)
+            if r.state in (SandboxState.CREATING, SandboxState.RUNNING) or \
+                    (lock is not None and lock.locked()):
+                used.add(r.template_id)
+        if self.images is not None:
+            used |= self.images.templates_in_use()
+        return used
 
     def _spec(self, record: SandboxRecord, template: Template, netns_path: str,
               hostname_of: str) -> SandboxSpec:
@@ -729,6 +766,7 @@ class SandboxManager:
         slot = None
         try:
             template = self.templates.get(record.template_id)
+            await self.ensure_rootfs(template)
             try:
                 slot = await self.slots.acquire(internet=record.internet)
             except SlotPoolExhausted as exc:

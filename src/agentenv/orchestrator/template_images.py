@@ -66,6 +66,7 @@ class TemplateImages:
         m = self.manager
         key = "|".join(str(x) for x in (
             template.template_id, template.created_at, template.build_id, template.rootfs,
+            template.image.manifest_digest if template.image else "",
             template.cpu_count, template.memory_mb, template.start_cmd, template.ready_cmd,
             m._bundle.name if m._bundle else "", m.runtime.kind, m.runtime.version,
         ))
@@ -116,6 +117,7 @@ class TemplateImages:
         started = False
         t0 = time.perf_counter()
         try:
+            await m.ensure_rootfs(template)
             slot = await m.slots.acquire(internet=True)
             spec = m.spec_for(sandbox_id, template, template.cpu_count, template.memory_mb,
                               slot.netns_path, hostname_of=template.template_id)
@@ -189,6 +191,7 @@ class TemplateImages:
         sandbox_id = new_sandbox_id()
         slot = None
         try:
+            await m.ensure_rootfs(template)
             slot = await m.slots.acquire(internet=True)
             spec = m.spec_for(sandbox_id, template, template.cpu_count, template.memory_mb,
                               slot.netns_path, hostname_of=template.template_id)
@@ -203,6 +206,13 @@ class TemplateImages:
             if slot is not None:
                 await asyncio.shield(m.slots.release(slot))
             return None
+
+    def templates_in_use(self) -> set[str]:
+        """Templates this pool holds sandboxes of or builds images of (aliases are
+        ``tpl.<template ID>.<hash>``)."""
+        building = {alias[4:].rsplit(".", 1)[0] for alias in list(self._building)}
+        return building | set(self._refilling) | {tid for tid, members in
+                                                  list(self._pool.items()) if members}
 
     def pooled(self) -> int:
         return sum(len(v) for v in self._pool.values())

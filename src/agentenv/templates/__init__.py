@@ -1,5 +1,5 @@
 """Templates: named root filesystems (with resources) that sandboxes start from."""
 
-from .registry import Template, TemplateNotFound, TemplateRegistry
+from .registry import ImageInfo, Template, TemplateNotFound, TemplateRegistry
 
-__all__ = ["Template", "TemplateNotFound", "TemplateRegistry"]
+__all__ = ["ImageInfo", "Template", "TemplateNotFound", "TemplateRegistry"]

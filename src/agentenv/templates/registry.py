@@ -16,6 +16,30 @@ class TemplateNotFound(LookupError):
 
 
 @dataclass(frozen=True)
+class ImageInfo:
+    """A template pulled from an OCI image: its rootfs is the image's layers, mounted
+    by ``agentenv.images`` on demand (the layers may be fetched again from ``source``)."""
+
+    source: str  # the reference pulled: registry ref, oci-layout:DIR[:tag], docker-archive:F
+    manifest_digest: str
+    layers: tuple[tuple[str, int], ...]  # (digest, blob size), bottom layer first
+    env: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+    workdir: str = ""
+    user: str = ""
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ImageInfo:
+        cfg = doc.get("config") or {}
+        return cls(
+            source=str(doc["source"]), manifest_digest=str(doc["manifestDigest"]),
+            layers=tuple((str(x["digest"]), int(x["size"])) for x in doc["layers"]),
+            env=tuple(cfg.get("env") or ()), cmd=tuple(cfg.get("cmd") or ()),
+            workdir=cfg.get("workdir") or "", user=cfg.get("user") or "",
+        )
+
+
+@dataclass(frozen=True)
 class Template:
     template_id: str
     rootfs: Path
@@ -36,6 +60,8 @@ class Template:
     envs: tuple[tuple[str, str], ...] = ()
     default_user: str = ""
     default_workdir: str = ""
+    # Set for a template pulled from an image (rootfs is then its mount point).
+    image: ImageInfo | None = None
 
     @property
     def alias(self) -> str:
@@ -43,10 +69,13 @@ class Template:
 
 
 class TemplateRegistry:
-    def __init__(self, templates_dir: Path, local_dir: Path | None = None):
+    def __init__(self, templates_dir: Path, local_dir: Path | None = None,
+                 rootfs_dir: Path | None = None):
         self.templates_dir = templates_dir
         # Where this node writes the templates it pulls or builds.
         self.local_dir = local_dir or templates_dir
+        # Where image templates' layers are mounted (one directory per image).
+        self.rootfs_dir = rootfs_dir or self.local_dir / ".rootfs"
 
     @property
     def dirs(self) -> list[Path]:
@@ -84,7 +113,15 @@ class TemplateRegistry:
         rootfs = directory / "rootfs"
         if meta.get("snapshotID") and meta.get("rootfs"):
             rootfs = Path(meta["rootfs"])
-        if not rootfs.is_dir():
+        image = None
+        if isinstance(meta.get("image"), dict):
+            try:
+                image = ImageInfo.from_json(meta["image"])
+            except (KeyError, TypeError, ValueError):
+                return None
+            # Mounted on demand (agentenv.images ensures it before a sandbox starts).
+            rootfs = self.rootfs_dir / image.manifest_digest.split(":")[-1][:16]
+        elif not rootfs.is_dir():
             return None
         return Template(
             template_id=meta.get("templateID", directory.name),
@@ -102,4 +139,5 @@ class TemplateRegistry:
             envs=tuple(sorted((str(k), str(v)) for k, v in meta.get("envs", {}).items())),
             default_user=meta.get("defaultUser", ""),
             default_workdir=meta.get("defaultWorkdir", ""),
+            image=image,
         )

@@ -126,4 +126,9 @@ def leaks(prefix: str, home: Path) -> list[str]:
     sandboxes = home / "run" / "sandboxes"
     if sandboxes.is_dir():
         found += [f"bundle dir {p.name}" for p in sandboxes.iterdir()]
+    # Rootfs mounts of image templates (or anything else mounted in the home).
+    prefix = str(home.resolve())
+    with open("/proc/self/mountinfo") as f:
+        found += [f"mount {ln.split()[4]}" for ln in f
+                  if ln.split()[4] == prefix or ln.split()[4].startswith(prefix + "/")]
     return found
