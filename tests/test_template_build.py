@@ -1,0 +1,228 @@
+"""Template builds through E2B's template routes, driven by the real e2b SDK's Template
+builder against the session's node: steps run in a sandbox, the result is snapshotted
+with its start command running, and sandboxes of the template restore that snapshot."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox, Template, wait_for_port
+from e2b.exceptions import BuildException
+
+from agentenv.testing import Node
+
+SERVER = """\
+import http.server, os
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = f"{os.environ['GREETING']} pid={os.getpid()}".encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
+
+
+def _name(kind: str) -> str:
+    return f"xbt-{kind}-{uuid.uuid4().hex[:6]}"
+
+
+def _build_sandboxes(api: httpx.Client) -> list[str]:
+    return [s["sandboxID"] for s in api.get("/sandboxes").json()
+            if "aenv.build" in (s.get("metadata") or {})]
+
+
+def _wait_done(api: httpx.Client, template_id: str, build_id: str, timeout: float = 120) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        status = api.get(f"/templates/{template_id}/builds/{build_id}/status").json()
+        if status["status"] in ("ready", "error"):
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"build {build_id} did not finish")
+
+
+def _proxied(node: Node, sandbox_id: str, port: int) -> httpx.Response:
+    return httpx.get(node.url + "/", headers={"E2b-Sandbox-Id": sandbox_id,
+                                              "E2b-Sandbox-Port": str(port)}, timeout=10)
+
+
+def test_sdk_builds_a_template_that_sandboxes_start_from(
+    node: Node, api: httpx.Client, tmp_path: Path
+) -> None:
+    ctx = tmp_path / "ctx"
+    (ctx / "app" / "static").mkdir(parents=True)
+    (ctx / "app" / "server.py").write_text(SERVER)
+    (ctx / "app" / "static" / "page.html").write_text("<p>static</p>\n")
+    (ctx / "notes.txt").write_text("some notes\n")
+    name = _name("sdk")
+
+    def template(greeting: str):
+        return (Template(file_context_path=str(ctx)).from_template("base")
+                .run_cmd("echo build-step-as-$(whoami)")
+                .copy("app", "/home/user/app/")
+                .copy("notes.txt", "/opt/notes.txt", mode=0o640)
+                .set_envs({"GREETING": greeting})
+                .set_workdir("/home/user/app")
+                .run_cmd("echo $GREETING > greeting.txt")
+                .set_start_cmd("python3 server.py", wait_for_port(8000)))
+
+    logs: list = []
+    info = Template.build(template("hello-one"), name, on_build_logs=logs.append)
+    messages = [e.message for e in logs]
+    # The build's log streamed: the step header, the command's own output, the end.
+    assert "[1/6] RUN echo build-step-as-$(whoami)" in messages, messages
+    assert "build-step-as-user" in messages
+    assert any("is ready" in m for m in messages)
+    assert not _build_sandboxes(api)
+
+    sb = Sandbox.create(name)
+    try:
+        assert sb.get_info().template_id == info.template_id
+        # The start command's server was running in the snapshot: it answers at once.
+        first = _proxied(node, sb.sandbox_id, 8000)
+        assert first.status_code == 200 and first.text.startswith("hello-one pid=")
+        out = sb.commands.run("whoami; pwd; echo $GREETING; cat greeting.txt static/page.html; "
+                              "stat -c '%U %a' /opt/notes.txt app 2>/dev/null; "
+                              "stat -c '%U' /home/user/app/server.py; cat /opt/notes.txt").stdout
+        assert out.split("\n")[:5] == ["user", "/home/user/app", "hello-one", "hello-one",
+                                       "<p>static</p>"], out
+        assert "user 640" in out and "some notes" in out
+        # Envs given at create add to the template's.
+        other = Sandbox.create(name, envs={"EXTRA": "x"})
+        try:
+            assert other.commands.run("echo $GREETING $EXTRA").stdout.strip() == "hello-one x"
+        finally:
+            other.kill()
+
+        listed = {t["templateID"]: t for t in api.get("/templates").json()}
+        assert listed[info.template_id]["aliases"] == [name]
+        assert api.get(f"/templates/aliases/{name}").json()["templateID"] == info.template_id
+        first_snapshot = _snapshot_of(node, info.template_id)
+
+        # Deleting a template sandboxes run from is refused, clearly.
+        r = api.delete(f"/templates/{name}")
+        assert r.status_code == 409 and sb.sandbox_id in r.json()["message"]
+    finally:
+        sb.kill()
+
+    # A rebuild keeps the template ID, publishes a new build, and drops the old snapshot.
+    again = Template.build(template("hello-two"), name)
+    assert again.template_id == info.template_id and again.build_id != info.build_id
+    assert _snapshot_of(node, info.template_id) != first_snapshot
+    assert api.get(f"/snapshots/{first_snapshot}").status_code == 404
+    sb = Sandbox.create(info.template_id)
+    try:
+        assert _proxied(node, sb.sandbox_id, 8000).text.startswith("hello-two pid=")
+    finally:
+        sb.kill()
+
+    snapshot = _snapshot_of(node, info.template_id)
+    assert api.delete(f"/templates/{name}").status_code == 204
+    assert api.get(f"/templates/{info.template_id}").status_code == 404
+    assert api.get(f"/snapshots/{snapshot}").status_code == 404
+    assert not (node.home / "templates" / info.template_id).exists()
+    r = api.post("/sandboxes", json={"templateID": name})
+    assert r.status_code == 404, r.text
+    assert api.delete(f"/templates/{name}").status_code == 404
+
+
+def _snapshot_of(node: Node, template_id: str) -> str:
+    import json
+
+    return json.loads((node.home / "templates" / template_id / "template.json")
+                      .read_text())["snapshotID"]
+
+
+def test_failing_step_fails_the_build_with_its_output(api: httpx.Client) -> None:
+    name = _name("fail")
+    tpl = (Template().from_template("base")
+           .run_cmd("echo fine")
+           .run_cmd("echo about-to-fail; echo oops-on-stderr >&2; exit 3"))
+    with pytest.raises(BuildException) as failure:
+        Template.build(tpl, name)
+    message = str(failure.value)
+    assert "step 2 (RUN) failed with exit code 3" in message
+    assert "about-to-fail" in message and "oops-on-stderr" in message
+
+    info = Template.build_in_background(tpl, name)
+    status = _wait_done(api, info.template_id, info.build_id)
+    assert status["status"] == "error"
+    assert status["reason"]["step"] == "2"
+    assert any("oops-on-stderr" in e["message"] for e in status["reason"]["logEntries"])
+    # Nothing was published, and the build sandboxes are gone.
+    assert api.get(f"/templates/{name}").status_code == 404
+    assert not _build_sandboxes(api)
+    assert api.delete(f"/templates/{info.template_id}").status_code == 204
+    assert api.get(f"/templates/{info.template_id}/builds/{info.build_id}/status"
+                   ).status_code == 404
+
+
+def test_build_routes_refuse_bad_requests(node: Node, api: httpx.Client) -> None:
+    def error(r: httpx.Response, code: int) -> str:
+        assert r.status_code == code, r.text
+        assert r.json()["code"] == code
+        return r.json()["message"]
+
+    assert "invalid template name" in error(api.post("/v3/templates",
+                                                     json={"name": "Bad Name!"}), 400)
+    assert "built-in" in error(api.post("/v3/templates", json={"name": "base"}), 409)
+    assert "built-in" in error(api.delete("/templates/base"), 403)
+    digest = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
+    error(api.get(f"/templates/nosuchtemplate/files/{digest}"), 404)
+
+    created = api.post("/v3/templates", json={"name": _name("routes"), "cpuCount": 1})
+    assert created.status_code == 202, created.text
+    tid, bid = created.json()["templateID"], created.json()["buildID"]
+    error(api.get(f"/templates/{tid}/files/not-a-hash"), 400)
+    link = api.get(f"/templates/{tid}/files/{digest}")
+    assert link.status_code == 201 and link.json()["present"] is False
+    url = link.json()["url"]
+    # The upload URL is signed: no API key needed, but a changed one is refused.
+    assert error(httpx.put(url.replace("signature=", "signature=0"), content=b"x"), 403)
+    assert error(httpx.put(url.replace(digest, "0" * 64), content=b"x"), 403)
+    assert httpx.put(url, content=b"not really a tar").status_code == 201
+    assert api.get(f"/templates/{tid}/files/{digest}").json() == {"present": True}
+
+    start = f"/v2/templates/{tid}/builds/{bid}"
+    assert "ADD" in error(api.post(start, json={"fromTemplate": "base",
+                                                "steps": [{"type": "ADD", "args": ["a"]}]}), 400)
+    assert "exactly one" in error(api.post(start, json={"steps": []}), 400)
+    assert "not uploaded" in error(api.post(start, json={
+        "fromTemplate": "base",
+        "steps": [{"type": "COPY", "args": ["x", "/x"], "filesHash": "f" * 64}]}), 400)
+    error(api.get(f"/templates/{tid}/builds/{uuid.uuid4()}/status"), 404)
+
+    # A long build is cancelled; its sandbox goes with it.
+    r = api.post(start, json={"fromTemplate": "base", "steps": [
+        {"type": "RUN", "args": ["echo started; sleep 120"]}]})
+    assert r.status_code == 202, r.text
+    error(api.post(start, json={"fromTemplate": "base", "steps": []}), 409)
+    end = time.monotonic() + 60
+    while not any(e["message"] == "started" for e in
+                  api.get(f"/templates/{tid}/builds/{bid}/status").json()["logEntries"]):
+        assert time.monotonic() < end
+        time.sleep(0.2)
+    assert api.delete(f"/templates/{tid}/builds/{bid}").status_code == 204
+    status = _wait_done(api, tid, bid, timeout=30)
+    assert status["status"] == "error" and "cancelled" in status["reason"]["message"]
+    assert not _build_sandboxes(api)
+
+    # Logs: paged by offset in the status; by time and direction in /logs.
+    all_logs = api.get(f"/templates/{tid}/builds/{bid}/status").json()["logEntries"]
+    assert len(all_logs) >= 3
+    page = api.get(f"/templates/{tid}/builds/{bid}/status",
+                   params={"logsOffset": 1, "limit": 1}).json()["logEntries"]
+    assert page == all_logs[1:2]
+    errors = api.get(f"/templates/{tid}/builds/{bid}/logs", params={"level": "error"}).json()
+    assert [e["level"] for e in errors["logs"]] == ["error"]
+    backward = api.get(f"/templates/{tid}/builds/{bid}/logs",
+                       params={"direction": "backward"}).json()["logs"]
+    assert backward == all_logs[::-1]
+    assert api.delete(f"/templates/{tid}").status_code == 204
+    assert httpx.get(node.url + "/health").status_code == 200
