@@ -19,7 +19,7 @@ from ..templates import TemplateRegistry
 from ..templates.builder import TemplateBuilder
 from .auth import ApiKeys, load_or_create_api_key
 from .cluster_routes import router as cluster_router
-from .errors import install_error_handlers
+from .errors import document_errors, install_error_handlers
 from .image_routes import router as image_router
 from .limits import BodyLimitMiddleware
 from .proxy import SandboxProxy
@@ -107,6 +107,7 @@ def create_app(config: Config) -> ASGIApp:
     app.include_router(lifecycle_router, dependencies=[Depends(require_api_key)])
     app.include_router(cluster_router, dependencies=[Depends(require_api_key)])
     app.include_router(image_router, dependencies=[Depends(require_api_key)])
+    document_errors(app)
     limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT), app)
     proxy = SandboxProxy(limited, manager.endpoint, config.domain,
                          traffic_token=lambda sid: manager.get(sid).traffic_token)

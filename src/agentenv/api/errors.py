@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from ..orchestrator import OrchestratorError
 
@@ -26,6 +27,24 @@ def _describe(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def _allowed_methods(request: Request) -> str:
+    """The methods the API document gives this path: Starlette names only those of
+    the first route whose path matched, and a path here can have several routes."""
+    app = request.app
+    paths = getattr(app.state, "method_table", None)
+    if paths is None:
+        paths = []
+        for path, ops in app.openapi().get("paths", {}).items():
+            regex, _, params = compile_path(path)
+            paths.append((regex, len(params), {m.upper() for m in ops}))
+        app.state.method_table = paths
+    matched = [(n, ops) for regex, n, ops in paths if regex.match(request.url.path)]
+    # /sandboxes/metrics is that resource, not /sandboxes/{sandbox_id}.
+    fewest = min((n for n, _ in matched), default=0)
+    methods = set().union(*(ops for n, ops in matched if n == fewest))
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OrchestratorError)
     async def _orchestrator(_: Request, exc: OrchestratorError) -> JSONResponse:
@@ -38,10 +57,50 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, _describe(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = error_response(exc.status_code, str(exc.detail))
+        # Headers the exception carries are part of the answer (WWW-Authenticate).
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            response.headers["Allow"] = _allowed_methods(request)
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+ERROR_SCHEMA = {
+    "title": "Error",
+    "type": "object",
+    "required": ["code", "message"],
+    "properties": {"code": {"type": "integer"}, "message": {"type": "string"}},
+}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Say in the OpenAPI document what the handlers above do: an invalid request
+    is a 400 (not FastAPI's 422) and every other error has the same JSON shape,
+    so clients and fuzzers can check error answers against the document."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+        ref = {"$ref": "#/components/schemas/Error"}
+        error = {"description": "Error", "content": {"application/json": {"schema": ref}}}
+        for ops in schema.get("paths", {}).values():
+            for op in ops.values():
+                responses = op.setdefault("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = {**error, "description": "Invalid request"}
+                responses.setdefault("default", error)
+        schema["components"]["schemas"].pop("HTTPValidationError", None)
+        schema["components"]["schemas"].pop("ValidationError", None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

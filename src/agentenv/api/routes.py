@@ -55,8 +55,7 @@ def _internet(body: models.NewSandbox) -> bool:
 @router.post("/sandboxes", status_code=201, response_model=models.SandboxCreated,
              response_model_by_alias=True, response_model_exclude_none=True)
 @router.post("/v2/sandboxes", status_code=201, response_model=models.SandboxCreated,
-             response_model_by_alias=True, response_model_exclude_none=True,
-             include_in_schema=False)
+             response_model_by_alias=True, response_model_exclude_none=True)
 async def create_sandbox(body: models.NewSandbox, request: Request) -> models.SandboxCreated:
     mgr = manager(request)
     record = await mgr.create(
@@ -93,7 +92,7 @@ async def list_sandboxes_v2(
     template: str | None = None,
     started_after: str | None = Query(default=None, alias="startedAfter"),
     order: str | None = None,
-    limit: int | None = None,
+    limit: Annotated[int | None, Query(ge=1, le=q.MAX_PAGE)] = None,
     next_token: str | None = Query(default=None, alias="nextToken"),
 ) -> list[models.ListedSandbox]:
     """A page of sandboxes; ``x-next-token`` names the next page when there is one."""
@@ -125,8 +124,11 @@ def _parse_time(raw: str | None) -> float | None:
 
 @router.get("/sandboxes/metrics", response_model=models.SandboxesWithMetrics,
             response_model_by_alias=True)
-async def sandboxes_metrics(request: Request, sandbox_ids: str = ""
-                            ) -> models.SandboxesWithMetrics:
+async def sandboxes_metrics(
+    request: Request,
+    # Comma-separated IDs; the pattern says at least one is named.
+    sandbox_ids: Annotated[str, Query(pattern=r"[^,\s]")],
+) -> models.SandboxesWithMetrics:
     """The latest metrics of each named running sandbox (unknown IDs are left out)."""
     ids = [s for s in dict.fromkeys(x.strip() for x in sandbox_ids.split(",")) if s]
     if not ids:
@@ -186,7 +188,9 @@ class _Unavailable(HTTPException):
 
 
 @router.post("/sandboxes/{sandbox_id}/connect", response_model=models.SandboxCreated,
-             response_model_by_alias=True, response_model_exclude_none=True)
+             response_model_by_alias=True, response_model_exclude_none=True,
+             responses={201: {"model": models.SandboxCreated,
+                              "description": "A paused sandbox, resumed"}})
 @router.post("/v2/sandboxes/{sandbox_id}/connect", response_model=models.SandboxCreated,
              response_model_by_alias=True, response_model_exclude_none=True,
              include_in_schema=False)
