@@ -216,6 +216,7 @@ class ImageService:
                     log.info("images: mounted rootfs of %s (%d layers)", template.template_id,
                              len(hexes))
                 self.store.touch(hexes)
+                self._make_room()
             finally:
                 self._release(hexes)
         return template.rootfs
