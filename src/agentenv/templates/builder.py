@@ -22,6 +22,7 @@ import secrets
 import shlex
 import shutil
 import string
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterable, Callable
@@ -132,6 +133,8 @@ class TemplateBuilder:
         if existing is not None:
             if not self._is_local(existing.template_id):
                 raise BuildError(f"'{alias}' is a built-in template; choose another name", 409)
+            if existing.image is not None and not existing.snapshot_id:
+                raise BuildError(f"'{alias}' is a pulled image; choose another name", 409)
             return existing.template_id
         for build in self.store.all():  # a template whose first build is under way
             if alias in build.names:
@@ -233,6 +236,9 @@ class TemplateBuilder:
                 raise BuildError(f"template '{name}' not found", 404) from None
         if template is not None and not self._is_local(template_id):
             raise BuildError(f"'{name}' is a built-in template and cannot be deleted", 403)
+        if template is not None and template.image is not None and not template.snapshot_id:
+            raise BuildError(f"'{name}' is a pulled image: remove it with DELETE /images/{name}",
+                             409)
         users = [r.sandbox_id for r in self.manager.list() if r.template_id == template_id]
         if users:
             raise BuildError(f"template '{name}' has {len(users)} sandbox(es) running or paused "
@@ -267,7 +273,7 @@ class TemplateBuilder:
 
         t0 = time.monotonic()
         try:
-            base = self._base(spec)
+            base = await self._base(build, spec)
             self._log(build, f"FROM {spec.get('fromImage') or spec.get('fromTemplate')}"
                              f" (template {base.template_id})", step="base")
             try:
@@ -280,8 +286,7 @@ class TemplateBuilder:
                 raise StepFailed(f"the build sandbox did not start: {exc}", "base") from exc
             build.sandbox_id = record.sandbox_id
             self.store.put(build)
-            state = BuildState(user=base.default_user or "user",
-                               workdir=base.default_workdir, envs=dict(base.envs))
+            state = _initial_state(base)
             steps = spec.get("steps") or []
             for i, step in enumerate(steps, 1):
                 await self._step(build, record, state, step, str(i), len(steps))
@@ -317,20 +322,58 @@ class TemplateBuilder:
         with contextlib.suppress(Exception):
             await self.manager.kill(build.sandbox_id)
 
-    def _base(self, spec: dict[str, Any]) -> Template:
+    async def _base(self, build: Build, spec: dict[str, Any]) -> Template:
         name = spec.get("fromTemplate")
         if not name:
             image = spec["fromImage"]
             repo = image.split("@")[0].rsplit(":", 1)[0] if ":" in image.split("/")[-1] \
                 else image.split("@")[0]
-            name = BASE_IMAGES.get(repo.removeprefix("docker.io/"))
-            if name is None:
-                raise StepFailed(f"image '{image}': building from OCI images is not available "
-                                 "on this node yet; use fromTemplate or e2bdev/base", "base")
+            name = BASE_IMAGES.get(repo.removeprefix("docker.io/")) or \
+                await self._pull(build, image, spec.get("fromImageRegistry"),
+                                 bool(spec.get("force")))
         try:
             return self.registry.get(name)
         except TemplateNotFound:
             raise StepFailed(f"base template '{name}' not found", "base") from None
+
+    async def _pull(self, build: Build, image: str, registry: dict | None,
+                    force: bool) -> str:
+        """The image as a template of its own (``img-<hash of the reference>``), pulled
+        unless already there; the built template shares its layers."""
+        from ..images import ImageError
+
+        name = "img-" + hashlib.sha256(image.encode()).hexdigest()[:16]
+        credentials = None
+        if registry:
+            if registry.get("type", "registry") != "registry":
+                raise StepFailed(f"image '{image}': {registry.get('type')} registry "
+                                 "credentials are not supported; use username/password", "base")
+            credentials = {"username": registry.get("username", ""),
+                           "password": registry.get("password", "")}
+        with contextlib.suppress(TemplateNotFound):
+            existing = self.registry.get(name)
+            if existing.image is not None and existing.image.source == image and not force:
+                self._log(build, f"Image {image} is cached", step="base")
+                return name
+        self._log(build, f"Pulling {image}", step="base")
+        seen: set[str] = set()
+
+        def progress(event: dict) -> None:
+            status = str(event.get("status", ""))
+            if status and status not in seen and status != "done":
+                seen.add(status)
+                self._log(build, f"{image}: {status}", step="base")
+
+        cancel = threading.Event()
+        try:
+            await asyncio.to_thread(self.manager.image_cache.pull, image, name, credentials,
+                                    progress=progress, cancel=cancel)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        except ImageError as exc:
+            raise StepFailed(f"pulling image '{image}' failed: {exc}", "base") from exc
+        return name
 
     async def _step(self, build: Build, record, state: BuildState, step: dict, name: str,
                     total: int) -> None:
@@ -446,16 +489,23 @@ class TemplateBuilder:
                        spec: dict[str, Any]) -> None:
         """Write template.json atomically; the build it replaces loses its snapshot."""
         base = self.registry.get(record.template_id)
+        base_meta = self._meta(record.template_id)
         meta = {
             "templateID": build.template_id, "aliases": build.names, "tags": build.tags,
             "buildID": build.build_id, "snapshotID": build.snapshot_id,
-            "rootfs": str(base.rootfs), "cpuCount": record.cpu_count,
+            "cpuCount": record.cpu_count,
             "memoryMB": record.memory_mb, "diskSizeMB": record.disk_size_mb,
             "envs": state.envs, "defaultUser": state.user, "defaultWorkdir": state.workdir,
             "startCmd": spec.get("startCmd") or "", "readyCmd": spec.get("readyCmd") or "",
             "fromImage": spec.get("fromImage") or "", "fromTemplate": spec.get("fromTemplate")
             or "", "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
+        # An image's rootfs is its mounted layers (found again by the image block);
+        # any other is a directory.
+        if isinstance(base_meta.get("image"), dict):
+            meta["image"] = base_meta["image"]
+        else:
+            meta["rootfs"] = str(base.rootfs)
         directory = self.local_dir / build.template_id
         async with self._publish_lock:
             previous = None
@@ -469,7 +519,25 @@ class TemplateBuilder:
             await self._delete_snapshot(previous.snapshot_id)
 
 
+    def _meta(self, template_id: str) -> dict:
+        for directory in self.registry.dirs:
+            with contextlib.suppress(OSError, ValueError):
+                return json.loads((directory / template_id / "template.json").read_text())
+        return {}
+
+
 STEPS = ("RUN", "COPY", "ENV", "WORKDIR", "USER")
+
+
+def _initial_state(base: Template) -> BuildState:
+    """What a build starts from: a built template's defaults, an image's config, or
+    the built-in templates' ``user``."""
+    if base.snapshot_id or base.image is None:
+        return BuildState(user=base.default_user or "user", workdir=base.default_workdir,
+                          envs=dict(base.envs))
+    envs = dict(e.split("=", 1) for e in base.image.env if "=" in e)
+    return BuildState(user=base.image.user.split(":")[0] or "root",
+                      workdir=base.image.workdir, envs=envs)
 
 
 class _LineLog:
