@@ -118,7 +118,7 @@ class _Tar(io.RawIOBase):
             else:
                 data = self.source.read1(CHUNK)
                 if not data:
-                    raise HostileInput(f"{self._what}: gzip stream is truncated")
+                    raise HostileInput(f"{self._what}: gzip stream is truncated or corrupt")
                 out = self.gzip.decompress(data, CHUNK)
             if out:
                 return out
@@ -182,7 +182,7 @@ def unpack_layer(chunks: Iterator[bytes], dest: Path, *, digest: str = "", diff_
     except (tarfile.TarError, zlib.error, zstandard.ZstdError, EOFError) as exc:
         raise HostileInput(f"{what}: corrupt or truncated layer ({exc})") from exc
     if stream.gzip is not None and not stream.gzip.eof:
-        raise HostileInput(f"{what}: gzip stream is truncated")
+        raise HostileInput(f"{what}: gzip stream is truncated or corrupt")
     got = "sha256:" + source.hash.hexdigest()
     if declared_size >= 0 and source.count != declared_size:
         raise HostileInput(f"{what}: got {source.count} bytes, its descriptor declares "
