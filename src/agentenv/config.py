@@ -67,6 +67,11 @@ class Config:
     image_cache_bytes: int = 20 << 30
     pinned_templates: str = ""
     log_level: str = "info"
+    # Slow clients: a request head must be complete within http_head_timeout
+    # seconds and an API request body within http_body_timeout, else the
+    # connection is closed (408 for a body); a trickling client holds nothing long.
+    http_head_timeout: int = 10
+    http_body_timeout: int = 30
     # Cluster (docs: README "Cluster"). A node with scheduler_url set registers and
     # heartbeats there, advertising advertise_url (default http://host:port).
     scheduler_url: str = ""

@@ -108,7 +108,8 @@ def create_app(config: Config) -> ASGIApp:
     app.include_router(cluster_router, dependencies=[Depends(require_api_key)])
     app.include_router(image_router, dependencies=[Depends(require_api_key)])
     document_errors(app)
-    limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT), app)
+    limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT,
+                                                    config.http_body_timeout), app)
     proxy = SandboxProxy(limited, manager.endpoint, config.domain,
                          traffic_token=lambda sid: manager.get(sid).traffic_token)
     proxy_holder["proxy"] = proxy

@@ -63,6 +63,9 @@ def install_error_handlers(app: FastAPI) -> None:
         response.headers.update(exc.headers or {})
         if exc.status_code == 405:
             response.headers["Allow"] = _allowed_methods(request)
+        if exc.status_code in (408, 413):
+            # The rest of the body is not wanted: close rather than read it to its end.
+            response.headers["Connection"] = "close"
         return response
 
     @app.exception_handler(Exception)

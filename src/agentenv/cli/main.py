@@ -62,6 +62,7 @@ def server(
     import uvicorn
 
     from ..api.app import create_app
+    from ..api.serving import server_options
     from ..config import ConfigError, load_config
 
     try:
@@ -83,7 +84,8 @@ def server(
     typer.echo(f"agentenv node on http://{config.host}:{config.port}  "
                f"(API key in {config.secrets_dir / 'api-key'})", err=True)
     uvicorn.run(asgi, host=config.host, port=config.port, log_level="warning",
-                lifespan="on", timeout_graceful_shutdown=10)
+                lifespan="on", timeout_graceful_shutdown=10,
+                **server_options(config.http_head_timeout))
 
 
 
@@ -155,6 +157,10 @@ app.registered_groups += commands.cli.registered_groups
 from .templates import template_app  # noqa: E402
 
 app.add_typer(template_app, name="template")
+
+from .pull import pull as _pull  # noqa: E402
+
+app.command("pull")(_pull)
 
 if __name__ == "__main__":
     app(prog_name="aenv")
