@@ -47,6 +47,8 @@ ID_ALPHABET = string.ascii_lowercase + string.digits
 BUILD_SANDBOX_TTL = 3600
 UPLOAD_URL_TTL = 3600
 BUILD_METADATA_KEY = "aenv.build"
+KEEP_BUILDS = 10  # finished builds kept per template
+FILES_KEEP_S = 7 * 24 * 3600
 # E2B's default base image is the counterpart of the built-in ``base`` template.
 BASE_IMAGES = {"e2bdev/base": "base"}
 
@@ -97,6 +99,22 @@ class TemplateBuilder:
             log.info("build %s was interrupted by a node restart", build.build_id)
             self._finish(build, ERROR, {"message": "the build was interrupted by a node restart"})
             await self._kill_sandbox(build)
+        await asyncio.to_thread(self._prune_files)
+
+    def _prune_files(self) -> None:
+        """Context archives no build used for a while go (a COPY touches its archive)."""
+        cutoff = time.time() - FILES_KEEP_S
+        for path in self.files_dir.iterdir():
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+
+    def _prune_builds(self, template_id: str) -> None:
+        """Only the last few finished builds of a template keep their records and logs."""
+        done = sorted((b for b in self.store.all() if b.template_id == template_id and b.done),
+                      key=lambda b: b.created_at)
+        for old in done[:-KEEP_BUILDS]:
+            self.store.delete(old.build_id)
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):
@@ -315,6 +333,7 @@ class TemplateBuilder:
             await asyncio.shield(self._kill_sandbox(build))
             if build.status == ERROR and build.snapshot_id:
                 await self._delete_snapshot(build.snapshot_id)
+            self._prune_builds(build.template_id)
 
     async def _kill_sandbox(self, build: Build) -> None:
         if not build.sandbox_id:
@@ -429,6 +448,7 @@ class TemplateBuilder:
         archive = self.file_path(step.get("filesHash", ""))
         if archive is None:
             raise StepFailed(f"step {name}: the files of COPY {src} are gone", name)
+        os.utime(archive)
         if not dest.startswith("/"):
             dest = os.path.join(state.workdir or "/home/" + state.user, dest)
         inside = f"/tmp/.aenv-build-{step['filesHash'][:16]}"
