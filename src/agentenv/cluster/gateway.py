@@ -23,18 +23,21 @@ import binascii
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
+import websockets
 from fastapi import Depends, FastAPI, Request, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+from websockets.asyncio.client import connect as ws_connect
 
 from .. import __version__
 from ..api.errors import error_response, install_error_handlers
-from ..api.proxy import SandboxProxy, _reply
+from ..api.proxy import _body, _hung_up, _reply
+from ..api.proxy import _relay as _relay_body
 from ..orchestrator import NotFound
 from .common import ClusterError, require_api_key
 from .registry import NodeStatus, Registry
@@ -44,6 +47,12 @@ MAX_PAGE = 100
 # Headers that belong to one hop, or that httpx sets itself.
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
         "te", "trailer"}
+# Relayed sandbox traffic: hop-by-hop headers, and the routing ones the gateway resets.
+_RELAY_DROP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+               "trailer", "transfer-encoding", "upgrade", "host", "e2b-sandbox-id",
+               "e2b-sandbox-port"}
+_RELAY_DROP_RESPONSE = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                        "te", "trailer", "transfer-encoding", "upgrade", "content-length"}
 
 
 class Gateway:
@@ -167,25 +176,35 @@ def _decode_cursor(token: str) -> tuple[datetime, str]:
         raise ClusterError(400, "invalid nextToken") from None
 
 
-class GatewayProxy(SandboxProxy):
-    """The node proxy's streaming, aimed at the owning node instead of a sandbox:
-    the request goes on with ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers (a
-    Host-routed one is rewritten to them), which the node's own proxy serves."""
+class GatewayProxy:
+    """Sandbox traffic (HTTP streams and WebSockets) relayed to the node that owns the
+    sandbox, as ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers (a Host-routed
+    request is rewritten to them); the node's own proxy takes it from there, so
+    every header it checks (access and traffic tokens) goes through untouched."""
 
     def __init__(self, app: ASGIApp, gateway: Gateway, domain: str) -> None:
-        super().__init__(app, lambda sid, port: (sid, port), domain)
+        self.app = app
         self.gateway = gateway
-        self._shared = httpx.AsyncClient(
+        self._host_re = re.compile(
+            r"^(?P<port>\d{1,5})-(?P<sid>[a-z0-9]+)\." + re.escape(domain.lower()) + r"(:\d+)?$"
+        )
+        self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=10.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
             trust_env=False, follow_redirects=False,
         )
 
-    def _client(self, sandbox_id: str) -> httpx.AsyncClient:
-        return self._shared  # pooled per node address by httpx
-
     async def close(self) -> None:
-        await self._shared.aclose()
+        await self._http.aclose()
+
+    def _target(self, scope: Scope) -> tuple[str, int] | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        sid = headers.get("e2b-sandbox-id")
+        if sid:
+            port = headers.get("e2b-sandbox-port", "")
+            return sid, int(port) if port.isdigit() else -1
+        match = self._host_re.match(headers.get("host", "").lower())
+        return (match["sid"], int(match["port"])) if match else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = self._target(scope) if scope["type"] in ("http", "websocket") else None
@@ -204,17 +223,98 @@ class GatewayProxy(SandboxProxy):
         except ClusterError as exc:
             await _reply(scope, send, 502, str(exc))
             return
-        url = urlsplit(node.url)
-        routed = dict(scope)
-        routed["headers"] = [
-            (k, v) for k, v in scope["headers"]
-            if k.lower() not in (b"e2b-sandbox-id", b"e2b-sandbox-port", b"host")
-        ] + [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
-        host, node_port = url.hostname or "", url.port or 80
+        headers = [(k, v) for k, v in scope["headers"]
+                   if k.decode("latin-1").lower() not in _RELAY_DROP]
+        headers += [(b"e2b-sandbox-id", sandbox_id.encode()),
+                    (b"e2b-sandbox-port", str(port).encode())]
+        path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        query = (scope.get("query_string") or b"").decode("latin-1")
+        target_url = node.url + path + (f"?{query}" if query else "")
         if scope["type"] == "websocket":
-            await self._websocket(routed, receive, send, sandbox_id, host, node_port)
+            await self._websocket(scope, receive, send, target_url, headers)
         else:
-            await self._http(routed, receive, send, sandbox_id, host, node_port)
+            await self._forward_http(scope, receive, send, target_url, headers, node.node_id)
+
+    async def _forward_http(self, scope: Scope, receive: Receive, send: Send, url: str,
+                            headers: list[tuple[bytes, bytes]], node_id: str) -> None:
+        names = {k.lower() for k, _ in scope["headers"]}
+        has_body = b"content-length" in names or b"transfer-encoding" in names
+        body_read = asyncio.Event()
+        if not has_body:
+            body_read.set()
+        request = self._http.build_request(
+            scope["method"], url, headers=headers,
+            content=_body(receive, body_read) if has_body else None)
+        try:
+            upstream = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            await _reply(scope, send, 502, f"node {node_id} did not answer: {exc}")
+            return
+        try:
+            await send({"type": "http.response.start", "status": upstream.status_code,
+                        "headers": [(k, v) for k, v in upstream.headers.raw
+                                    if k.decode("latin-1").lower() not in _RELAY_DROP_RESPONSE]})
+            relay = asyncio.ensure_future(_relay_body(upstream, send))
+            hangup = asyncio.ensure_future(_hung_up(receive, body_read))
+            await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            hangup.cancel()
+            if not relay.done():  # the client left: so does the request to the node
+                relay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
+                return
+            relay.result()
+        except httpx.HTTPError as exc:
+            log.info("relay from node %s ended early: %s", node_id, exc)
+        finally:
+            await upstream.aclose()
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, url: str,
+                         headers: list[tuple[bytes, bytes]]) -> None:
+        first = await receive()
+        if first["type"] != "websocket.connect":
+            return
+        skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                "sec-websocket-protocol"}
+        extra = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                 if k.decode("latin-1").lower() not in skip]
+        try:
+            upstream = await ws_connect("ws" + url[len("http"):], additional_headers=extra,
+                                        subprotocols=scope.get("subprotocols") or None,
+                                        open_timeout=10, max_size=None, proxy=None)
+        except websockets.InvalidStatus as exc:
+            await send({"type": "websocket.close", "code": 1011,
+                        "reason": f"node refused: HTTP {exc.response.status_code}"})
+            return
+        except (OSError, websockets.InvalidHandshake, TimeoutError) as exc:
+            await send({"type": "websocket.close", "code": 1011, "reason": str(exc)[:120]})
+            return
+        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+        async def client_to_node() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "websocket.disconnect":
+                    await upstream.close()
+                    return
+                if msg.get("bytes") is not None:
+                    await upstream.send(msg["bytes"])
+                elif msg.get("text") is not None:
+                    await upstream.send(msg["text"])
+
+        async def node_to_client() -> None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                async for data in upstream:
+                    key = "bytes" if isinstance(data, bytes) else "text"
+                    await send({"type": "websocket.send", key: data})
+            with contextlib.suppress(Exception):
+                await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+
+        tasks = [asyncio.create_task(client_to_node()), asyncio.create_task(node_to_client())]
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        await upstream.close()
 
 
 def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,

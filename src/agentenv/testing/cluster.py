@@ -192,6 +192,8 @@ class Cluster:
 
     def add_node(self, k: int) -> ClusterNode:
         ns, link = self.netns(k), self.link(k)
+        _ip("link", "del", link, check=False)  # leftovers of a crashed run, ours by name
+        _ip("netns", "del", ns, check=False)
         _ip("netns", "add", ns)
         _ip("link", "add", link, "type", "veth", "peer", "name", "up0", "netns", ns)
         _ip("addr", "add", f"10.{self.link_net}.{k}.1/24", "dev", link)
@@ -199,6 +201,9 @@ class Cluster:
         _ip("link", "set", "lo", "up", netns=ns)
         _ip("addr", "add", f"{self.node_address(k)}/24", "dev", "up0", netns=ns)
         _ip("link", "set", "up0", "up", netns=ns)
+        # Peers reach each other through the root netns (it forwards).
+        _ip("route", "add", f"10.{self.link_net}.0.0/16", "via", f"10.{self.link_net}.{k}.1",
+            netns=ns)
         home = self.root / f"node{k}"
         self._write_key(home)
         node = ClusterNode(
@@ -213,6 +218,21 @@ class Cluster:
         node.start()
         self.nodes.append(node)
         return node
+
+    def warm(self, template: str = "base", wait: float = 120) -> None:
+        """Creates on each node until it reports the template's image cached (building
+        an image takes a slot, which would skew capacity and placement)."""
+        end = time.monotonic() + wait
+        with self.client(self.scheduler_url) as sched:
+            for k, node in enumerate(self.nodes, 1):
+                with self.client(node.url) as c:
+                    while template not in sched.get(f"/nodes/node-{k}").json()["templates"]:
+                        if time.monotonic() > end:
+                            raise RuntimeError(f"node-{k} did not cache template {template}")
+                        r = c.post("/sandboxes", json={"templateID": template, "timeout": 60})
+                        r.raise_for_status()
+                        c.delete(f"/sandboxes/{r.json()['sandboxID']}")
+                        time.sleep(self.heartbeat_ms / 1000 * 2)
 
     def node(self, node_id: str) -> ClusterNode:
         return self.nodes[int(node_id.rsplit("-", 1)[1]) - 1]

@@ -1,0 +1,290 @@
+"""A real cluster on one machine: redis-server, `aenv scheduler`, `aenv gateway` and
+three node servers, each in its own network namespace, with one shared snapshot
+repository. The e2b SDK talks to the gateway exactly as it talks to a node.
+
+Tests run in file order: the last ones cut a node's link and kill a node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox
+from websockets.sync.client import connect as ws_connect
+
+from agentenv.cluster import NodeStatus, PlacementRequest, place
+from agentenv.snapshot import Manifest
+from agentenv.snapshot.manifest import ZERO
+from agentenv.testing.cluster import Cluster
+from sandbox_helpers import COUNTER, counting, start_ws_echo, wait_port
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"), f"{os.getpid() % 1296:x}"[:3], nodes=3,
+                AENV_PEER_TRANSFER="1")
+    try:
+        c.start()
+        c.warm()
+        saved = {k: os.environ.get(k) for k in c.e2b_env()}
+        os.environ.update(c.e2b_env())
+        yield c
+    finally:
+        for k, v in locals().get("saved", {}).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        left = c.stop()
+    assert not left, f"cluster left behind: {left}"
+
+
+@pytest.fixture
+def api(cluster: Cluster) -> Iterator[httpx.Client]:
+    with cluster.client() as client:
+        yield client
+
+
+def owner(cluster: Cluster, sandbox_id: str) -> str:
+    with cluster.client(cluster.scheduler_url) as c:
+        return c.get(f"/sandboxes/{sandbox_id}").json()["node"]
+
+
+def kill_all(api: httpx.Client) -> None:
+    for sbx in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
+        api.delete(f"/sandboxes/{sbx['sandboxID']}")
+
+
+def test_auth_and_errors_are_the_nodes(api: httpx.Client, cluster: Cluster) -> None:
+    r = httpx.get(cluster.gateway_url + "/sandboxes", headers={"X-API-Key": "wrong"})
+    assert r.status_code == 401 and r.json()["code"] == 401
+    r = api.get("/sandboxes/doesnotexist")
+    assert r.status_code == 404 and "not found" in r.json()["message"]
+    r = api.post("/sandboxes", json={"templateID": "no-such-template"})
+    assert r.status_code == 404 and "no-such-template" in r.json()["message"]
+    assert api.get("/templates").status_code == 200  # any node answers the rest
+
+
+def test_e2b_sdk_through_the_gateway(cluster: Cluster, api: httpx.Client) -> None:
+    sandboxes = [Sandbox.create(template="base", timeout=120) for _ in range(4)]
+    try:
+        nodes = {owner(cluster, s.sandbox_id) for s in sandboxes}
+        assert len(nodes) >= 2, f"4 creates on 3 idle nodes all went to {nodes}"
+        sbx = sandboxes[0]
+        assert sbx.commands.run("echo hi from $(hostname)").stdout.startswith("hi from")
+        sbx.files.write("/home/user/note.txt", "cluster")
+        assert sbx.files.read("/home/user/note.txt") == "cluster"
+        # Listing spans every node, page by page.
+        seen, token = [], None
+        while True:
+            params = {"limit": 3, **({"nextToken": token} if token else {})}
+            r = api.get("/v2/sandboxes", params=params)
+            seen += [i["sandboxID"] for i in r.json()]
+            token = r.headers.get("x-next-token")
+            if not token:
+                break
+        assert sorted(seen) == sorted(s.sandbox_id for s in sandboxes)
+        paginator = Sandbox.list(limit=2)
+        listed = []
+        while paginator.has_next:
+            listed += [i.sandbox_id for i in paginator.next_items()]
+        assert sorted(listed) == sorted(seen)
+        assert {i["sandboxID"] for i in api.get("/sandboxes").json()} == set(seen)
+    finally:
+        for s in sandboxes:
+            s.kill()
+    assert api.get("/v2/sandboxes").json() == []
+
+
+def test_ports_by_host_and_headers_http_and_websocket(cluster: Cluster) -> None:
+    sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        sbx.files.write("/home/user/www/index.html", "via the gateway\n")
+        sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
+        wait_port(sbx, 8080)
+        start_ws_echo(sbx)
+        host = f"{sbx.get_host(8080)}:{cluster.gateway_port}"
+        r = httpx.get(cluster.gateway_url + "/index.html", headers={"Host": host})
+        assert r.status_code == 200 and r.text == "via the gateway\n"
+        r = httpx.get(cluster.gateway_url + "/index.html",
+                      headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"})
+        assert r.status_code == 200 and r.text == "via the gateway\n"
+        for uri, headers in (
+            (f"ws://{sbx.get_host(8765)}:{cluster.gateway_port}/", {}),
+            (f"ws://127.0.0.1:{cluster.gateway_port}/",
+             {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8765"}),
+        ):
+            sock = socket.create_connection(("127.0.0.1", cluster.gateway_port))
+            with ws_connect(uri, sock=sock, additional_headers=headers, open_timeout=10) as ws:
+                for message in ("hello", "x" * 100_000):
+                    ws.send(message)
+                    assert ws.recv(timeout=10) == message
+        r = httpx.get(cluster.gateway_url + "/",
+                      headers={"E2b-Sandbox-Id": "nosuchsandbox", "E2b-Sandbox-Port": "80"})
+        assert r.status_code == 502 and "not found" in r.json()["message"]
+    finally:
+        sbx.kill()
+
+
+def _node(nid: str, load: int, capacity: int = 4, **kw) -> NodeStatus:
+    return NodeStatus(node_id=nid, url=f"http://{nid}", capacity=capacity, load=load,
+                      free_memory_mb=kw.pop("free", 4096), runtime_kind=kw.pop("kind", "gvisor"),
+                      runtime_version="1", **kw)
+
+
+def test_placement_rules() -> None:
+    nodes = [_node("a", 1), _node("b", 0), _node("c", 0, state="down"),
+             _node("d", 0, health="draining"), _node("e", 0, kind="vm"),
+             _node("f", 0, free=10), _node("g", 4)]
+    # health, liveness, runtime, memory and capacity filter; then least loaded
+    assert [n.node_id for n in place(nodes, PlacementRequest(runtime_kind="gvisor"))] == ["b"]
+    # a warm cache wins over load
+    nodes = [_node("a", 2, snapshots=["s1"]), _node("b", 0)]
+    assert place(nodes, PlacementRequest(snapshot="s1"))[0].node_id == "a"
+    # several picks count each other and stop at capacity
+    nodes = [_node("a", 0, capacity=2), _node("b", 1, capacity=2)]
+    assert [n.node_id for n in place(nodes, PlacementRequest(count=5))] == ["a", "a", "b"]
+
+
+def test_capacity_is_respected_across_the_cluster(cluster: Cluster, api: httpx.Client) -> None:
+    """Every node takes max_sandboxes (3) at most; a full cluster says so clearly."""
+    with cluster.client(cluster.nodes[0].url) as node1:  # fill node 1 directly
+        direct = [node1.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+                  for _ in range(3)]
+    try:
+        time.sleep(cluster.heartbeat_ms / 1000 * 3)
+        created = [api.post("/sandboxes", json={"templateID": "base"}) for _ in range(2)]
+        assert [r.status_code for r in created] == [201, 201]
+        assert "node-1" not in {owner(cluster, r.json()["sandboxID"]) for r in created}
+        # the gateway learned of node 1's own sandboxes from its heartbeats
+        assert {owner(cluster, sid) for sid in direct} == {"node-1"}
+        assert api.get(f"/sandboxes/{direct[0]}").json()["sandboxID"] == direct[0]
+    finally:
+        kill_all(api)
+
+
+def test_fork_places_children_on_other_nodes(cluster: Cluster, api: httpx.Client) -> None:
+    src = Sandbox.create(template="base", timeout=120)
+    try:
+        src.files.write("/home/user/state.txt", "before the fork")
+        r = api.post(f"/sandboxes/{src.sandbox_id}/fork", json={"count": 4, "timeout": 60})
+        assert r.status_code == 201, r.text
+        results = r.json()
+        assert all("sandbox" in x for x in results), results
+        children = [x["sandbox"]["sandboxID"] for x in results]
+        homes = {owner(cluster, c) for c in children}
+        assert len(homes) >= 2, homes  # the source's node has room for 2 of the 4
+        for cid in children:
+            child = Sandbox.connect(cid)
+            assert child.files.read("/home/user/state.txt") == "before the fork"
+        # the snapshot that carried them across is gone again
+        assert api.get("/snapshots").json() == []
+    finally:
+        kill_all(api)
+
+
+def test_peer_transfer_is_digest_verified(cluster: Cluster, api: httpx.Client) -> None:
+    sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        sbx.files.write("/home/user/peer.txt", "from a peer")
+        home = owner(cluster, sbx.sandbox_id)
+        others = [n for k, n in enumerate(cluster.nodes, 1) if f"node-{k}" != home]
+        for attempt, target in enumerate(others):
+            snap = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={}).json()
+            source = cluster.node(home)
+            if attempt == 1:
+                _corrupt_cached(cluster, source.home, snap["snapshotID"])
+            time.sleep(cluster.heartbeat_ms / 1000 * 3)  # peers learn who caches it
+            with cluster.client(target.url) as direct:
+                before = direct.get("/cluster/status").json()["peer"]
+                r = direct.post("/sandboxes", json={"templateID": snap["snapshotID"]})
+                assert r.status_code == 201, r.text
+                after = direct.get("/cluster/status").json()["peer"]
+                child = Sandbox.connect(r.json()["sandboxID"])
+                assert child.files.read("/home/user/peer.txt") == "from a peer"
+            assert after["peer_chunks"] > before["peer_chunks"]
+            if attempt == 1:  # the corrupted chunk was refused and fetched from the repository
+                assert after["peer_rejected"] > before["peer_rejected"]
+                assert after["repository_chunks"] > before["repository_chunks"]
+            api.delete(f"/snapshots/{snap['snapshotID']}")
+    finally:
+        kill_all(api)
+
+
+def _corrupt_cached(cluster: Cluster, home: Path, snapshot_id: str) -> None:
+    """Flip the bytes of one stored (non-zero) chunk in a node's cached copy."""
+    manifest = Manifest.from_json((cluster.repo / "manifests" / f"{snapshot_id}.json")
+                                  .read_bytes())
+    rel, entry = max(manifest.files.items(), key=lambda kv: kv[1].size)
+    offset = 0
+    for digest, size in entry.chunks:
+        if digest != ZERO:
+            break
+        offset += size
+    path = home / "cache" / "snapshots" / snapshot_id / rel
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(min(size, 4096))
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_cut_link_marks_node_down_and_it_rejoins(cluster: Cluster, api: httpx.Client) -> None:
+    cluster.cut_link(3)
+    try:
+        took = cluster.wait_state(3, "down")
+        assert took < cluster.node_ttl_ms / 1000 + 3
+        created = [api.post("/sandboxes", json={"templateID": "base"}) for _ in range(3)]
+        assert all(r.status_code == 201 for r in created), [r.text for r in created]
+        assert "node-3" not in {owner(cluster, r.json()["sandboxID"]) for r in created}
+    finally:
+        cluster.restore_link(3)
+    cluster.wait_state(3, "up")
+    kill_all(api)
+    assert api.post("/sandboxes", json={"templateID": "base"}).status_code == 201
+    kill_all(api)
+
+
+def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
+                                                     api: httpx.Client) -> None:
+    sbx = Sandbox.create(template="base", timeout=300)
+    sbx.files.write("/home/user/kept.txt", "survives its node")
+    sbx.commands.run(COUNTER, background=True)
+    assert counting(sbx)
+    home = owner(cluster, sbx.sandbox_id)
+    # a running sandbox on the same node: it dies with it
+    with cluster.client(cluster.node(home).url) as direct:
+        doomed = direct.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+    with cluster.client(cluster.scheduler_url) as sched:
+        for _ in range(200):
+            entry = sched.get(f"/sandboxes/{sbx.sandbox_id}").json()
+            doomed_known = sched.get(f"/sandboxes/{doomed}").status_code == 200
+            if entry["committed"] and doomed_known:
+                break
+            time.sleep(0.1)
+        assert entry["committed"] and entry["state"] == "paused", entry
+    k = int(home.rsplit("-", 1)[1])
+    cluster.node(home).kill9()
+    cluster.wait_state(k, "down")
+    # the running one is reported lost, clearly
+    r = api.get(f"/sandboxes/{doomed}")
+    assert r.status_code == 410, r.text
+    assert home in r.json()["message"] and "down" in r.json()["message"]
+    assert api.post(f"/sandboxes/{doomed}/pause").status_code == 410
+    # the paused one resumes on another node, state and processes intact
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
+    new_home = owner(cluster, sbx.sandbox_id)
+    assert new_home != home
+    assert resumed.files.read("/home/user/kept.txt") == "survives its node"
+    assert counting(resumed)
+    assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+    resumed.kill()
+    assert api.delete(f"/sandboxes/{doomed}").status_code == 204
+    assert api.get(f"/sandboxes/{doomed}").status_code == 404
