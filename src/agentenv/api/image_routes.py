@@ -1,10 +1,11 @@
 """Pulled images (our extension of the E2B API): pull an image as a template, list, delete.
 
 ``POST /images`` answers with NDJSON progress lines (per layer bytes) ending in
-``{"status": "done", "template": ...}``. Errors found before the first byte is
-sent (bad reference, image not found, registry unreachable, hostile input, cache
-too small) are plain JSON errors with their status; later ones end the stream
-with ``{"status": "error", "code": ..., "message": ...}``.
+``{"status": "done", "template": ...}``. The answer waits for the image to
+resolve and up to ``HOLD_S`` more, so that errors found by then (bad reference,
+image not found, registry unreachable, hostile input, cache too small) are
+plain JSON errors with their status; later ones end the stream with
+``{"status": "error", "code": ..., "message": ...}``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .errors import error_response
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+HOLD_S = 2.0
 
 
 class Credentials(BaseModel):
@@ -65,18 +67,24 @@ async def pull_image(request: Request, body: PullRequest) -> Response:
             loop.call_soon_threadsafe(events.put_nowait, exc)
 
     worker = asyncio.create_task(asyncio.to_thread(run))
-    # Hold the answer until the image is resolved: its errors get a real status.
+    # Hold the answer until the image is resolved and for a short grace after: the
+    # errors of a bad reference, a missing image or a small hostile one get a real
+    # status; a long pull streams its progress.
     first: list[dict] = []
+    deadline = loop.time() + HOLD_S
     while True:
-        item = await events.get()
+        try:
+            timeout = None if not first or first[-1].get("status") == "resolving" \
+                else max(0.0, deadline - loop.time())
+            item = await asyncio.wait_for(events.get(), timeout)
+        except TimeoutError:
+            break
         if isinstance(item, BaseException):
             await worker
             return _error(item)
         if item is None:
             break
         first.append(item)
-        if item.get("status") != "resolving":
-            break
 
     async def stream() -> AsyncIterator[bytes]:
         try:

@@ -158,5 +158,9 @@ from .templates import template_app  # noqa: E402
 
 app.add_typer(template_app, name="template")
 
+from .pull import pull as _pull  # noqa: E402
+
+app.command("pull")(_pull)
+
 if __name__ == "__main__":
     app(prog_name="aenv")
