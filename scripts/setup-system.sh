@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the host packages agentenv needs: runsc from bookworm-backports,
-# iptables, mmdebstrap (base template), redis (cluster tests).
+# iptables, mmdebstrap (base template), redis (cluster tests), docker-registry
+# (image tests).
 # Idempotent: does nothing when everything is already present.
 set -euo pipefail
 
@@ -11,6 +12,8 @@ command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v ip >/dev/null || need+=(iproute2)
 dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
+# An OCI registry (distribution) the image tests run on loopback.
+command -v docker-registry >/dev/null || need+=(docker-registry)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -39,5 +42,8 @@ fi
 # The redis package starts a system service; tests start their own servers.
 if command -v systemctl >/dev/null && systemctl is-active -q redis-server 2>/dev/null; then
   systemctl disable --now redis-server >/dev/null 2>&1 || true
+fi
+if command -v systemctl >/dev/null && systemctl is-active -q docker-registry 2>/dev/null; then
+  systemctl disable --now docker-registry >/dev/null 2>&1 || true
 fi
 echo "setup-system: installed ${need[*]}"
