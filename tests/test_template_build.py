@@ -60,6 +60,8 @@ def test_sdk_builds_a_template_that_sandboxes_start_from(
     (ctx / "app" / "server.py").write_text(SERVER)
     (ctx / "app" / "static" / "page.html").write_text("<p>static</p>\n")
     (ctx / "notes.txt").write_text("some notes\n")
+    (ctx / "tools").mkdir()
+    (ctx / "tools" / "hello-tool").write_text("#!/bin/sh\necho tool says $GREETING\n")
     name = _name("sdk")
 
     def template(greeting: str):
@@ -67,17 +69,19 @@ def test_sdk_builds_a_template_that_sandboxes_start_from(
                 .run_cmd("echo build-step-as-$(whoami)")
                 .copy("app", "/home/user/app/")
                 .copy("notes.txt", "/opt/notes.txt", mode=0o640)
-                .set_envs({"GREETING": greeting})
+                .copy("tools", "/opt/tools/", mode=0o755)
+                # As in Docker, $PATH is the PATH before this step.
+                .set_envs({"GREETING": greeting, "PATH": "/opt/tools:$PATH"})
                 .set_workdir("/home/user/app")
-                .run_cmd("echo $GREETING > greeting.txt")
+                .run_cmd("echo $GREETING > greeting.txt && hello-tool")
                 .set_start_cmd("python3 server.py", wait_for_port(8000)))
 
     logs: list = []
     info = Template.build(template("hello-one"), name, on_build_logs=logs.append)
     messages = [e.message for e in logs]
     # The build's log streamed: the step header, the command's own output, the end.
-    assert "[1/6] RUN echo build-step-as-$(whoami)" in messages, messages
-    assert "build-step-as-user" in messages
+    assert "[1/7] RUN echo build-step-as-$(whoami)" in messages, messages
+    assert "build-step-as-user" in messages and "tool says hello-one" in messages
     assert any("is ready" in m for m in messages)
     assert not _build_sandboxes(api)
 
@@ -93,6 +97,8 @@ def test_sdk_builds_a_template_that_sandboxes_start_from(
         assert out.split("\n")[:5] == ["user", "/home/user/app", "hello-one", "hello-one",
                                        "<p>static</p>"], out
         assert "user 640" in out and "some notes" in out
+        path = sb.commands.run("hello-tool; echo $PATH").stdout.split("\n")
+        assert path[0] == "tool says hello-one" and path[1].startswith("/opt/tools:/usr/"), path
         # Envs given at create add to the template's.
         other = Sandbox.create(name, envs={"EXTRA": "x"})
         try:

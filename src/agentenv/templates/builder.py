@@ -401,7 +401,7 @@ class TemplateBuilder:
         if kind == "ENV":
             if len(args) % 2:
                 raise StepFailed(f"step {name}: ENV needs key/value pairs", name)
-            state.envs.update(zip(args[::2], args[1::2], strict=True))
+            await self._env(build, record, state, args, name)
         elif kind == "WORKDIR":
             path = args[0] if args else ""
             path = path if path.startswith("/") else os.path.join(state.workdir or "/", path)
@@ -425,6 +425,34 @@ class TemplateBuilder:
             await self._shell(build, record, state, name, user, args[0], "RUN")
         elif kind == "COPY":
             await self._copy(build, record, state, step, args, name)
+
+    async def _env(self, build: Build, record, state: BuildState, args: list[str],
+                   step: str) -> None:
+        """ENV, as Docker does it: ``$VAR`` / ``${VAR}`` in values are what the build's
+        shells see before this step (so ``PATH=/opt/bin:$PATH`` works)."""
+        pairs = list(zip(args[::2], args[1::2], strict=True))
+        if any("$" in value for _, value in pairs):
+            current = await self._capture(record, state, "env -0")
+            seen = dict(kv.split("=", 1) for kv in current.split("\0") if "=" in kv)
+            pairs = [(k, expand(v, seen)) for k, v in pairs]
+        state.envs.update(pairs)
+        if any(k == "PATH" for k, _ in pairs):
+            # Login shells (commands run as `bash -l -c`) reset PATH in /etc/profile;
+            # the profile.d scripts it then reads set it back.
+            line = f"export PATH={shlex.quote(state.envs['PATH'])}"
+            await self._shell(build, record, state, step, "root",
+                              f"[ ! -d /etc/profile.d ] || printf '%s\\n' {shlex.quote(line)} "
+                              f"> /etc/profile.d/00-aenv-template-path.sh", "ENV")
+
+    async def _capture(self, record, state: BuildState, command: str) -> str:
+        out: list[bytes] = []
+        code = await self.manager.envd.run_logged(
+            record.slot_address, record.envd_token, command,
+            lambda stream, data: out.append(data) if stream == "stdout" else None,
+            user=state.user, cwd=state.workdir, envs=state.envs)
+        if code != 0:
+            raise StepFailed(f"reading the build's environment failed ({code})", "base")
+        return b"".join(out).decode(errors="replace")
 
     async def _shell(self, build: Build, record, state: BuildState, step: str, user: str,
                      command: str, what: str) -> None:
@@ -584,6 +612,25 @@ class _LineLog:
         line = line.rstrip("\r")
         self.emit(line)
         self.tail = [*self.tail[-(REASON_LOG_LINES - 1):], line]
+
+
+_VAR = re.compile(r"\\\$|\$(?:\{(\w+)(?::([-+])([^}]*))?\}|(\w+))")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Docker's ENV substitution: $VAR, ${VAR}, ${VAR:-default}, ${VAR:+alt}, \\$."""
+    def one(m: re.Match) -> str:
+        if m.group(0) == "\\$":
+            return "$"
+        name = m.group(1) or m.group(4)
+        got = env.get(name, "")
+        if m.group(2) == "-":
+            return got or m.group(3)
+        if m.group(2) == "+":
+            return m.group(3) if got else ""
+        return got
+
+    return _VAR.sub(one, value)
 
 
 def _copy_script(inside: str, gz: bool, src: str, dest: str, owner: str, mode: str) -> str:
