@@ -6,7 +6,7 @@ AENV_HOME ?= /var/lib/aenv
 export AENV_HOME
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 
-.PHONY: setup system venv template js run test bench lint clean-state
+.PHONY: setup system venv template js run run-cluster test bench lint clean-state
 
 setup: system venv template
 
@@ -34,6 +34,10 @@ tests/js/node_modules/.package-lock.json: tests/js/package.json tests/js/package
 
 run: setup
 	$(VENV)/bin/aenv server
+
+# Clustered on one machine: redis, scheduler :9090, gateway :8080, a node :8000.
+run-cluster: setup
+	@bash deploy/run-cluster.sh
 
 test: setup js
 	$(VENV)/bin/ruff check src tests bench
