@@ -128,6 +128,18 @@ def test_sdk_builds_a_template_that_sandboxes_start_from(
     finally:
         sb.kill()
 
+    # A template built on the built one starts from all it holds, service included.
+    child = Template.build(Template().from_template(name).run_cmd("cat greeting.txt"),
+                           f"{name}-child")
+    sb = Sandbox.create(f"{name}-child")
+    try:
+        assert sb.commands.run("cat greeting.txt; echo $GREETING").stdout == \
+            "hello-two\nhello-two\n"
+        assert _proxied(node, sb.sandbox_id, 8000).text.startswith("hello-two pid=")
+    finally:
+        sb.kill()
+    assert api.delete(f"/templates/{child.template_id}").status_code == 204
+
     snapshot = _snapshot_of(node, info.template_id)
     assert api.delete(f"/templates/{name}").status_code == 204
     assert api.get(f"/templates/{info.template_id}").status_code == 404

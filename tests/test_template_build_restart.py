@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Template
+from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 
 from agentenv.testing import Node, leaks
@@ -27,6 +27,8 @@ def test_crash_fails_the_build_and_ready_check_times_out(tmp_path: Path) -> None
     node.start()
     try:
         api = {"api_key": node.api_key, "api_url": node.url}
+        small = Template().from_template("base").run_cmd("echo kept > /home/user/kept.txt")
+        built = Template.build(small, "xbt-kept", cpu_count=1, memory_mb=768, **api)
         slow = Template().from_template("base").run_cmd("echo working; sleep 600")
         info = Template.build_in_background(slow, "xbt-crash", **api)
         with node.client() as c:
@@ -42,6 +44,16 @@ def test_crash_fails_the_build_and_ready_check_times_out(tmp_path: Path) -> None
             assert status["status"] == "error"
             assert "interrupted by a node restart" in status["reason"]["message"]
             assert c.get("/sandboxes").json() == []
+            # What was built before the crash is still there, with its resources.
+            meta = c.get(f"/templates/{built.template_id}").json()
+            assert (meta["cpuCount"], meta["memoryMB"]) == (1, 768)
+            sbx = Sandbox.create("xbt-kept", sandbox_url=node.url, **api)
+            try:
+                assert sbx.commands.run("cat /home/user/kept.txt").stdout == "kept\n"
+                info = sbx.get_info()
+                assert (info.cpu_count, info.memory_mb) == (1, 768)
+            finally:
+                sbx.kill()
 
             never = (Template().from_template("base")
                      .set_start_cmd("sleep 1000", "test -f /tmp/never-there"))
