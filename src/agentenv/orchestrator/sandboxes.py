@@ -147,6 +147,9 @@ class SandboxManager:
 
     async def _reconcile(self) -> None:
         """Adopt sandboxes that survived a server crash; remove everything else."""
+        # What a killed predecessor left the runtime doing finishes first: a
+        # half-done pause capture stops its sandbox when it completes.
+        await self.runtime.settle(120)
         alive = await self.runtime.list()
         keep: dict[str, SandboxRecord] = {}
         for record in self.store.all():
@@ -169,6 +172,7 @@ class SandboxManager:
         await self.slots.start({r.slot_index: r.internet for r in keep.values()
                                 if r.state is SandboxState.RUNNING})
         self._records = keep
+        await asyncio.to_thread(self._remove_stale_captures, keep)
         for record in keep.values():
             held = self.slots.held(record.slot_index) if record.slot_index else None
             if held is not None:
@@ -181,6 +185,31 @@ class SandboxManager:
             log.info("reconcile: adopted %s sandbox %s", record.state, record.sandbox_id)
             if record.state is SandboxState.PAUSED:
                 self._recommit_if_staged(record)
+
+    def _remove_stale_captures(self, keep: dict[str, SandboxRecord]) -> None:
+        """Captures a crash interrupted: fork images, and staged snapshots that no
+        paused sandbox's pending commit needs (a snapshot or pause whose capture or
+        commit died with the node; the repository's collector takes their chunks)."""
+        images = self.config.run_dir / "images"
+        if images.is_dir():
+            for leftover in images.iterdir():
+                log.info("reconcile: removing fork image %s", leftover.name)
+                shutil.rmtree(leftover, ignore_errors=True)
+        pending = {r.snapshot_id for r in keep.values()
+                   if r.state is SandboxState.PAUSED and r.snapshot_id}
+        staging = self.snapshots.staging_dir
+        if not staging.is_dir():
+            return
+        for entry in staging.iterdir():
+            snapshot_id = entry.name.removesuffix(".meta.json")
+            has_meta = (staging / f"{snapshot_id}.meta.json").is_file()
+            if snapshot_id in pending and has_meta:
+                continue
+            log.info("reconcile: removing interrupted capture %s", entry.name)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
     # -- queries --------------------------------------------------------------
 

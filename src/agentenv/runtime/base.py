@@ -66,5 +66,9 @@ class Runtime(Protocol):
     async def housekeeping(self) -> None:
         """Periodic upkeep (the orchestrator calls it about once a second)."""
 
+    async def settle(self, wait_s: float) -> int:
+        """At start: wait for engine commands a previous node process left running
+        (their outcome decides what each sandbox is); return how many there were."""
+
     async def reconcile(self, keep: set[str]) -> list[str]:
         """Destroy every sandbox and leftover not in ``keep``; return what was removed."""

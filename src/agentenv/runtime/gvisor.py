@@ -239,6 +239,42 @@ class GVisorRuntime:
             for i in items
         }
 
+    async def settle(self, wait_s: float = 120) -> int:
+        """Wait for runsc commands of this state directory that a killed node left
+        running: a `runsc checkpoint` goes on after its caller died and then stops
+        the sandbox, so the sandbox's state is known only once it is done. Those
+        still running after ``wait_s`` seconds are killed."""
+        pids = await asyncio.to_thread(self._orphan_commands)
+        end = time.monotonic() + wait_s
+        waiting = set(pids)
+        while waiting and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+            reap_runsc_orphans()
+            waiting = {p for p in waiting if _alive(p)}
+        for pid in waiting:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if pids:
+            log.info("waited for %d runsc commands left by a previous node process "
+                     "(%d killed)", len(pids), len(waiting))
+        return len(pids)
+
+    def _orphan_commands(self) -> list[int]:
+        """runsc CLI processes (not sandboxes or gofers, whose argv[0] differs) on our root."""
+        root = f"--root={self.state_dir}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if argv and os.path.basename(argv[0]) == b"runsc" and root in argv:
+                found.append(int(entry))
+        return found
+
     async def reconcile(self, keep: set[str]) -> list[str]:
         """Remove runsc sandboxes, bundle dirs and cgroups of sandboxes not in ``keep``."""
         removed = []
@@ -269,6 +305,16 @@ def _become_subreaper() -> None:
     pr_set_child_subreaper = 36
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is not: it has done its work)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
 def reap_runsc_orphans() -> None:
