@@ -37,6 +37,8 @@ class Config:
     max_timeout: int = 24 * 3600
     default_cpu_count: int = 2
     default_memory_mb: int = 512
+    # Disk quota of a sandbox's writable layer when its template names none.
+    default_disk_mb: int = 1024
     # Network slots: names start with this prefix; host addresses come from this /16.
     net_prefix: str = "aenv"
     net_pool_cidr: str = "10.11.0.0/16"

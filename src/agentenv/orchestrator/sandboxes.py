@@ -527,7 +527,10 @@ class SandboxManager:
             runtime_bundle=self._bundle,
             bundle_mount=BUNDLE_MOUNT,
             init_args=self._init_argv,
-            init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(memory_mb)},
+            init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(memory_mb),
+                      # envd's guard keeps the writable layer's quota (runsc has none).
+                      "AENV_DISK_LIMIT_MB": str(template.disk_size_mb
+                                                or self.config.default_disk_mb)},
         )
 
     # -- snapshots, pause, resume --------------------------------------------------

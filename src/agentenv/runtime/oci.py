@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .base import SandboxSpec
@@ -13,9 +14,33 @@ CAPABILITIES = [
     "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
     "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
 ]
-CPU_PERIOD_US = 100_000
-PIDS_LIMIT = 4096
+# A short CFS period: a throttled sandbox waits at most ~10 ms, not 100, so a
+# busy neighbour costs others little latency.
+CPU_PERIOD_US = 10_000
+# Kept free of any one sandbox (in cores): the node and other sandboxes always
+# get some CPU at once, however busy one sandbox is.
+CPU_RESERVE = 0.5
+CPU_SHARES_PER_CORE = 1024  # weight by size: fair between sandboxes under load
+PIDS_LIMIT = 4096  # host threads of the sandbox (the sentry's), not its processes
+# Processes per user inside the sandbox, per MiB of its memory (gVisor enforces
+# RLIMIT_NPROC; root inside has no CAP_SYS_RESOURCE): a fork bomb meets EAGAIN
+# before its processes outgrow the sandbox's memory (at 2 per MiB it took the
+# whole sandbox down; at 1 per 2 MiB the sandbox lives on).
+NPROC_PER_MIB = 0.5
+NPROC_MIN = 128
+
+
+def nproc_limit(memory_mb: int) -> int:
+    return max(NPROC_MIN, int(memory_mb * NPROC_PER_MIB))
 MIB = 1024 * 1024
+
+
+def cpu_quota_us(cpu_count: int, host_cpus: int | None = None) -> int:
+    """The sandbox's CPU time per period: its cores, less a reserve when that would be
+    the whole host."""
+    host = host_cpus or os.cpu_count() or 1
+    cores = min(float(cpu_count), max(0.5, host - CPU_RESERVE))
+    return int(cores * CPU_PERIOD_US)
 
 
 def host_memory_limit(memory_mb: int) -> int:
@@ -41,7 +66,9 @@ def build_spec(spec: SandboxSpec, cgroups_path: str) -> dict[str, Any]:
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1 << 20, "soft": 1 << 20}],
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1 << 20, "soft": 1 << 20},
+                        {"type": "RLIMIT_NPROC", "hard": nproc_limit(spec.memory_mb),
+                         "soft": nproc_limit(spec.memory_mb)}],
         },
         # Not read-only: runsc puts a private writable overlay over it, and the
         # template directory underneath is never written.
@@ -67,7 +94,8 @@ def build_spec(spec: SandboxSpec, cgroups_path: str) -> dict[str, Any]:
             ],
             "resources": {
                 "memory": {"limit": host_memory_limit(spec.memory_mb)},
-                "cpu": {"quota": spec.cpu_count * CPU_PERIOD_US, "period": CPU_PERIOD_US},
+                "cpu": {"quota": cpu_quota_us(spec.cpu_count), "period": CPU_PERIOD_US,
+                        "shares": CPU_SHARES_PER_CORE * max(1, spec.cpu_count)},
                 "pids": {"limit": PIDS_LIMIT},
             },
             "cgroupsPath": cgroups_path,
