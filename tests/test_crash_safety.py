@@ -304,3 +304,34 @@ def test_kill_during_snapshot_commit(node: Node, moment: str) -> None:
             assert r.status_code == 404, r.text
         _clean(api)
         assert _staging(node) == set(), _staging(node)
+
+
+def test_kill_during_template_build_snapshot(node: Node) -> None:
+    """The build's steps are done and its sandbox is being snapshotted when the node
+    dies: after the restart the build is failed (or, had it finished, ready and
+    usable), its sandbox is gone and no half-published template is left."""
+    from e2b import Template
+
+    staged = _staging(node)
+    spec = (Template().from_template("base")
+            .run_cmd("head -c 120M /dev/urandom > /tmp/ballast; printf built > /tmp/mark"))
+    info = Template.build_in_background(spec, "acs-crashy", api_key=node.api_key,
+                                        api_url=node.url)
+    _kill_when(node, lambda: bool(_staging(node) - staged), 0.2, "the build's snapshot")
+    with _restart(node) as api:
+        status = api.get(f"/templates/{info.template_id}/builds/{info.build_id}/status").json()
+        print(f"killed during a build's snapshot: the build is {status['status']}")
+        if status["status"] == "ready":
+            r = api.post("/sandboxes", json={"templateID": "acs-crashy"})
+            assert r.status_code == 201, r.text
+            assert _exec(node, api, r.json()["sandboxID"], "cat /tmp/mark") == "built"
+            _clean(api)
+        else:
+            assert status["status"] == "error", status
+            assert api.get("/templates/acs-crashy").status_code == 404
+            r = api.post("/sandboxes", json={"templateID": "acs-crashy"})
+            assert r.status_code == 404 and r.json()["code"] == 404, r.text
+        check_consistent(node, api, {})
+        assert _listed(api) == []
+        assert _staging(node) == set(), _staging(node)
+        api.delete("/templates/acs-crashy")
