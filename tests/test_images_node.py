@@ -136,9 +136,11 @@ def test_templates_start_within_budget(world: dict) -> None:
             "absent"
         with node.client() as api:
             r = api.delete("/images/img-a")
-            assert r.status_code == 409 and "in use" in r.json()["message"]
+            assert r.status_code == 409 and "in use" in r.json()["message"], r.text
         # Pause holds no layers; resume ensures them again.
         sandboxes["img-b"].beta_pause()
+        with node.client() as api:  # a paused sandbox resumes from its template
+            assert api.delete("/images/img-b").status_code == 409
         resumed = Sandbox.connect(sandboxes["img-b"].sandbox_id, timeout=120)
         assert resumed.commands.run("cat /opt/hello").stdout.strip() == "hello from img-b"
     finally:

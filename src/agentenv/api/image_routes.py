@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from ..images import ImageError, ImageService
+from ..templates import TemplateNotFound
 from .errors import error_response
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,18 @@ async def list_images(request: Request) -> dict:
 
 @router.delete("/images/{name}", status_code=204, response_model=None)
 async def delete_image(request: Request, name: str) -> Response:
+    """Not while any sandbox, running or paused, is of the template (a paused one
+    resumes from it); its layers go unless another template uses them."""
+    manager = request.app.state.manager
+    try:
+        template = manager.templates.get(name)
+    except TemplateNotFound:
+        template = None
+    if template is not None:
+        users = [r.sandbox_id for r in manager.list() if r.template_id == template.template_id]
+        if users:
+            return error_response(409, f"image template '{name}' is in use by {len(users)} "
+                                       f"sandbox(es) ({', '.join(users[:3])}); kill them first")
     try:
         await asyncio.to_thread(_service(request).delete, name)
     except ImageError as exc:
