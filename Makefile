@@ -6,7 +6,7 @@ AENV_HOME ?= /var/lib/aenv
 export AENV_HOME
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 
-.PHONY: setup system venv template js run run-cluster test bench lint clean-state
+.PHONY: setup system venv template js run run-cluster test bench soak lint clean-state
 
 setup: system venv template
 
@@ -45,6 +45,10 @@ test: setup js
 
 bench: setup
 	$(PY) bench/run.py
+
+# Ten minutes of sandboxes created and deleted in waves under load (not in `make test`).
+soak: setup
+	cd bench && ../$(PY) soak.py
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
