@@ -195,3 +195,28 @@ def test_cli_pull(world: dict) -> None:
     assert bad.returncode == 1 and "unreachable" in bad.stderr and "Traceback" not in bad.stderr
     with httpx.Client(base_url=node.url, headers={"X-API-Key": node.api_key}) as api:
         assert "small" in {i["name"] for i in api.get("/images").json()["images"]}
+
+
+def test_kill9_restart_keeps_used_mounts_and_cleans_the_rest(world: dict) -> None:
+    node = world["node"]
+    with node.client() as api:
+        used = api.post("/sandboxes", json={"templateID": "img-c", "timeout": 120}).json()
+        idle = api.post("/sandboxes", json={"templateID": "img-b", "timeout": 120}).json()
+        assert api.delete(f"/sandboxes/{idle['sandboxID']}").status_code == 204
+    mounts = node.home / "run" / "rootfs"
+    by_name = {i["name"]: i for i in images(node)["images"]}
+    used_mount = mounts / by_name["img-c"]["manifestDigest"].split(":")[1][:16]
+    idle_mount = mounts / by_name["img-b"]["manifestDigest"].split(":")[1][:16]
+    assert os.path.ismount(used_mount) and os.path.ismount(idle_mount)
+    half = node.home / "cache/images/tmp/deadbeef.crashed"
+    half.mkdir()
+    (half / "partial").write_bytes(b"x" * 4096)
+    node.kill9()
+    node.start()
+    # The sandbox that survived is adopted and still has its rootfs; the rest is gone.
+    assert os.path.ismount(used_mount)
+    assert not os.path.ismount(idle_mount)
+    assert not half.exists()
+    sbx = Sandbox.connect(used["sandboxID"])
+    assert sbx.commands.run("cat /opt/hello").stdout.strip() == "hello from img-c"
+    sbx.kill()
