@@ -252,3 +252,23 @@ def test_crash_leftovers_cleaned(tmp_path: Path, registry: RegistryServer) -> No
     finally:
         again.close()
         svc.close()
+
+
+def test_cancelled_pull_leaves_nothing(registry: RegistryServer, svc: ImageService,
+                                       tmp_path: Path) -> None:
+    import threading
+
+    from agentenv.images import PullCancelled
+
+    ref = registry.push("lib/cancel", "v1", build_image([big_layer(9, 8)], ["gzip"]))
+    cancel = threading.Event()
+
+    def progress(event: dict) -> None:
+        if event["status"] == "downloading":
+            cancel.set()  # as the API does when the client hangs up
+
+    with pytest.raises(PullCancelled):
+        svc.pull(ref, "cancelled", progress=progress, cancel=cancel)
+    assert list((tmp_path / "cache/tmp").iterdir()) == []
+    assert svc.store.stored() == {}
+    assert not (tmp_path / "local/cancelled").exists()
