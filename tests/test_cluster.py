@@ -285,6 +285,18 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
     assert resumed.files.read("/home/user/kept.txt") == "survives its node"
     assert counting(resumed)
     assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+    # the dead node comes back: it rejoins, and drops its stale record of the
+    # sandbox another node now runs (the sandbox is not claimed twice)
+    cluster.node(home).start()
+    cluster.wait_state(k, "up")
+    with cluster.client(cluster.node(home).url) as direct:
+        for _ in range(50):
+            if direct.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404:
+                break
+            time.sleep(0.1)
+        assert direct.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404
+    assert owner(cluster, sbx.sandbox_id) == new_home
+    assert resumed.commands.run("cat /home/user/kept.txt").stdout == "survives its node"
     resumed.kill()
     assert api.delete(f"/sandboxes/{doomed}").status_code == 204
     assert api.get(f"/sandboxes/{doomed}").status_code == 404

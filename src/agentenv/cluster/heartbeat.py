@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from ..orchestrator import SandboxState
+from ..snapshot import SnapshotError, SnapshotNotFound
 from .registry import NodeStatus, SandboxEntry
 
 if TYPE_CHECKING:
@@ -82,8 +83,24 @@ class Heartbeat:
         status = node_status(self.manager, self.advertise_url)
         r = await self._http.post(self.url, json=status.to_dict())
         r.raise_for_status()
+        for sandbox_id in r.json().get("disown", []):
+            self.manager.disown(sandbox_id)
+
+    async def _drop_moved(self) -> None:
+        """After a restart: paused sandboxes whose snapshot is gone from the repository
+        were resumed or killed on another node while this one was down."""
+        for record in list(self.manager.list()):
+            if record.state is not SandboxState.PAUSED or not record.snapshot_id:
+                continue
+            try:
+                await asyncio.to_thread(self.manager.snapshots.get, record.snapshot_id)
+            except SnapshotNotFound:
+                self.manager.disown(record.sandbox_id)
+            except SnapshotError:
+                return  # repository unreachable: decide another time
 
     async def _run(self) -> None:
+        await self._drop_moved()
         while True:
             try:
                 await self.beat()

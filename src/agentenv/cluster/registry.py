@@ -79,8 +79,10 @@ class Registry:
 
     # -- nodes ------------------------------------------------------------------
 
-    async def heartbeat(self, status: NodeStatus, ttl_ms: int) -> None:
-        """Record a heartbeat: the node is up for ``ttl_ms`` more, and owns what it lists."""
+    async def heartbeat(self, status: NodeStatus, ttl_ms: int) -> list[str]:
+        """Record a heartbeat: the node is up for ``ttl_ms`` more, and owns what it lists.
+        Returns the paused sandboxes it lists that another up node has taken over
+        (the node drops its stale records of them)."""
         status.state, status.last_seen, status.reserved = "up", time.time(), 0
         body = status.to_dict()
         body.pop("sandboxes")
@@ -96,16 +98,20 @@ class Registry:
         if reported:
             pipe.sadd(self._k("node-sbx", nid), *reported)
         await pipe.execute()
+        disown = []
         for entry in reported.values():
             owner = await self.redis.hget(self._k("sbx", entry.sandbox_id), "node")
             # A sandbox another live node has taken over stays with that node.
             if owner and owner != nid and await self.is_up(owner):
+                if entry.state == "paused":
+                    disown.append(entry.sandbox_id)
                 continue
             await self.set_sandbox(entry.sandbox_id, nid, entry.state, entry.snapshot_id,
                                    entry.committed)
         for sid in previous - set(reported):
             if await self.redis.hget(self._k("sbx", sid), "node") == nid:
                 await self.redis.delete(self._k("sbx", sid))
+        return disown
 
     async def is_up(self, node_id: str) -> bool:
         return bool(await self.redis.exists(self._k("alive", node_id)))

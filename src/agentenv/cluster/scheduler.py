@@ -79,18 +79,18 @@ def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) 
             raise ClusterError(503, f"redis unreachable: {exc}") from exc
         return {"status": "ok", "version": __version__}
 
-    @app.post("/nodes/heartbeat", status_code=204, dependencies=auth)
-    async def heartbeat(request: Request) -> Response:
+    @app.post("/nodes/heartbeat", dependencies=auth)
+    async def heartbeat(request: Request) -> dict[str, Any]:
         try:
             status = NodeStatus.from_dict(await request.json())
         except (TypeError, ValueError) as exc:
             raise ClusterError(400, f"invalid heartbeat: {exc}") from exc
         was = await registry.node(status.node_id)
-        await registry.heartbeat(status, node_ttl_ms)
+        disown = await registry.heartbeat(status, node_ttl_ms)
         if was is None or was.state == "down":
             log.info("node %s is up at %s (%d/%d sandboxes)", status.node_id, status.url,
                      status.load, status.capacity)
-        return Response(status_code=204)
+        return {"disown": disown}
 
     @app.get("/nodes", dependencies=auth)
     async def nodes(snapshot: str | None = None, state: str | None = None

@@ -745,6 +745,20 @@ class SandboxManager:
         return bool(sid) and sid not in self._commits and not (
             self.snapshots.staging_dir / f"{sid}.meta.json").is_file()
 
+    def disown(self, sandbox_id: str) -> bool:
+        """Drop the record of a paused sandbox another node has taken over; its
+        snapshot is that node's now, so it is left alone. False if not idle-paused."""
+        record = self._records.get(sandbox_id)
+        if record is None or record.state is not SandboxState.PAUSED \
+                or self._lock(sandbox_id).locked() or sandbox_id in self._releasing \
+                or not self.pause_committed(record):
+            return False
+        self.store.delete(sandbox_id)
+        self._records.pop(sandbox_id, None)
+        self._locks.pop(sandbox_id, None)
+        log.info("paused sandbox %s now lives on another node; record dropped", sandbox_id)
+        return True
+
     async def adopt_paused(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
         """Take over a paused sandbox whose node is gone, from its committed pause
         snapshot: the record is rebuilt from the snapshot's metadata, PAUSED, same ID
