@@ -2,10 +2,12 @@
 // tests/test_e2b_js.py): build with a COPY and a start command, then start a sandbox.
 import { test } from 'node:test'
 import assert from 'node:assert/strict'
+import { execFile } from 'node:child_process'
 import { mkdtempSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { randomUUID } from 'node:crypto'
+import { promisify } from 'node:util'
 import { BuildError, Sandbox, Template, waitForPort } from 'e2b'
 
 test('Template.build, then Sandbox.create of the built template', async () => {
@@ -38,4 +40,26 @@ test('Template.build, then Sandbox.create of the built template', async () => {
   const res = await fetch(`${process.env.E2B_API_URL}/templates/${info.templateId}`, {
     method: 'DELETE', headers: { 'X-API-Key': process.env.E2B_API_KEY } })
   assert.equal(res.status, 204)
+})
+
+test('e2b template create (the E2B CLI) builds a Dockerfile; e2b template delete', async () => {
+  const run = promisify(execFile)
+  const CLI = join(import.meta.dirname, 'node_modules', '@e2b', 'cli', 'dist', 'index.js')
+  const env = { ...process.env, HOME: mkdtempSync(join(tmpdir(), 'e2b-cli-')), NO_COLOR: '1' }
+  const dir = mkdtempSync(join(tmpdir(), 'aenv-js-df-'))
+  writeFileSync(join(dir, 'page.txt'), 'page from the cli context\n')
+  writeFileSync(join(dir, 'Dockerfile'),
+    'FROM e2bdev/base\nENV MODE=e2b-cli\nCOPY page.txt /srv/page.txt\nRUN cat /srv/page.txt\n')
+  const name = `xbt-e2bcli-${randomUUID().slice(0, 6)}`
+  await run(process.execPath, [CLI, 'template', 'create', name, '-p', dir],
+    { env, timeout: 120_000 })
+  const sbx = await Sandbox.create(name)
+  try {
+    const r = await sbx.commands.run('cat /srv/page.txt; echo $MODE')
+    assert.equal(r.stdout, 'page from the cli context\ne2b-cli\n')
+  } finally {
+    await sbx.kill()
+  }
+  await run(process.execPath, [CLI, 'template', 'delete', name, '-y'], { env, timeout: 60_000 })
+  await assert.rejects(Sandbox.create(name))
 })
