@@ -272,3 +272,15 @@ def test_cancelled_pull_leaves_nothing(registry: RegistryServer, svc: ImageServi
     assert list((tmp_path / "cache/tmp").iterdir()) == []
     assert svc.store.stored() == {}
     assert not (tmp_path / "local/cancelled").exists()
+
+
+def test_many_layers(tmp_path: Path, svc: ImageService) -> None:
+    """More layers than their names fit in one page of mount options."""
+    tars = [tar_layer([Entry(f"f{i:03d}", str(i).encode()), Entry("top", str(i).encode())])
+            for i in range(100)]
+    layout = write_oci_layout(tmp_path / "many", build_image(tars, ["zstd"] * 100))
+    svc.pull(f"oci-layout:{layout}", "many")
+    root = svc.ensure(svc.templates.get("many"))
+    assert (root / "top").read_text() == "99"  # the top layer wins
+    assert len([p for p in root.iterdir() if p.name.startswith("f")]) == 100
+    assert list((tmp_path / "cache/tmp").iterdir()) == []

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from .errors import ImageError
@@ -37,11 +39,22 @@ def mount_layers(target: Path, layers_dir: Path, hexes_bottom_up: list[str]) -> 
     if len(lowers) == 1:
         lowers.append(EMPTY)
     options = "ro,lowerdir=" + ":".join(lowers)
+    cwd, links = layers_dir, None
     if len(options) > MAX_OPTIONS:
-        raise ImageError(f"{len(hexes_bottom_up)} layers do not fit one overlay mount")
+        # Too many layers for their names: short symlinks to them, resolved by the
+        # mount itself and not needed after it.
+        links = Path(tempfile.mkdtemp(prefix="links.", dir=layers_dir.parent / "tmp"))
+        for i, name in enumerate(lowers):
+            os.symlink(layers_dir / name, links / f"{i:x}")
+        options = "ro,lowerdir=" + ":".join(f"{i:x}" for i in range(len(lowers)))
+        cwd = links
     target.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(target)],
-                          cwd=layers_dir, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(target)],
+                              cwd=cwd, capture_output=True, text=True)
+    finally:
+        if links is not None:
+            shutil.rmtree(links, ignore_errors=True)
     if proc.returncode != 0:
         raise ImageError(f"overlay mount of {target.name} failed: {proc.stderr.strip()}")
 
