@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -94,3 +96,28 @@ def test_build_errors_are_one_line(env: dict[str, str], tmp_path: Path) -> None:
     assert "invalid template name" in one_line_error(r)
     r = aenv(env, "template", "build", "-f", str(tmp_path / "missing"), ok=False)
     assert r.returncode == 2  # usage error from the option check
+
+
+def test_ctrl_c_cancels_the_build(node: Node, env: dict[str, str], tmp_path: Path) -> None:
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("FROM e2bdev/base\nRUN echo long-step-started && sleep 300\n")
+    proc = subprocess.Popen([*CLI, "template", "build", "-f", str(dockerfile), "--name",
+                             f"xbt-clicancel-{uuid.uuid4().hex[:6]}"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    seen = ""
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        seen += line
+        if "long-step-started" in line:
+            break
+    ids = re.search(r"Template created with ID: (\w+), Build ID: ([\w-]+)", seen)
+    assert ids, seen
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, seen + rest
+    with node.client() as api:
+        status = api.get(f"/templates/{ids[1]}/builds/{ids[2]}/status").json()
+        assert status["status"] == "error" and "cancelled" in status["reason"]["message"]
+        assert not [s for s in api.get("/sandboxes").json()
+                    if s.get("metadata", {}).get("aenv.build") == ids[2]]
