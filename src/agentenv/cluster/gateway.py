@@ -105,10 +105,10 @@ class Gateway:
     async def owner(self, sandbox_id: str) -> tuple[dict[str, str], NodeStatus]:
         """The sandbox's entry and its node; a paused sandbox of a down node is first
         adopted by another node; a running one there is reported lost (410)."""
-        entry = await self.registry.sandbox(sandbox_id)
-        if entry is None:
+        found = await self.registry.route(sandbox_id)
+        if found is None:
             raise NotFound(f"sandbox '{sandbox_id}' not found")
-        node = await self.registry.node(entry["node"])
+        entry, node = found
         if node is not None and node.state == "up":
             return entry, node
         if entry.get("state") == "paused" and entry.get("committed") == "1":

@@ -63,10 +63,24 @@ class NodeStatus:
         return self.load + self.reserved
 
 
+# sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>. The node
+# keys are derived inside the script: fine on one Redis (not for Redis Cluster).
+_ROUTE = """
+local entry = redis.call('HGETALL', KEYS[1])
+if #entry == 0 then return false end
+local node = ''
+for i = 1, #entry, 2 do if entry[i] == 'node' then node = entry[i + 1] end end
+local p = ARGV[1]
+return {entry, redis.call('GET', p .. 'node:' .. node),
+        redis.call('EXISTS', p .. 'alive:' .. node), redis.call('GET', p .. 'reserved:' .. node)}
+"""
+
+
 class Registry:
     def __init__(self, url: str, prefix: str = "aenv:") -> None:
         self.redis = redis.from_url(url, decode_responses=True)
         self.prefix = prefix
+        self._route = self.redis.register_script(_ROUTE)
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -173,6 +187,21 @@ class Registry:
     async def sandbox(self, sandbox_id: str) -> dict[str, str] | None:
         data = await self.redis.hgetall(self._k("sbx", sandbox_id))
         return data or None
+
+    async def route(self, sandbox_id: str) -> tuple[dict[str, str], NodeStatus | None] | None:
+        """A sandbox's entry and its node's status in one round trip (every proxied
+        request asks this); None when no node owns the sandbox."""
+        reply = await self._route(keys=[self._k("sbx", sandbox_id)], args=[self.prefix])
+        if not reply:
+            return None
+        flat, body, alive, reserved = reply
+        entry = dict(zip(flat[::2], flat[1::2], strict=True))
+        if not body:
+            return entry, None
+        status = NodeStatus.from_dict(json.loads(body))
+        status.state = "up" if alive else "down"
+        status.reserved = int(reserved or 0)
+        return entry, status
 
     async def forget_sandbox(self, sandbox_id: str) -> None:
         await self.redis.delete(self._k("sbx", sandbox_id))
