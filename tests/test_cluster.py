@@ -80,6 +80,14 @@ def test_e2b_sdk_through_the_gateway(cluster: Cluster, api: httpx.Client) -> Non
         assert sbx.commands.run("echo hi from $(hostname)").stdout.startswith("hi from")
         sbx.files.write("/home/user/note.txt", "cluster")
         assert sbx.files.read("/home/user/note.txt") == "cluster"
+        # signed URLs name no sandbox: the gateway finds the node whose sandbox signed it
+        other = sandboxes[-1]
+        assert httpx.get(other.download_url("/home/user/note.txt")).status_code == 404
+        up = sbx.upload_url("/home/user/up.txt")
+        assert httpx.post(up, files={"file": ("up.txt", b"by URL")}).status_code == 200
+        assert httpx.get(sbx.download_url("/home/user/up.txt")).text == "by URL"
+        r = httpx.get(sbx.download_url("/home/user/up.txt").replace("up.txt", "note.txt"))
+        assert r.status_code == 401 and r.json()["code"] == 401
         # Listing spans every node, page by page.
         seen, token = [], None
         while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -10,7 +11,8 @@ from pydantic import Field
 
 from ..cluster.heartbeat import node_status
 from ..cluster.peer import read_cached_chunk
-from ..orchestrator import NotFound, SandboxManager
+from ..envd.server import file_signature
+from ..orchestrator import NotFound, SandboxManager, SandboxState
 from . import models
 from .routes_lifecycle import _snapshot_call
 
@@ -41,6 +43,22 @@ async def chunk(digest: str, snapshot: str, request: Request) -> Response:
     if blob is None:
         raise NotFound(f"chunk {digest} of snapshot {snapshot} is not cached on this node")
     return Response(blob, media_type="application/octet-stream")
+
+
+@router.get("/signers")
+async def signer(request: Request, signature: str, operation: str, path: str = "",
+                 username: str = "", signature_expiration: int | None = None
+                 ) -> dict[str, str]:
+    """Which running sandbox here signed a ``/files`` URL (the gateway routes such a
+    URL, which names no sandbox, by asking every node; envd tokens stay here)."""
+    for record in _manager(request).list():
+        if record.state is not SandboxState.RUNNING or not record.envd_token:
+            continue
+        expected = file_signature(path, operation, username, record.envd_token,
+                                  signature_expiration)
+        if hmac.compare_digest(expected.encode(), signature.encode()):
+            return {"sandboxID": record.sandbox_id}
+    raise NotFound("no sandbox on this node signed that URL")
 
 
 @router.get("/status")

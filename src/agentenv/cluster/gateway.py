@@ -27,6 +27,7 @@ import re
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
+from urllib.parse import parse_qsl
 
 import httpx
 import websockets
@@ -39,6 +40,7 @@ from ..api.errors import error_response, install_error_handlers
 from ..api.proxy import _body, _hung_up, _reply
 from ..api.proxy import _relay as _relay_body
 from ..orchestrator import NotFound
+from ..orchestrator.envd_client import ENVD_PORT
 from .common import ClusterError, require_api_key
 from .registry import NodeStatus, Registry
 
@@ -118,6 +120,23 @@ class Gateway:
         raise ClusterError(410, f"sandbox '{sandbox_id}' was {entry.get('state', 'running')} on "
                                 f"node {entry['node']}, which is down: its running state is "
                                 f"lost{hint}")
+
+    async def signer(self, query: str) -> str | None:
+        """The sandbox that signed a ``/files`` URL: every up node is asked (each
+        knows only its own sandboxes' envd tokens)."""
+        params = dict(parse_qsl(query, keep_blank_values=True))
+        params["operation"] = params.pop("_operation", "read")
+
+        async def ask(node: NodeStatus) -> str | None:
+            try:
+                r = await self.http.get(f"{node.url}/cluster/signers", params=params,
+                                        headers={"X-API-Key": self.api_key})
+            except httpx.HTTPError:
+                return None
+            return r.json().get("sandboxID") if r.status_code == 200 else None
+
+        found = await asyncio.gather(*(ask(n) for n in await self.up_nodes()))
+        return next((sid for sid in found if sid), None)
 
     async def _adopt(self, sandbox_id: str, entry: dict[str, str], dead: NodeStatus | None
                      ) -> tuple[dict[str, str], NodeStatus]:
@@ -208,6 +227,16 @@ class GatewayProxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = self._target(scope) if scope["type"] in ("http", "websocket") else None
+        if target is None and scope["type"] == "http" and scope["path"] == "/files":
+            query = (scope.get("query_string") or b"").decode("latin-1")
+            if "signature=" in query:  # a signed URL names its sandbox by signature only
+                operation = "read" if scope["method"] == "GET" else "write"
+                sid = await self.gateway.signer(f"{query}&_operation={operation}")
+                if sid is None:
+                    await _reply(scope, send, 401, "the file URL's signature matches no running "
+                                                   "sandbox (or it is for the other operation)")
+                    return
+                target = (sid, ENVD_PORT)
         if target is None:
             await self.app(scope, receive, send)
             return
