@@ -256,7 +256,9 @@ class SandboxManager:
             except SnapshotError as snap_exc:
                 raise OrchestratorError(f"snapshot repository: {snap_exc}") from snap_exc
             return await self._create_from_snapshot(req, manifest, timeout)
-        if template.snapshot_id:  # a built template: restore its snapshot
+        if template.snapshot_id and not (self.images and self.images.pool_size > 0):
+            # A built template: restore its snapshot (with a warm pool, the path
+            # below hands out pooled sandboxes restored from it).
             try:
                 manifest = await asyncio.to_thread(self.snapshots.resolve, template.snapshot_id)
             except SnapshotNotFound as exc:
@@ -265,7 +267,8 @@ class SandboxManager:
                 raise OrchestratorError(f"snapshot repository: {exc}") from exc
             return await self._create_from_snapshot(req, manifest, timeout, template)
         self._check_capacity()
-        custom = bool(req.cpu_count or req.memory_mb)
+        # (a built template's resources are its snapshot's)
+        custom = bool(req.cpu_count or req.memory_mb) and not template.snapshot_id
         member = self.images.take(template) if self.images and not custom else None
         now = time.time()
         record = SandboxRecord(
@@ -274,8 +277,10 @@ class SandboxManager:
             alias=template.alias,
             state=SandboxState.CREATING,
             node_id=self.config.node_id,
-            cpu_count=req.cpu_count or template.cpu_count or self.config.default_cpu_count,
-            memory_mb=req.memory_mb or template.memory_mb or self.config.default_memory_mb,
+            cpu_count=(custom and req.cpu_count) or template.cpu_count
+            or self.config.default_cpu_count,
+            memory_mb=(custom and req.memory_mb) or template.memory_mb
+            or self.config.default_memory_mb,
             disk_size_mb=template.disk_size_mb,
             started_at=now,
             end_at=now + timeout,
@@ -284,7 +289,7 @@ class SandboxManager:
             network=req.network.to_json() if req.network else {},
             traffic_token="" if req.public_traffic else secrets.token_urlsafe(32),
             metadata=dict(req.metadata),
-            env_vars=dict(req.env_vars),
+            env_vars={**dict(template.envs), **req.env_vars},
             envd_token=secrets.token_urlsafe(32),
         )
         self._records[record.sandbox_id] = record
@@ -292,7 +297,7 @@ class SandboxManager:
         # The work runs as its own task: a client that hangs up mid-create does
         # not leave a half-built sandbox; the task finishes or cleans up.
         if member is not None:
-            work = self._adopt(record, member)
+            work = self._adopt(record, member, template)
         else:
             image = await self.images.image(template) if self.images and not custom else None
             work = (self._restore_or_boot(record, template, image) if image
@@ -302,7 +307,8 @@ class SandboxManager:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _adopt(self, record: SandboxRecord, member: PooledSandbox) -> SandboxRecord:
+    async def _adopt(self, record: SandboxRecord, member: PooledSandbox,
+                     template: Template) -> SandboxRecord:
         """Hand out a sandbox the warm pool restored ahead of time."""
         t0 = time.perf_counter()
         self._hold(record, member.slot)
@@ -310,6 +316,8 @@ class SandboxManager:
         try:
             await self._apply_network(record, member.slot)
             await self.envd.init(member.slot.address, record.envd_token, record.env_vars,
+                                 default_user=template.default_user or "user",
+                                 default_workdir=template.default_workdir,
                                  current_token=member.envd_token)
             self._transition(record, SandboxState.RUNNING)
         except BaseException as exc:
@@ -326,10 +334,12 @@ class SandboxManager:
         t0 = time.perf_counter()
         try:
             await self._restore(record, image.path, source_token=image.envd_token,
-                                hostname_of=template.template_id)
+                                hostname_of=image.hostname_of or template.template_id)
         except CapacityExceeded:
             raise
         except OrchestratorError as exc:
+            if template.snapshot_id:  # a built template has nothing to boot
+                raise
             log.warning("template %s: restoring its image failed (%s); booting instead",
                         template.template_id, exc)
             assert self.images is not None
@@ -343,6 +353,9 @@ class SandboxManager:
         return record
 
     async def _build(self, record: SandboxRecord, template: Template) -> SandboxRecord:
+        if template.snapshot_id:  # its files and processes are only in its snapshot
+            await asyncio.shield(self._teardown(record, False))
+            raise NotFound(f"snapshot of template '{template.template_id}' is not available")
         slot = None
         started = False
         t0 = time.perf_counter()
@@ -856,7 +869,8 @@ class SandboxManager:
             internet=req.internet,
             network=req.network.to_json() if req.network else {},
             traffic_token="" if req.public_traffic else secrets.token_urlsafe(32),
-            metadata={**meta.get("metadata", {}), **req.metadata},
+            # A template build's sandbox metadata is not the template's sandboxes'.
+            metadata={**({} if template else meta.get("metadata", {})), **req.metadata},
             env_vars={**meta.get("env_vars", {}), **dict(template.envs if template else ()),
                       **req.env_vars},
             envd_token=secrets.token_urlsafe(32),

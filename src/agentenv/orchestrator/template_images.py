@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from ..network import Slot, SlotPoolExhausted
 from ..snapshot import SnapshotError, SnapshotNotFound
 from ..templates import Template
-from .models import new_sandbox_id
+from .models import OrchestratorError, new_sandbox_id
 
 if TYPE_CHECKING:
     from .sandboxes import SandboxManager
@@ -40,6 +40,7 @@ class TemplateImage:
     snapshot_id: str
     path: Path  # node-local copy of the checkpoint files
     envd_token: str  # the token envd holds in the image (a restore rotates it)
+    hostname_of: str = ""  # whose hostname the image has, when not the template ID's
 
 
 @dataclass
@@ -75,6 +76,8 @@ class TemplateImages:
     async def image(self, template: Template) -> TemplateImage | None:
         """The template's image if this node can restore it now; otherwise None, and
         the image is built in the background for the creates that follow."""
+        if template.snapshot_id:
+            return await self._built(template)
         alias = self.alias(template)
         known = self._images.get(alias)
         if known is not None and known.path.is_dir():
@@ -93,8 +96,30 @@ class TemplateImages:
         self._images[alias] = image
         return image
 
+    async def _built(self, template: Template) -> TemplateImage | None:
+        """A built template's image is the snapshot its build published."""
+        known = self._images.get(template.snapshot_id)
+        if known is not None and known.path.is_dir():
+            return known
+        try:
+            manifest = await asyncio.to_thread(self.manager.snapshots.get, template.snapshot_id)
+            self.manager._check_restorable(manifest.metadata)
+            path = await asyncio.to_thread(self.manager.snapshots.materialize,
+                                           manifest.snapshot_id)
+        except SnapshotError as exc:
+            log.warning("template %s: its snapshot is unavailable: %s", template.template_id, exc)
+            return None
+        meta = manifest.metadata
+        image = TemplateImage(manifest.snapshot_id, path, meta["envd_token"],
+                              meta.get("source_sandbox_id", ""))
+        self._images[template.snapshot_id] = image
+        return image
+
     def forget(self, template: Template) -> None:
         """Drop a template image that failed to restore; the next create rebuilds it."""
+        if template.snapshot_id:  # a built template's snapshot is the template itself
+            self._images.pop(template.snapshot_id, None)
+            return
         image = self._images.pop(self.alias(template), None)
         if image is not None:
             with contextlib.suppress(SnapshotError):
@@ -173,7 +198,11 @@ class TemplateImages:
         while not self._closed and len(members) < self.pool_size:
             if m.active_count() + self.pooled() >= m.config.max_sandboxes:
                 return  # the pool never takes capacity users need
-            image = await self.image(template)
+            try:
+                image = await self.image(template)
+            except OrchestratorError as exc:  # e.g. taken by another runtime version
+                log.warning("warm pool of %s: %s", template.template_id, exc)
+                return
             if image is None:
                 build = self._building.get(self.alias(template))
                 if build is None:
@@ -194,7 +223,8 @@ class TemplateImages:
             await m.ensure_rootfs(template)
             slot = await m.slots.acquire(internet=True)
             spec = m.spec_for(sandbox_id, template, template.cpu_count, template.memory_mb,
-                              slot.netns_path, hostname_of=template.template_id)
+                              slot.netns_path,
+                              hostname_of=image.hostname_of or template.template_id)
             await m.runtime.restore(spec, image.path)
             await m.envd.wait_ready(slot.address)
             return PooledSandbox(sandbox_id, template.template_id, slot, image.envd_token)

@@ -300,6 +300,9 @@ class TemplateBuilder:
                                                            self.manager.config.max_timeout),
                     metadata={BUILD_METADATA_KEY: build.build_id},
                     cpu_count=build.cpu_count, memory_mb=build.memory_mb))
+                if base.snapshot_id and (build.cpu_count or build.memory_mb):
+                    self._log(build, f"cpu/memory are those of template {base.template_id} "
+                                     "(a snapshot's resources are fixed)", "warn", "base")
             except OrchestratorError as exc:
                 raise StepFailed(f"the build sandbox did not start: {exc}", "base") from exc
             build.sandbox_id = record.sandbox_id
