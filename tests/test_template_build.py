@@ -88,6 +88,7 @@ def test_sdk_builds_a_template_that_sandboxes_start_from(
     sb = Sandbox.create(name)
     try:
         assert sb.get_info().template_id == info.template_id
+        assert "aenv.build" not in (sb.get_info().metadata or {})  # the build's, not its own
         # The start command's server was running in the snapshot: it answers at once.
         first = _proxied(node, sb.sandbox_id, 8000)
         assert first.status_code == 200 and first.text.startswith("hello-one pid=")
