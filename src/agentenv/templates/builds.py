@@ -15,7 +15,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 WAITING, BUILDING, READY, ERROR = "waiting", "building", "ready", "error"
+TRUNCATED = "(the log is too long: further output is not kept, only warnings and errors)"
 REASON_LOG_LINES = 20
+# A build's log is bounded: past this many entries only warnings and errors are
+# kept (a step printing without end must not fill the disk); lines are cut too.
+MAX_LOG_ENTRIES = 20_000
+MAX_MESSAGE = 16 * 1024
 
 
 @dataclass
@@ -39,6 +44,8 @@ class Build:
 
 
 def log_entry(message: str, level: str = "info", step: str = "") -> dict:
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + f"... ({len(message) - MAX_MESSAGE} more characters)"
     entry = {"timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
              "level": level, "message": message}
     if step:
@@ -78,7 +85,13 @@ class BuildStore:
             (self.dir / f"{build_id}{suffix}").unlink(missing_ok=True)
 
     def append(self, build_id: str, entry: dict) -> None:
-        self.logs(build_id).append(entry)
+        logs = self.logs(build_id)
+        if len(logs) >= MAX_LOG_ENTRIES and entry.get("level") in ("info", "debug"):
+            if len(logs) == MAX_LOG_ENTRIES:  # the first one over: say so, once
+                entry = {**entry, "level": "warn", "message": TRUNCATED}
+            else:
+                return
+        logs.append(entry)
         with open(self.dir / f"{build_id}.log", "a") as f:
             f.write(json.dumps(entry) + "\n")
 
