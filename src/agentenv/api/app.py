@@ -66,7 +66,7 @@ def build_manager(config: Config) -> SandboxManager:
 def create_app(config: Config) -> ASGIApp:
     api_key = load_or_create_api_key(config.secrets_dir)
     manager = build_manager(config)
-    builder = TemplateBuilder(manager, config.home, api_key)
+    builder = TemplateBuilder(manager, config.home)
     proxy_holder: dict[str, SandboxProxy] = {}
 
     @contextlib.asynccontextmanager

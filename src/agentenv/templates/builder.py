@@ -77,14 +77,16 @@ class BuildState:
 
 
 class TemplateBuilder:
-    def __init__(self, manager: SandboxManager, home: Path, signing_key: str):
+    def __init__(self, manager: SandboxManager, home: Path):
         self.manager = manager
         self.registry: TemplateRegistry = manager.templates
         self.local_dir = self.registry.local_dir
         self.files_dir = home / "build-files"
         self.files_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.store = BuildStore(home / "builds")
-        self._key = hashlib.sha256(b"aenv-build-upload:" + signing_key.encode()).digest()
+        # Signs upload URLs; of this process only (the URLs live an hour, the SDKs use
+        # them at once), so a leaked URL or API key never outlives a restart.
+        self._key = secrets.token_bytes(32)
         self._tasks: dict[str, asyncio.Task] = {}
         self._publish_lock = asyncio.Lock()
         self.ready_timeout_s = float(manager.config.build_ready_timeout)
