@@ -335,3 +335,19 @@ def test_kill_during_template_build_snapshot(node: Node) -> None:
         assert _listed(api) == []
         assert _staging(node) == set(), _staging(node)
         api.delete("/templates/acs-crashy")
+
+
+def test_second_node_on_the_same_home_is_refused(node: Node) -> None:
+    """Starting a node by mistake on a home another node serves must not touch it
+    (it used to reconcile the first node's sandboxes as its own, then destroy them
+    all when it failed to bind the port)."""
+    with node.client() as api:
+        sid = _marked(node, api, "first-node")
+    second = Node(node.home, PREFIX, CIDR)
+    second.log_path = node.home / "second-node.log"
+    with pytest.raises(RuntimeError, match="another node process is serving"):
+        second.start(wait=60)
+    with node.client() as api:
+        assert _exec(node, api, sid, "cat /tmp/mark") == "first-node"
+        check_consistent(node, api, {sid: "first-node"})
+        _clean(api)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -111,6 +113,7 @@ class SandboxManager:
     # -- start / stop ---------------------------------------------------------
 
     async def start(self) -> None:
+        self._hold_home()
         self._bundle = await asyncio.to_thread(build_bundle, self.config.bundles_dir)
         self._init_argv, self._init_env = envd_command(BUNDLE_MOUNT, ENVD_PORT)
         await self._reconcile()
@@ -118,6 +121,20 @@ class SandboxManager:
         await asyncio.to_thread(self.image_cache.start, {
             r.template_id for r in self._records.values() if r.state is SandboxState.RUNNING})
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
+
+    def _hold_home(self) -> None:
+        """One node process per home: a second one would reconcile the first one's
+        sandboxes as its own (and destroy them all when it stops). The lock goes
+        with the process, however it ends."""
+        self.config.home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.config.home / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OrchestratorError(
+                f"another node process is serving {self.config.home}") from None
+        self._home_lock = fd
 
     async def close(self, destroy: bool = True) -> None:
         """Stop background work; with ``destroy``, kill every sandbox and free every slot."""
