@@ -96,6 +96,10 @@ def _work(http: httpx.Client, sbx: dict, tally: Tally, until: float) -> None:
         t0 = time.perf_counter()
         try:
             code = exec_native(http, sid, token, argv)
+        except httpx.HTTPStatusError as exc:
+            tally.error(f"exec: {exc.response.status_code}", repr(exc))
+            time.sleep(0.5)
+            continue
         except (httpx.HTTPError, RuntimeError) as exc:
             tally.error("exec: error", repr(exc))
             time.sleep(0.5)
@@ -167,6 +171,9 @@ def main() -> None:
         code = node.stop()
     left = leaks(PREFIX, home)
     total_s = time.monotonic() - t0
+    # The node's own account of any proxy failure (the client sees only the status).
+    proxy_failures = [ln for ln in node.log_path.read_text(errors="replace").splitlines()
+                      if "proxy to port" in ln][:10]
 
     failures = {k: v for k, v in tally.errors.items() if "(declared)" not in k}
     declared = {k: v for k, v in tally.errors.items() if "(declared)" in k}
@@ -203,10 +210,14 @@ def main() -> None:
         lines.append(f"| {k} | {v} | {tally.examples.get(k, '')[:120]!r} |")
     if not tally.errors:
         lines.append("| none | 0 | |")
+    if proxy_failures:
+        lines += ["", "The node's log of proxy failures:", "",
+                  *(f"    {ln[:300]}" for ln in proxy_failures)]
     lines += ["", f"Node exit code {code}; left behind: {left or 'nothing'}.", ""]
     write("soak", {"args": vars(args), "verdict": verdict, "waves": waves,
                    "baseline": baseline, "rss_growth_mib": growth, "rss_slope_mib": slope,
                    "failures": failures, "declared_errors": declared,
+                   "proxy_failures": proxy_failures,
                    "examples": tally.examples, "samples": samples, "leaks": left,
                    "node_exit": code, "minutes": round(total_s / 60, 1)}, "\n".join(lines))
     raise SystemExit(0 if verdict == "held" else 1)

@@ -150,6 +150,8 @@ class SandboxProxy:
                          f"The sandbox {sandbox_id} is running but port is not open: {port}")
             return
         except httpx.HTTPError as exc:
+            # Rare and worth seeing: the cause is in the exception's type.
+            log.warning("proxy to port %d of %s failed: %r", port, sandbox_id, exc)
             await _reply(scope, send, 502, f"The sandbox {sandbox_id} did not answer: {exc}")
             return
         try:
