@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.templates import builds
-from agentenv.templates.builder import expand
+from agentenv.templates.steps import expand
 
 
 def test_records_and_logs_survive_a_reload(tmp_path: Path) -> None:
