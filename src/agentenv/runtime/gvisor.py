@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
+from .cpu_balance import CpuBalancer
 from .oci import build_spec
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class GVisorRuntime:
         self.cgroup_parent = cgroup_parent
         self.platform = platform
         self._version: str | None = None
+        self._cpu = CpuBalancer(cgroup_parent)
         for d in (self.state_dir, self.sandboxes_dir):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         _become_subreaper()
@@ -189,6 +191,10 @@ class GVisorRuntime:
 
     async def housekeeping(self) -> None:
         reap_runsc_orphans()
+        try:
+            self._cpu.tick()
+        except OSError:
+            log.exception("re-weighing sandbox CPU shares failed")
 
     async def _reaping(self, command):
         """Run a runsc command that waits on sandbox processes to go, reaping them
