@@ -15,7 +15,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.runtime.oci import CPU_PERIOD_US, CPU_RESERVE, nproc_limit
-from agentenv.testing import Node
+from agentenv.testing import SHARED_HOME, Node
 
 SAMPLES = 30
 HOGS = {
@@ -121,3 +121,28 @@ def _stopped(sbx: Sandbox, name: str) -> bool:
 def spec_memory_mb(spec: dict) -> int:
     env = dict(e.split("=", 1) for e in spec["process"]["env"])
     return int(env["AENV_MEMORY_LIMIT_MB"])
+
+
+def test_disk_quota_follows_the_templates_disk_size(node: Node, api: httpx.Client) -> None:
+    """A template's diskSizeMB is the quota of its sandboxes' writable layer: a filler
+    is stopped just past it (runsc has no size limit for the in-memory root layer, so
+    envd's guard stops the top writer), and the sandbox lives on."""
+    tdir = node.home / "templates" / "xsn-disk64"
+    tdir.mkdir(parents=True, exist_ok=True)
+    (tdir / "template.json").write_text(json.dumps(
+        {"templateID": "xsn-disk64", "cpuCount": 1, "memoryMB": 512, "diskSizeMB": 64}))
+    if not (tdir / "rootfs").exists():
+        (tdir / "rootfs").symlink_to(SHARED_HOME / "images" / "templates" / "base" / "rootfs")
+    sbx = Sandbox.create("xsn-disk64", timeout=300)
+    try:
+        assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["diskSizeMB"] == 64
+        r = sbx.commands.run("dd if=/dev/zero of=/home/user/fill bs=1M count=400 2>&1; "
+                             "echo rc=$?; du -m /home/user/fill | cut -f1", timeout=120)
+        lines = r.stdout.split()
+        assert "rc=137" in lines, r.stdout  # SIGKILL from envd's guard, not ENOSPC
+        assert 64 <= int(lines[-1]) < 200, r.stdout
+        # Small writes still work once the space is freed.
+        r = sbx.commands.run("rm /home/user/fill; echo ok > /home/user/f; cat /home/user/f")
+        assert r.stdout.strip() == "ok"
+    finally:
+        sbx.kill()

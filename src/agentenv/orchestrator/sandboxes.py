@@ -298,7 +298,7 @@ class SandboxManager:
             or self.config.default_cpu_count,
             memory_mb=(custom and req.memory_mb) or template.memory_mb
             or self.config.default_memory_mb,
-            disk_size_mb=template.disk_size_mb,
+            disk_size_mb=template.disk_size_mb or self.config.default_disk_mb,
             started_at=now,
             end_at=now + timeout,
             auto_pause=req.auto_pause,
