@@ -140,6 +140,12 @@ def hosts_name() -> Iterator[str]:
                                  if HOSTS_MARK not in ln))
 
 
+def _point(name: str, addr: str) -> None:
+    hosts = Path("/etc/hosts")
+    kept = "".join(ln for ln in hosts.read_text().splitlines(True) if HOSTS_MARK not in ln)
+    hosts.write_text(kept + f"{addr} {name} {HOSTS_MARK}\n")
+
+
 def test_domain_in_allow_out(node: Node, api: httpx.Client, outside: None,
                              hosts_name: str) -> None:
     with sandbox(network={"deny_out": [ALL_TRAFFIC], "allow_out": [hosts_name]}) as sbx:
@@ -173,11 +179,13 @@ def test_update_errors(node: Node, api: httpx.Client) -> None:
         assert r.status_code == 401
 
 
-def test_policy_survives_pause_resume_fork_and_restart(tmp_path: Path, outside: None) -> None:
+def test_policy_survives_pause_resume_fork_and_restart(tmp_path: Path, outside: None,
+                                                        hosts_name: str) -> None:
     """The policy lives in the record: a resumed sandbox, a fork child and a sandbox
-    adopted by a restarted node all keep it. (A node of its own, so the restart
-    disturbs no other test.)"""
-    own = Node(tmp_path / "home", f"xq{os.getpid() % 1000}", "10.29.0.0/16")
+    adopted by a restarted node all keep it; a domain's address is re-resolved while
+    the sandbox runs. (A node of its own, so the restart disturbs no other test.)"""
+    own = Node(tmp_path / "home", f"xq{os.getpid() % 1000}", "10.29.0.0/16",
+               AENV_EGRESS_REFRESH_S="1")
     own.start()
     env = own.e2b_env()
     opts = {"api_key": env["E2B_API_KEY"], "api_url": env["E2B_API_URL"],
@@ -193,6 +201,13 @@ def test_policy_survives_pause_resume_fork_and_restart(tmp_path: Path, outside: 
             assert r.status_code == 201, r.text
             child_id = r.json()[0]["sandbox"]["sandboxID"]
             assert reachable(Sandbox.connect(child_id, **opts), A, B) == {A: True, B: False}
+            # The name moves from A to B: the running sandbox's rule follows it.
+            named = Sandbox.create("base", timeout=300, network={
+                "deny_out": [ALL_TRAFFIC], "allow_out": [hosts_name]}, **opts)
+            assert reachable(named, A, B) == {A: True, B: False}
+            _point(hosts_name, B)
+            time.sleep(2.5)
+            assert reachable(named, A, B) == {A: False, B: True}
             own.kill9()
             own.start()
             sbx = Sandbox.connect(sbx.sandbox_id, **opts)

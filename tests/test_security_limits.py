@@ -17,7 +17,7 @@ from e2b import Sandbox
 from agentenv.runtime.oci import CPU_PERIOD_US, CPU_RESERVE, nproc_limit
 from agentenv.testing import SHARED_HOME, Node
 
-SAMPLES = 30
+SAMPLES = 21
 HOGS = {
     "cpu": "for i in 1 2 3 4; do (while :; do :; done) & done; wait",
     "fork_bomb": "f(){ f|f& }; f",

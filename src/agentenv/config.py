@@ -39,6 +39,8 @@ class Config:
     default_memory_mb: int = 512
     # Disk quota of a sandbox's writable layer when its template names none.
     default_disk_mb: int = 1024
+    # Seconds between re-resolutions of the domain names in egress policies.
+    egress_refresh_s: float = 60
     # Network slots: names start with this prefix; host addresses come from this /16.
     net_prefix: str = "aenv"
     net_pool_cidr: str = "10.11.0.0/16"

@@ -6,11 +6,11 @@ domain names) always win over ``denyOut``. ``allow_internet_access = false`` is
 ``denyOut = ["0.0.0.0/0"]``.
 
 Domains are matched by address, not by name: the node resolves each domain when
-the policy is applied and again every ``REFRESH_S`` seconds, and allows the
-addresses it got. Limits of that choice (documented in docs/security.md):
-another name served from the same address is reachable too; an address the
-sandbox's own resolver returns but the node's did not is refused; wildcard
-names cannot be resolved and are rejected. When ``allowOut`` holds a domain, the
+the policy is applied and again every ``egress_refresh_s`` seconds (node config,
+default 60), and allows the addresses it got. Limits of that choice (for
+docs/security.md): another name served from the same address is reachable
+too; an address the sandbox's own resolver returns but the node's did not is
+refused; wildcard names cannot be resolved and are rejected. When ``allowOut`` holds a domain, the
 DNS servers (``dnsServers``, default 8.8.8.8) are allowed as E2B does.
 
 Never overridable by any policy (router rules placed before it): link-local
@@ -32,7 +32,6 @@ _ALL_SPELLINGS = {"0.0.0.0/0", "0.0.0.0/0.0.0.0", "::/0"}
 DEFAULT_DNS = ("8.8.8.8",)
 MAX_ENTRIES = 256
 MAX_DNS = 10
-REFRESH_S = 60.0
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 
 

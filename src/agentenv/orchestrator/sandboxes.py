@@ -24,7 +24,6 @@ from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
 from ..images import ImageError, ImageService, LayerStore
 from ..network import EgressPolicy, Slot, SlotPool, SlotPoolExhausted, compile_policy
-from ..network.policy import REFRESH_S as POLICY_REFRESH_S
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
 from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
@@ -978,7 +977,8 @@ class SandboxManager:
         compiled = await asyncio.to_thread(compile_policy, policy)
         if compiled.unresolved:
             log.warning("sandbox %s: allowOut names that did not resolve (retried every %.0fs): "
-                        "%s", record.sandbox_id, POLICY_REFRESH_S, ", ".join(compiled.unresolved))
+                        "%s", record.sandbox_id, self.config.egress_refresh_s,
+                        ", ".join(compiled.unresolved))
         await self.slots.apply_policy(slot, compiled)
 
     async def _refresh_domain_policies(self) -> None:
@@ -1052,7 +1052,7 @@ class SandboxManager:
             ticks += 1
             if ticks % COMMIT_RETRY_TICKS == 0:
                 self._retry_failed_commits()
-            if ticks % int(POLICY_REFRESH_S) == 0:
+            if ticks % max(1, int(self.config.egress_refresh_s)) == 0:
                 await self._refresh_domain_policies()
             now = time.time()
             for record in list(self._records.values()):
