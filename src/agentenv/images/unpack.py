@@ -15,6 +15,7 @@ import hashlib
 import io
 import logging
 import os
+import queue
 import shutil
 import stat
 import tarfile
@@ -123,32 +124,90 @@ class _Tar(io.RawIOBase):
             if out:
                 return out
 
+    def next_chunk(self) -> bytes:
+        """The next piece of tar bytes; at the end (b"") the blob has been read whole."""
+        if self.gzip is not None:
+            out = self._inflate()
+        elif self._zstd is not None:
+            out = self._zstd.read(CHUNK)
+        else:
+            out = self.source.read1(CHUNK)
+        if not out:
+            while self.source.read1(CHUNK):  # trailing bytes count for the digest
+                pass
+            return b""
+        self.hash.update(out)
+        self.count += len(out)
+        if self.count > self._max:
+            raise HostileInput(f"{self._what}: unpacks to more than {self._max} bytes")
+        return out
+
+
+class _Pipelined(io.RawIOBase):
+    """The tar bytes, produced by a thread of their own: download, hashing and
+    decompression (which free the GIL) run beside the file writes, as ``tar -xz``
+    runs gzip beside tar."""
+
+    def __init__(self, tar: _Tar):
+        self._tar = tar
+        self._queue: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=8)
+        self._stop = threading.Event()
+        self._pending = memoryview(b"")
+        self._ended = False
+        self._thread = threading.Thread(target=self._produce, name="layer-reader",
+                                        daemon=True)
+        self._thread.start()
+
+    def readable(self) -> bool:
+        return True
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                out = self._tar.next_chunk()
+                self._put(out)
+                if not out:
+                    return
+        except BaseException as exc:
+            self._put(exc)
+
+    def _put(self, item: bytes | BaseException) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
     def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
         if not self._pending:
-            if self.gzip is not None:
-                out = self._inflate()
-            elif self._zstd is not None:
-                out = self._zstd.read(CHUNK)
-            else:
-                out = self.source.read1(CHUNK)
-            if not out:
+            if self._ended:
                 return 0
-            self.hash.update(out)
-            self.count += len(out)
-            if self.count > self._max:
-                raise HostileInput(f"{self._what}: unpacks to more than {self._max} bytes")
-            self._pending = memoryview(out)
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self._ended = True
+                raise item
+            if not item:
+                self._ended = True
+                return 0
+            self._pending = memoryview(item)
         n = min(len(buffer), len(self._pending))
         buffer[:n] = self._pending[:n]
         self._pending = self._pending[n:]
         return n
 
     def drain(self) -> None:
+        """Read to the end: then the producer is done and the digests are final."""
         sink = bytearray(CHUNK)
         while self.readinto(sink):
             pass
-        while self.source.read1(CHUNK):
-            pass
+        self._thread.join()
+
+    def stop(self) -> None:
+        self._stop.set()
+        # Not joined long: a producer stuck on the network ends when the caller closes
+        # the blob stream; it writes nothing.
+        self._thread.join(timeout=1.0)
 
 
 @dataclass
@@ -171,16 +230,21 @@ def unpack_layer(chunks: Iterator[bytes], dest: Path, *, digest: str = "", diff_
     """
     limit = declared_size if declared_size >= 0 else 1 << 62
     source = _Compressed(chunks, limit, what, progress, cancel)
-    stream = _Tar(io.BufferedReader(source, CHUNK), max_bytes, what)
     writer = _Writer(dest, what)
+    pipe = None
     try:
-        with tarfile.open(fileobj=io.BufferedReader(stream, CHUNK), mode="r|",
+        stream = _Tar(io.BufferedReader(source, CHUNK), max_bytes, what)
+        pipe = _Pipelined(stream)
+        with tarfile.open(fileobj=io.BufferedReader(pipe, CHUNK), mode="r|",
                           encoding="utf-8", errors="surrogateescape") as tar:
             for member in tar:
                 writer.add(tar, member)
-        stream.drain()
+        pipe.drain()
     except (tarfile.TarError, zlib.error, zstandard.ZstdError, EOFError) as exc:
         raise HostileInput(f"{what}: corrupt or truncated layer ({exc})") from exc
+    finally:
+        if pipe is not None:
+            pipe.stop()
     if stream.gzip is not None and not stream.gzip.eof:
         raise HostileInput(f"{what}: gzip stream is truncated or corrupt")
     got = "sha256:" + source.hash.hexdigest()
