@@ -203,6 +203,7 @@ class SlotPool:
                 f"all {self.capacity} network slots of pool {self.prefix} are in use"
             )
         self._acquired[slot.index] = slot
+        self._busy.discard(slot.index)  # a directly built slot's index was kept reserved
         self._kick()
         if slot.internet != internet:
             try:
@@ -309,19 +310,26 @@ class SlotPool:
         slot = self.layout.slot(index, internet)
         job = asyncio.ensure_future(self._timed("create", create_slot, slot, self.pool_cidr))
 
+        def keep_or_drop() -> None:
+            self._busy.discard(index)
+            if self._open and len(self._free) < self.high:
+                self._free.append(slot)
+            else:
+                self._spawn(self._destroy_job(slot))
+            self._spawn(self._notify())
+
         def settle(done: asyncio.Future[None]) -> None:
             self._direct -= 1
-            self._busy.discard(index)
             if done.cancelled() or done.exception() is not None:
+                self._busy.discard(index)
                 self._counts["failures"] += 1
                 return
             self._counts["created"] += 1
             if abandoned:  # the caller went away: keep the slot warm, or drop it
-                if self._open and len(self._free) < self.high:
-                    self._free.append(slot)
-                else:
-                    self._spawn(self._destroy_job(slot))
-                self._spawn(self._notify())
+                keep_or_drop()
+            # Else the index stays reserved until `acquire` holds the slot: this
+            # callback runs before the caller resumes, and an index freed in
+            # between was once reserved again and built over (two slots, one netns).
 
         abandoned = False
         job.add_done_callback(settle)
@@ -329,6 +337,8 @@ class SlotPool:
             await asyncio.shield(job)
         except asyncio.CancelledError:
             abandoned = True
+            if job.done() and not job.cancelled() and job.exception() is None:
+                keep_or_drop()  # built, and settled before the cancellation came
             raise
         return slot
 

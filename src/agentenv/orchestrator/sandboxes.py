@@ -348,9 +348,11 @@ class SandboxManager:
                                image: TemplateImage) -> SandboxRecord:
         """Restore the template's image; should that fail, boot as if there were none."""
         t0 = time.perf_counter()
+        assert self.images is not None
         try:
-            await self._restore(record, image.path, source_token=image.envd_token,
-                                hostname_of=image.hostname_of or template.template_id)
+            with self.images.using(image):
+                await self._restore(record, image.path, source_token=image.envd_token,
+                                    hostname_of=image.hostname_of or template.template_id)
         except CapacityExceeded:
             raise
         except OrchestratorError as exc:
@@ -358,8 +360,7 @@ class SandboxManager:
                 raise
             log.warning("template %s: restoring its image failed (%s); booting instead",
                         template.template_id, exc)
-            assert self.images is not None
-            self.images.forget(template)
+            self.images.forget(template, image)
             record.state, record.slot_index, record.slot_address = SandboxState.CREATING, 0, ""
             self._records[record.sandbox_id] = record
             self.store.put(record)

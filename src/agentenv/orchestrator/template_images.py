@@ -20,6 +20,7 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +42,9 @@ class TemplateImage:
     path: Path  # node-local copy of the checkpoint files
     envd_token: str  # the token envd holds in the image (a restore rotates it)
     hostname_of: str = ""  # whose hostname the image has, when not the template ID's
+    # Restores reading the files now; a forgotten image is deleted when the last ends.
+    users: int = 0
+    forgotten: bool = False
 
 
 @dataclass
@@ -115,15 +119,36 @@ class TemplateImages:
         self._images[template.snapshot_id] = image
         return image
 
-    def forget(self, template: Template) -> None:
-        """Drop a template image that failed to restore; the next create rebuilds it."""
+    def forget(self, template: Template, failed: TemplateImage | None = None) -> None:
+        """Drop a template image that failed to restore; the next create rebuilds it.
+        Its files go once no other restore is reading them (deleting them under
+        concurrent restores failed them all, each then forgetting and booting)."""
         if template.snapshot_id:  # a built template's snapshot is the template itself
             self._images.pop(template.snapshot_id, None)
             return
-        image = self._images.pop(self.alias(template), None)
-        if image is not None:
-            with contextlib.suppress(SnapshotError):
-                self.manager.snapshots.delete(image.snapshot_id)
+        alias = self.alias(template)
+        image = self._images.get(alias)
+        if image is None or (failed is not None and image is not failed):
+            return  # already forgotten (and maybe rebuilt) by another failed restore
+        del self._images[alias]
+        image.forgotten = True
+        if image.users == 0:
+            self._delete(image)
+
+    @contextlib.contextmanager
+    def using(self, image: TemplateImage) -> Iterator[None]:
+        """A restore reads ``image`` within this block."""
+        image.users += 1
+        try:
+            yield
+        finally:
+            image.users -= 1
+            if image.forgotten and image.users == 0:
+                self._delete(image)
+
+    def _delete(self, image: TemplateImage) -> None:
+        with contextlib.suppress(SnapshotError):
+            self.manager.snapshots.delete(image.snapshot_id)
 
     def _build_in_background(self, template: Template, alias: str) -> None:
         if self._closed or alias in self._building:
