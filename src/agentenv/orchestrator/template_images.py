@@ -15,6 +15,7 @@ in the background.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -42,9 +43,6 @@ class TemplateImage:
     path: Path  # node-local copy of the checkpoint files
     envd_token: str  # the token envd holds in the image (a restore rotates it)
     hostname_of: str = ""  # whose hostname the image has, when not the template ID's
-    # Restores reading the files now; a forgotten image is deleted when the last ends.
-    users: int = 0
-    forgotten: bool = False
 
 
 @dataclass
@@ -60,6 +58,10 @@ class TemplateImages:
         self.manager = manager
         self.pool_size = pool_size
         self._images: dict[str, TemplateImage] = {}
+        # Restores reading each image's files now, and images forgotten meanwhile
+        # (deleted when their last restore ends), by snapshot ID.
+        self._users: collections.Counter[str] = collections.Counter()
+        self._forgotten: set[str] = set()
         self._building: dict[str, asyncio.Task] = {}
         self._pool: dict[str, list[PooledSandbox]] = {}
         self._refilling: dict[str, asyncio.Task] = {}
@@ -131,22 +133,25 @@ class TemplateImages:
         if image is None or (failed is not None and image is not failed):
             return  # already forgotten (and maybe rebuilt) by another failed restore
         del self._images[alias]
-        image.forgotten = True
-        if image.users == 0:
+        self._forgotten.add(image.snapshot_id)
+        if not self._users[image.snapshot_id]:
             self._delete(image)
 
     @contextlib.contextmanager
     def using(self, image: TemplateImage) -> Iterator[None]:
         """A restore reads ``image`` within this block."""
-        image.users += 1
+        self._users[image.snapshot_id] += 1
         try:
             yield
         finally:
-            image.users -= 1
-            if image.forgotten and image.users == 0:
-                self._delete(image)
+            self._users[image.snapshot_id] -= 1
+            if not self._users[image.snapshot_id]:
+                del self._users[image.snapshot_id]
+                if image.snapshot_id in self._forgotten:
+                    self._delete(image)
 
     def _delete(self, image: TemplateImage) -> None:
+        self._forgotten.discard(image.snapshot_id)
         with contextlib.suppress(SnapshotError):
             self.manager.snapshots.delete(image.snapshot_id)
 
