@@ -969,8 +969,9 @@ class SandboxManager:
     async def _apply_network(self, record: SandboxRecord, slot: Slot, force: bool = False
                              ) -> None:
         """Put the record's egress policy in force on its slot (no-op for an open one
-        unless ``force``: a fresh slot has no policy)."""
-        if not record.network and not force:
+        unless ``force``: a fresh slot has no policy). Internet off is applied too:
+        a sandbox from the warm pool sits in a slot that had it on."""
+        if not record.network and record.internet and not force:
             return
         policy = EgressPolicy.from_json(record.network)
         if not record.internet and policy.is_open:
