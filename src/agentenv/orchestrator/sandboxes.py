@@ -318,10 +318,23 @@ class SandboxManager:
             image = await self.images.image(template) if self.images and not custom else None
             work = (self._restore_or_boot(record, template, image) if image
                     else self._build(record, template))
-        task = asyncio.create_task(work)
+        task = asyncio.create_task(self._never_stuck(record, work))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
+
+    async def _never_stuck(self, record: SandboxRecord, work) -> SandboxRecord:
+        """Whatever ``work`` raises, its record does not stay ``creating`` (counted
+        against capacity for ever): the failure paths tear down what they started,
+        and an error none of them expected tears down the rest here."""
+        try:
+            return await work
+        except BaseException:
+            if record.state is SandboxState.CREATING and \
+                    self._records.get(record.sandbox_id) is record:
+                log.exception("create of %s failed unexpectedly", record.sandbox_id)
+                await asyncio.shield(self._teardown(record, True))
+            raise
 
     async def _adopt(self, record: SandboxRecord, member: PooledSandbox,
                      template: Template) -> SandboxRecord:
