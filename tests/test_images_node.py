@@ -63,7 +63,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     refs = {name: registry.push(f"apps/{name}", "v1", build_image([base, top_layer(name)],
                                                                   ["tar", how]))
             for name, how in (("img-a", "gzip"), ("img-b", "zstd"), ("img-c", "tar"))}
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_CACHE_BYTES=str(budget))
+    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_CACHE_BYTES=str(budget),
+                AENV_IMAGE_IMPORT_DIR=str(tmp))
     node.start()
     saved = {k: os.environ.get(k) for k in node.e2b_env()}
     os.environ.update(node.e2b_env())
@@ -164,6 +165,11 @@ def test_hostile_and_bad_requests_over_http(world: dict) -> None:
         ({"image": f"{world['registry'].host}/apps/none:v1", "name": "none"}, 404, "not found"),
         ({"image": "127.0.0.1:9/apps/x:v1", "name": "down"}, 502, "unreachable"),
         ({"image": world["refs"]["img-b"], "name": "Bad Name"}, 400, "name must be"),
+        # Local sources only below the node's image_import_dir: no host file is opened.
+        ({"image": "docker-archive:/etc/shadow", "name": "shadow"}, 400,
+         "local image sources must be under"),
+        ({"image": f"oci-layout:{tmp}/../../../etc", "name": "etc"}, 400,
+         "local image sources must be under"),
     ]
     with node.client() as api:
         for body, status, message in cases:

@@ -70,6 +70,9 @@ class Config:
     image_cache_dir: Path | None = None
     image_cache_bytes: int = 20 << 30
     pinned_templates: str = ""
+    # oci-layout: and docker-archive: pulls read only below this directory
+    # (default <home>/imports): the API must not open any file of the host.
+    image_import_dir: Path | None = None
     log_level: str = "info"
     # Slow clients: a request head must be complete within http_head_timeout
     # seconds and an API request body within http_body_timeout, else the
@@ -126,6 +129,10 @@ class Config:
             if value:
                 repo[name] = str(value)
         return repo
+
+    @property
+    def image_imports_dir(self) -> Path:
+        return self.image_import_dir or self.home / "imports"
 
     @property
     def images_cache_dir(self) -> Path:

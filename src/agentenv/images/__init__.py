@@ -16,11 +16,12 @@ from .mounts import mounted_under
 from .reference import parse_reference
 from .service import ImageService
 from .sources import open_source
-from .store import LayerStore
+from .store import DEFAULT_MOUNTPOINTS, LayerStore
 from .unpack import unpack_layer
 
 __all__ = [
-    "BadReference", "CacheTooSmall", "HostileInput", "ImageError", "ImageInUse",
-    "ImageNotFound", "ImageService", "LayerStore", "PullCancelled", "RegistryAuthError",
-    "RegistryUnavailable", "mounted_under", "open_source", "parse_reference", "unpack_layer",
+    "DEFAULT_MOUNTPOINTS", "BadReference", "CacheTooSmall", "HostileInput", "ImageError",
+    "ImageInUse", "ImageNotFound", "ImageService", "LayerStore", "PullCancelled",
+    "RegistryAuthError", "RegistryUnavailable", "mounted_under", "open_source",
+    "parse_reference", "unpack_layer",
 ]

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import ImageError
-from .store import EMPTY
+from .store import MOUNTPOINTS
 
 log = logging.getLogger(__name__)
 MAX_OPTIONS = 4000  # mount data is one page
@@ -35,9 +35,7 @@ def mounted_under(directory: Path) -> list[Path]:
 
 
 def mount_layers(target: Path, layers_dir: Path, hexes_bottom_up: list[str]) -> None:
-    lowers = list(reversed(hexes_bottom_up))
-    if len(lowers) == 1:
-        lowers.append(EMPTY)
+    lowers = [*reversed(hexes_bottom_up), MOUNTPOINTS]
     options = "ro,lowerdir=" + ":".join(lowers)
     cwd, links = layers_dir, None
     if len(options) > MAX_OPTIONS:

@@ -23,6 +23,7 @@ from ..templates import ImageInfo, Template, TemplateNotFound, TemplateRegistry
 from .errors import BadReference, CacheTooSmall, ImageError, ImageInUse, ImageNotFound
 from .manifest import Image, Layer
 from .mounts import mount_layers, mounted_under, unmount
+from .reference import ArchiveRef, LayoutRef, parse_reference
 from .sources import Source, open_source
 from .store import LayerStore, hex_of
 from .unpack import unpack_layer
@@ -35,8 +36,11 @@ Progress = Callable[[dict], None]
 
 class ImageService:
     def __init__(self, store: LayerStore, templates: TemplateRegistry, secrets_dir: Path,
-                 in_use: Callable[[], set[str]] = set, pinned: Iterable[str] = ()):
+                 in_use: Callable[[], set[str]] = set, pinned: Iterable[str] = (),
+                 local_sources_dir: Path | None = None):
         self.store = store
+        # When set, oci-layout:/docker-archive: paths must lie below it.
+        self.local_sources_dir = local_sources_dir
         self.templates = templates
         self.secrets_dir = secrets_dir / "images"
         # Template IDs whose rootfs must stay (running sandboxes, boots under way).
@@ -74,6 +78,14 @@ class ImageService:
 
     # -- pull -----------------------------------------------------------------------
 
+    def _check_local_source(self, ref: str) -> None:
+        parsed = parse_reference(ref)
+        if self.local_sources_dir is None or not isinstance(parsed, LayoutRef | ArchiveRef):
+            return
+        root = self.local_sources_dir.resolve()
+        if not parsed.path.resolve().is_relative_to(root):
+            raise BadReference(f"local image sources must be under {root} (image_import_dir)")
+
     def pull(self, ref: str, name: str, credentials: dict | None = None,
              progress: Progress | None = None,
              cancel: threading.Event | None = None) -> dict:
@@ -85,6 +97,7 @@ class ImageService:
         self._check_name_free(name)
         user, password = _creds(credentials)
         emit({"status": "resolving", "image": ref})
+        self._check_local_source(ref)
         source = open_source(ref, user, password)
         try:
             image = source.resolve()

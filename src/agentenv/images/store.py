@@ -23,7 +23,11 @@ from .errors import ImageError
 from .unpack import Unpacked
 
 log = logging.getLogger(__name__)
-EMPTY = "_empty"  # an empty lower layer: overlayfs wants two when there is no upper
+# The bottom layer of every image mount: only directories a sandbox's runtime
+# mounts over (a read-only rootfs cannot grow a mount point at start). The
+# image's own entries win; overlayfs also wants two lowers when there is no upper.
+MOUNTPOINTS = "_mountpoints"
+DEFAULT_MOUNTPOINTS = ("proc", "sys", "dev", "tmp")
 
 
 def hex_of(digest: str) -> str:
@@ -31,9 +35,11 @@ def hex_of(digest: str) -> str:
 
 
 class LayerStore:
-    def __init__(self, root: Path, budget: int):
+    def __init__(self, root: Path, budget: int,
+                 mountpoints: tuple[str, ...] = DEFAULT_MOUNTPOINTS):
         self.root = root
         self.budget = budget
+        self.mountpoints = mountpoints
         self.layers_dir = root / "layers"
         self.meta_dir = root / "meta"
         self.tmp_dir = root / "tmp"
@@ -43,8 +49,9 @@ class LayerStore:
 
     def open(self) -> None:
         """Create the directories, remove crash leftovers, load what is stored."""
-        for d in (self.layers_dir, self.meta_dir, self.tmp_dir, self.layers_dir / EMPTY):
+        for d in (self.layers_dir, self.meta_dir, self.tmp_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._make_mountpoints()
         os.chmod(self.root, 0o700)
         for leftover in self.tmp_dir.iterdir():
             log.info("layer store: removing unfinished unpack %s", leftover.name)
@@ -55,12 +62,20 @@ class LayerStore:
             except (OSError, ValueError):
                 meta.unlink(missing_ok=True)
         for layer in self.layers_dir.iterdir():
-            if layer.name != EMPTY and layer.name not in self._meta:
+            if layer.name != MOUNTPOINTS and layer.name not in self._meta:
                 log.info("layer store: removing layer %s without metadata", layer.name)
                 _remove(layer)
         for name in list(self._meta):
             if not (self.layers_dir / name).is_dir():
                 self._drop_meta(name)
+
+    def _make_mountpoints(self) -> None:
+        base = self.layers_dir / MOUNTPOINTS
+        for name in self.mountpoints:
+            d = base / name.strip("/")
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o1777 if name == "tmp" else 0o755)
+        os.chmod(base, 0o755)
 
     def path(self, hex_digest: str) -> Path:
         return self.layers_dir / hex_digest

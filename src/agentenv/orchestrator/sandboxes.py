@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
-from ..images import ImageError, ImageService, LayerStore
+from ..images import DEFAULT_MOUNTPOINTS, ImageError, ImageService, LayerStore
 from ..network import EgressPolicy, Slot, SlotPool, SlotPoolExhausted, compile_policy
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
 from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
@@ -105,9 +105,11 @@ class SandboxManager:
                        if config.template_snapshots else None)
         # Pulled images: their layers, and the rootfs mounts of image templates.
         self.image_cache = ImageService(
-            LayerStore(config.images_cache_dir, config.image_cache_bytes), templates,
+            LayerStore(config.images_cache_dir, config.image_cache_bytes,
+                       mountpoints=(*DEFAULT_MOUNTPOINTS, BUNDLE_MOUNT)), templates,
             config.secrets_dir, in_use=self._templates_in_use,
-            pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()])
+            pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
+            local_sources_dir=config.image_imports_dir)
 
     # -- start / stop ---------------------------------------------------------
 
