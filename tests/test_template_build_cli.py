@@ -77,6 +77,13 @@ def test_build_ls_rm_from_a_dockerfile(node: Node, env: dict[str, str], tmp_path
         finally:
             api.delete(f"/sandboxes/{sid}")
 
+    # FROM a template of the node, as docker uses a local image before pulling.
+    child = tmp_path / "Dockerfile.child"
+    child.write_text(f"FROM {name}\nRUN cat /srv/site/built.txt\n")
+    r = aenv(env, "template", "build", "-f", str(child), "--name", f"{name}-child")
+    assert "mode is cli-built" in r.stderr, r.stderr
+    assert aenv(env, "template", "rm", f"{name}-child").stdout.strip() == f"{name}-child"
+
     assert aenv(env, "template", "rm", name).stdout.strip() == name
     assert template_id not in aenv(env, "template", "ls").stdout
     assert "not found" in one_line_error(aenv(env, "template", "rm", name, ok=False))

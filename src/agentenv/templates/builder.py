@@ -353,13 +353,24 @@ class TemplateBuilder:
             image = spec["fromImage"]
             repo = image.split("@")[0].rsplit(":", 1)[0] if ":" in image.split("/")[-1] \
                 else image.split("@")[0]
+            # As docker does with its local images: a template of this node named
+            # like the image (``FROM py`` after ``aenv pull ... --name py``) is used.
             name = BASE_IMAGES.get(repo.removeprefix("docker.io/")) or \
+                self._local_template(image) or \
                 await self._pull(build, image, spec.get("fromImageRegistry"),
                                  bool(spec.get("force")))
         try:
             return self.registry.get(name)
         except TemplateNotFound:
             raise StepFailed(f"base template '{name}' not found", "base") from None
+
+    def _local_template(self, image: str) -> str:
+        if "/" in image or "@" in image:
+            return ""
+        try:
+            return self.registry.get(image.removesuffix(":latest")).template_id
+        except TemplateNotFound:
+            return ""
 
     async def _pull(self, build: Build, image: str, registry: dict | None,
                     force: bool) -> str:
