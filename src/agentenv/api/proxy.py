@@ -195,35 +195,37 @@ class SandboxProxy:
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
 
-        async def client_to_upstream() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "websocket.disconnect":
-                    await upstream.close()
-                    return
-                if msg.get("bytes") is not None:
-                    await upstream.send(msg["bytes"])
-                elif msg.get("text") is not None:
-                    await upstream.send(msg["text"])
+        await relay_websocket(receive, send, upstream)
 
-        async def upstream_to_client() -> None:
-            try:
-                async for data in upstream:
-                    if isinstance(data, bytes):
-                        await send({"type": "websocket.send", "bytes": data})
-                    else:
-                        await send({"type": "websocket.send", "text": data})
-            except websockets.ConnectionClosed:
-                pass
-            with contextlib.suppress(Exception):
-                await send({"type": "websocket.close", "code": upstream.close_code or 1000})
 
-        tasks = [
-            asyncio.create_task(client_to_upstream()),
-            asyncio.create_task(upstream_to_client()),
-        ]
-        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
+async def relay_websocket(receive: Receive, send: Send, upstream) -> None:
+    """Carry an accepted client WebSocket and its upstream both ways until either ends."""
+
+    async def client_to_upstream() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "websocket.disconnect":
+                await upstream.close()
+                return
+            if msg.get("bytes") is not None:
+                await upstream.send(msg["bytes"])
+            elif msg.get("text") is not None:
+                await upstream.send(msg["text"])
+
+    async def upstream_to_client() -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for data in upstream:
+                key = "bytes" if isinstance(data, bytes) else "text"
+                await send({"type": "websocket.send", key: data})
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+
+    tasks = [asyncio.create_task(client_to_upstream()),
+             asyncio.create_task(upstream_to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
             task.cancel()
         await upstream.close()
 

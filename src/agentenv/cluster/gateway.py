@@ -37,7 +37,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from .. import __version__
 from ..api.errors import error_response, install_error_handlers
-from ..api.proxy import _body, _hung_up, _reply
+from ..api.proxy import _body, _hung_up, _reply, relay_websocket
 from ..api.proxy import _relay as _relay_body
 from ..orchestrator import NotFound
 from ..orchestrator.envd_client import ENVD_PORT
@@ -320,30 +320,7 @@ class GatewayProxy:
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
 
-        async def client_to_node() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "websocket.disconnect":
-                    await upstream.close()
-                    return
-                if msg.get("bytes") is not None:
-                    await upstream.send(msg["bytes"])
-                elif msg.get("text") is not None:
-                    await upstream.send(msg["text"])
-
-        async def node_to_client() -> None:
-            with contextlib.suppress(websockets.ConnectionClosed):
-                async for data in upstream:
-                    key = "bytes" if isinstance(data, bytes) else "text"
-                    await send({"type": "websocket.send", key: data})
-            with contextlib.suppress(Exception):
-                await send({"type": "websocket.close", "code": upstream.close_code or 1000})
-
-        tasks = [asyncio.create_task(client_to_node()), asyncio.create_task(node_to_client())]
-        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        await upstream.close()
+        await relay_websocket(receive, send, upstream)
 
 
 def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
