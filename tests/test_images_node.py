@@ -18,6 +18,7 @@ from e2b import Sandbox
 from agentenv.testing import SHARED_HOME, Node, leaks
 from agentenv.testing.nodes import AENV
 from agentenv.testing.registry import (
+    DEFAULT_PATH,
     Entry,
     RegistryServer,
     build_image,
@@ -60,8 +61,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     budget = accounted(base_tar) + int(top_size * 2.5)
     registry = RegistryServer(tmp / "registry").start()
     base = base_tar.read_bytes()
-    refs = {name: registry.push(f"apps/{name}", "v1", build_image([base, top_layer(name)],
-                                                                  ["tar", how]))
+    refs = {name: registry.push(f"apps/{name}", "v1", build_image(
+        [base, top_layer(name)], ["tar", how],
+        # The image's ENV, WORKDIR and USER are what its sandboxes' commands get.
+        env=[f"PATH={DEFAULT_PATH}", f"GREETING=hi from {name}"], workdir="/opt",
+        user="user" if name == "img-c" else ""))
             for name, how in (("img-a", "gzip"), ("img-b", "zstd"), ("img-c", "tar"))}
     node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_CACHE_BYTES=str(budget),
                 AENV_IMAGE_IMPORT_DIR=str(tmp))
@@ -124,6 +128,9 @@ def test_templates_start_within_budget(world: dict) -> None:
                                    "echo private > /tmp/w && cat /tmp/w")
             assert out.stdout.split() == ["hello", "from", name, str(TOP_MIB << 20),
                                           "no-motd", "private"]
+            out = sbx.commands.run("echo $GREETING; pwd; whoami")
+            assert out.stdout.split("\n")[:3] == [
+                f"hi from {name}", "/opt", "user" if name == "img-c" else "root"], out.stdout
         # All three run though they do not fit the budget together: in-use layers stay.
         listing = images(node)
         assert all(i["cachedLayers"] == 2 for i in listing["images"]), listing

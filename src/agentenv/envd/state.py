@@ -31,7 +31,8 @@ class User:
     @classmethod
     def lookup(cls, name: str) -> User:
         try:
-            pw = pwd.getpwnam(name)
+            # Images name their user by uid too (``USER 1000``).
+            pw = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
         except KeyError:
             raise UserError(f"invalid user: user '{name}' does not exist in the sandbox") from None
         except OSError as e:  # no /etc/passwd at all
@@ -62,15 +63,15 @@ class State:
         """The user named by a request, or the default one when it names none."""
         if name:
             return User.lookup(name)
-        if self.default_user:
-            return User.lookup(self.default_user)
-        try:
-            return User.lookup(FALLBACK_USER)
-        except UserError:
-            try:
-                return User.lookup("root")
-            except UserError:
-                return _ROOT  # rootfs without /etc/passwd
+        # A pulled image rarely has the node's default user: fall back, as a
+        # container runtime runs an image with no USER as root.
+        for candidate in (self.default_user, FALLBACK_USER, "root"):
+            if candidate:
+                try:
+                    return User.lookup(candidate)
+                except UserError:
+                    pass
+        return _ROOT  # rootfs without /etc/passwd
 
     def user_from_authorization(self, header: str | None) -> User:
         """``Authorization: Basic base64("user:")`` as the SDK sends it."""

@@ -193,6 +193,8 @@ class ImageService:
                            for x in image.layers],
                 "config": image.run_config,
             },
+            # What `docker run` would give the image's processes.
+            **_run_defaults(image.run_config),
         }
         if credentials:
             # Kept (0600) so that evicted layers can be fetched again.
@@ -354,3 +356,15 @@ def _creds(credentials: dict | None) -> tuple[str, str]:
     if not isinstance(credentials, dict):
         raise BadReference("credentials must be an object with username and password")
     return str(credentials.get("username", "")), str(credentials.get("password", ""))
+
+
+def _run_defaults(config: dict) -> dict:
+    """The template defaults an image's config implies: its ENV, WORKDIR and USER."""
+    envs = dict(item.split("=", 1) for item in config.get("env", []) if "=" in item)
+    out: dict = {"envs": envs} if envs else {}
+    if config.get("workdir"):
+        out["defaultWorkdir"] = config["workdir"]
+    # ``USER name:group``: envd takes the user's own group.
+    user = str(config.get("user") or "").split(":")[0]
+    out["defaultUser"] = user or "root"
+    return out

@@ -407,7 +407,9 @@ class SandboxManager:
             t2 = time.perf_counter()
             await self.envd.wait_ready(slot.address)
             t3 = time.perf_counter()
-            await self.envd.init(slot.address, record.envd_token, record.env_vars)
+            await self.envd.init(slot.address, record.envd_token, record.env_vars,
+                                 default_user=template.default_user or "user",
+                                 default_workdir=template.default_workdir)
             await self.run_start_command(template, slot.address, record.envd_token)
             self._transition(record, SandboxState.RUNNING)
             log.info("created %s in %.0f ms (booted: slot %.0f, runtime %.0f, envd %.0f, "

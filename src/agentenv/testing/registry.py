@@ -136,7 +136,8 @@ class TestImage:
 
 def build_image(tars: list[bytes], compression: list[str] | None = None,
                 env: list[str] | None = None, cmd: list[str] | None = None,
-                arch: str = "amd64", docker_types: bool = False) -> TestImage:
+                arch: str = "amd64", docker_types: bool = False,
+                workdir: str = "/", user: str = "") -> TestImage:
     """An image of the given layer tars (bottom first), each compressed as asked."""
     compression = compression or ["gzip"] * len(tars)
     layers = [Blob(compress(t, c), LAYER_TYPES[c]) for t, c in zip(tars, compression, strict=True)]
@@ -147,7 +148,7 @@ def build_image(tars: list[bytes], compression: list[str] | None = None,
     config = Blob(json.dumps({
         "architecture": arch, "os": "linux",
         "config": {"Env": env or [f"PATH={DEFAULT_PATH}"],
-                   "Cmd": cmd or ["/bin/sh"], "WorkingDir": "/"},
+                   "Cmd": cmd or ["/bin/sh"], "WorkingDir": workdir, "User": user},
         "rootfs": {"type": "layers", "diff_ids": diff_ids},
     }).encode(), "application/vnd.docker.container.image.v1+json" if docker_types
         else OCI_CONFIG)
