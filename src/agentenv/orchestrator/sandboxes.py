@@ -203,6 +203,26 @@ class SandboxManager:
             log.info("reconcile: adopted %s sandbox %s", record.state, record.sandbox_id)
             if record.state is SandboxState.PAUSED:
                 self._recommit_if_staged(record)
+        await self._drop_unanswering()
+
+    async def _drop_unanswering(self) -> None:
+        """A running sandbox is adopted only if its envd answers: one a killed node
+        was pausing can still show as running while its capture stops it."""
+        running = [r for r in self._records.values() if r.state is SandboxState.RUNNING]
+
+        async def answers(record: SandboxRecord) -> bool:
+            try:
+                await self.envd.wait_ready(record.slot_address, deadline_s=10)
+                return True
+            except EnvdUnavailable:
+                return False
+
+        for record, ok in zip(running, await asyncio.gather(*map(answers, running)),
+                              strict=True):
+            if not ok:
+                log.warning("reconcile: sandbox %s does not answer; removing it",
+                            record.sandbox_id)
+                await self._teardown(record, True)
 
     def _remove_stale_captures(self, keep: dict[str, SandboxRecord]) -> None:
         """Captures a crash interrupted: fork images, and staged snapshots that no
@@ -264,6 +284,7 @@ class SandboxManager:
         timeout = self._check_timeout(req.timeout)
         _check_str_map("metadata", req.metadata, MAX_METADATA_ENTRIES)
         _check_str_map("envVars", req.env_vars, MAX_ENV_ENTRIES)
+        _check_env(req.env_vars)
         try:
             template = self.templates.get(req.template)
         except TemplateNotFound as exc:
@@ -1095,6 +1116,14 @@ class SandboxManager:
                           record.sandbox_id, exc)
         with contextlib.suppress(NotFound, Conflict):
             await self.kill(record.sandbox_id)
+
+
+def _check_env(env: dict[str, str]) -> None:
+    """What a process environment can hold (a NUL byte once reached envd: a 500)."""
+    for k, v in env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise BadRequest(f"envVars: {k!r} is not a valid environment variable "
+                             "(names are non-empty without '='; no NUL bytes)")
 
 
 def _check_str_map(name: str, value: dict, limit: int) -> None:
