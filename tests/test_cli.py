@@ -251,6 +251,10 @@ def test_start_shell_over_pty_resize_ctrl_d_then_cn(cli_env) -> None:
     child.sendline("sleep 0.5; stty size")
     child.expect("40 120")
     child.sendline("touch /tmp/was-here")
+    # Ctrl-D once the shell reads again: sent while the command runs, the
+    # terminal is in canonical mode and the EOF is not kept for readline.
+    child.expect("touch /tmp/was-here")
+    child.expect(r"\$ ")
     child.send("\x04")  # Ctrl-D leaves the shell
     child.expect(r"aenv cn ([a-z0-9]+)")
     sid = child.match.group(1)

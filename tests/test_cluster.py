@@ -69,6 +69,22 @@ def test_auth_and_errors_are_the_nodes(api: httpx.Client, cluster: Cluster) -> N
     r = api.post("/sandboxes", json={"templateID": "no-such-template"})
     assert r.status_code == 404 and "no-such-template" in r.json()["message"]
     assert api.get("/templates").status_code == 200  # any node answers the rest
+    # An ID that is no sandbox's ID is never passed on to the nodes.
+    assert api.get("/sandboxes/..%2F..%2Fhealth").status_code == 404
+
+
+def test_a_sandbox_made_on_a_node_directly_is_found_at_once(cluster: Cluster,
+                                                             api: httpx.Client) -> None:
+    node = cluster.nodes[-1]
+    with cluster.client(node.url) as direct:
+        sid = direct.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    try:
+        # Before any heartbeat told the gateway of it, the nodes are asked.
+        r = api.get(f"/sandboxes/{sid}")
+        assert r.status_code == 200 and r.json()["sandboxID"] == sid, r.text
+        assert owner(cluster, sid) == f"node-{len(cluster.nodes)}"
+    finally:
+        api.delete(f"/sandboxes/{sid}")
 
 
 def test_e2b_sdk_through_the_gateway(cluster: Cluster, api: httpx.Client) -> None:

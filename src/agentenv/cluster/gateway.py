@@ -46,6 +46,8 @@ from .registry import NodeStatus, Registry
 
 log = logging.getLogger(__name__)
 MAX_PAGE = 100
+# What a sandbox ID can be (new_sandbox_id); anything else is never asked of nodes.
+SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")
 # Headers that belong to one hop, or that httpx sets itself.
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
         "te", "trailer"}
@@ -107,7 +109,7 @@ class Gateway:
     async def owner(self, sandbox_id: str) -> tuple[dict[str, str], NodeStatus]:
         """The sandbox's entry and its node; a paused sandbox of a down node is first
         adopted by another node; a running one there is reported lost (410)."""
-        found = await self.registry.route(sandbox_id)
+        found = await self.registry.route(sandbox_id) or await self._find(sandbox_id)
         if found is None:
             raise NotFound(f"sandbox '{sandbox_id}' not found")
         entry, node = found
@@ -120,6 +122,29 @@ class Gateway:
         raise ClusterError(410, f"sandbox '{sandbox_id}' was {entry.get('state', 'running')} on "
                                 f"node {entry['node']}, which is down: its running state is "
                                 f"lost{hint}")
+
+    async def _find(self, sandbox_id: str
+                    ) -> tuple[dict[str, str], NodeStatus | None] | None:
+        """A sandbox no heartbeat told of yet (made on a node directly, or just
+        after a node restarted): every up node is asked, and the owner recorded."""
+        if not SANDBOX_ID.fullmatch(sandbox_id):
+            return None
+
+        async def ask(node: NodeStatus) -> str | None:
+            try:
+                r = await self.http.get(f"{node.url}/sandboxes/{sandbox_id}",
+                                        headers={"X-API-Key": self.api_key})
+            except httpx.HTTPError:
+                return None
+            return r.json().get("state") if r.status_code == 200 else None
+
+        nodes = await self.up_nodes()
+        for node, state in zip(nodes, await asyncio.gather(*(ask(n) for n in nodes)),
+                               strict=True):
+            if state:
+                await self.registry.set_sandbox(sandbox_id, node.node_id, state)
+                return await self.registry.route(sandbox_id)
+        return None
 
     async def signer(self, query: str) -> str | None:
         """The sandbox that signed a ``/files`` URL: every up node is asked (each
