@@ -14,7 +14,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.runtime.oci import CPU_PERIOD_US, CPU_RESERVE, nproc_limit
+from agentenv.runtime.oci import CPU_PERIOD_US, CPU_RESERVE, file_size_limit, nproc_limit
 from agentenv.testing import SHARED_HOME, Node
 
 SAMPLES = 21
@@ -81,19 +81,19 @@ def test_hog_stays_in_its_sandbox(node: Node, api: httpx.Client, neighbour: Sand
             assert _stopped(hogger, "python3"), "the memory hog still runs"
             assert hogger.commands.run("echo alive", timeout=30).stdout.strip() == "alive"
         if hog == "disk":
-            # The filler is stopped (killed by envd's guard) long before 4000 MB; the
-            # sandbox lives and deleting the file frees the space.
+            # The filler meets RLIMIT_FSIZE (SIGXFSZ) at the quota, here capped by the
+            # memory its in-memory layer lives in; the sandbox lives and deleting the
+            # file frees the space.
             assert _stopped(hogger, "dd"), "the disk filler still runs"
             size = hogger.commands.run("du -m /home/user/fill | cut -f1", timeout=30).stdout
-            assert int(size) < 1500
+            assert int(size) == file_size_limit(1024, spec_memory_mb(_spec(node, hogger))) >> 20
             assert hogger.commands.run("rm /home/user/fill && df -m / | tail -1 && echo x > "
                                        "/home/user/small && cat /home/user/small",
                                        timeout=30).stdout.split()[-1] == "x"
         if hog == "fork_bomb":
             # Its processes are bounded by RLIMIT_NPROC (per user, inside; gVisor
             # enforces it and root inside lacks CAP_SYS_RESOURCE).
-            spec = json.loads((node.home / "run" / "sandboxes" / hogger.sandbox_id /
-                               "config.json").read_text())
+            spec = _spec(node, hogger)
             limits = {r["type"]: r["hard"] for r in spec["process"]["rlimits"]}
             assert limits["RLIMIT_NPROC"] == nproc_limit(spec_memory_mb(spec))
     finally:
@@ -118,6 +118,11 @@ def _stopped(sbx: Sandbox, name: str) -> bool:
     return r.exit_code == 0
 
 
+def _spec(node: Node, sbx: Sandbox) -> dict:
+    return json.loads((node.home / "run" / "sandboxes" / sbx.sandbox_id / "config.json"
+                       ).read_text())
+
+
 def spec_memory_mb(spec: dict) -> int:
     env = dict(e.split("=", 1) for e in spec["process"]["env"])
     return int(env["AENV_MEMORY_LIMIT_MB"])
@@ -125,8 +130,8 @@ def spec_memory_mb(spec: dict) -> int:
 
 def test_disk_quota_follows_the_templates_disk_size(node: Node, api: httpx.Client) -> None:
     """A template's diskSizeMB is the quota of its sandboxes' writable layer: a filler
-    is stopped just past it (runsc has no size limit for the in-memory root layer, so
-    envd's guard stops the top writer), and the sandbox lives on."""
+    meets RLIMIT_FSIZE exactly at it (many files meet envd's polling guard: runsc has
+    no size limit for the in-memory root layer), and the sandbox lives on."""
     tdir = node.home / "templates" / "xsn-disk64"
     tdir.mkdir(parents=True, exist_ok=True)
     (tdir / "template.json").write_text(json.dumps(
@@ -139,10 +144,14 @@ def test_disk_quota_follows_the_templates_disk_size(node: Node, api: httpx.Clien
         r = sbx.commands.run("dd if=/dev/zero of=/home/user/fill bs=1M count=400 2>&1; "
                              "echo rc=$?; du -m /home/user/fill | cut -f1", timeout=120)
         lines = r.stdout.split()
-        assert "rc=137" in lines, r.stdout  # SIGKILL from envd's guard, not ENOSPC
-        assert 64 <= int(lines[-1]) < 200, r.stdout
+        assert "rc=153" in lines, r.stdout  # 128 + SIGXFSZ: "File size limit exceeded"
+        assert int(lines[-1]) == 64, r.stdout
+        # envd's own writes get EFBIG (a clear 507), and envd lives.
+        with pytest.raises(Exception, match="disk quota"):
+            sbx.files.write("/home/user/upload", b"x" * (65 << 20))
         # Small writes still work once the space is freed.
-        r = sbx.commands.run("rm /home/user/fill; echo ok > /home/user/f; cat /home/user/f")
+        r = sbx.commands.run("rm /home/user/fill /home/user/upload; echo ok > /home/user/f; "
+                             "cat /home/user/f")
         assert r.stdout.strip() == "ok"
     finally:
         sbx.kill()

@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # `kill -USR1 1` inside a sandbox writes envd's Python stacks to its console log.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A write past RLIMIT_FSIZE (the disk quota) must fail with EFBIG, not end envd;
+    # its commands get the default action back (Popen restores SIGXFSZ).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     marks = [("interpreter", _since_process_start())]
     # Listen before the heavy imports: the node's health probe connects at once
     # and is answered the moment the app is up, instead of polling a closed port.

@@ -104,8 +104,9 @@ def _oserror(e: OSError, path: str) -> ConnectError:
         return ConnectError(Code.PERMISSION_DENIED, f"permission denied: '{path}'")
     if e.errno == errno.ENOTDIR:
         return ConnectError(Code.INVALID_ARGUMENT, f"a component of '{path}' is not a directory")
-    if e.errno == errno.ENOSPC:
-        return ConnectError(Code.RESOURCE_EXHAUSTED, "not enough disk space")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ConnectError(Code.RESOURCE_EXHAUSTED,
+                            "not enough disk space (the sandbox's disk quota)")
     return ConnectError(Code.INTERNAL, f"{e.strerror or e}: '{path}'")
 
 

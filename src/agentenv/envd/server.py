@@ -89,8 +89,8 @@ def _header(scope, name: bytes) -> str | None:
 
 
 def _io_error(e: OSError, path: str) -> HTTPError:
-    if e.errno == errno.ENOSPC or e.errno == errno.EDQUOT:
-        return HTTPError(507, "not enough disk space")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return HTTPError(507, "not enough disk space (the sandbox's disk quota)")
     if e.errno == errno.ENOENT:
         return HTTPError(404, f"path '{path}' does not exist")
     if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.EINVAL, errno.ENAMETOOLONG):

@@ -319,17 +319,19 @@ class SlotPool:
             self._spawn(self._notify())
 
         def settle(done: asyncio.Future[None]) -> None:
-            self._direct -= 1
             if done.cancelled() or done.exception() is not None:
+                self._direct -= 1
                 self._busy.discard(index)
                 self._counts["failures"] += 1
                 return
             self._counts["created"] += 1
             if abandoned:  # the caller went away: keep the slot warm, or drop it
+                self._direct -= 1
                 keep_or_drop()
-            # Else the index stays reserved until `acquire` holds the slot: this
-            # callback runs before the caller resumes, and an index freed in
-            # between was once reserved again and built over (two slots, one netns).
+            # Else the slot stays counted (``_direct``) and its index reserved until
+            # the caller resumes and `acquire` holds it: this callback runs first,
+            # and in between another acquire once built past the capacity, or
+            # reserved the index again and built over it (two slots, one netns).
 
         abandoned = False
         job.add_done_callback(settle)
@@ -338,8 +340,10 @@ class SlotPool:
         except asyncio.CancelledError:
             abandoned = True
             if job.done() and not job.cancelled() and job.exception() is None:
+                self._direct -= 1
                 keep_or_drop()  # built, and settled before the cancellation came
             raise
+        self._direct -= 1  # `acquire` holds it next, with no await in between
         return slot
 
     async def _refill_loop(self) -> None:

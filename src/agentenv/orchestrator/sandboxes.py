@@ -585,6 +585,7 @@ class SandboxManager:
         """The runtime spec of a sandbox of ``template`` (the same for boot and restore:
         a restore must match what was checkpointed)."""
         assert self._bundle is not None
+        disk_mb = template.disk_size_mb or self.config.default_disk_mb
         return SandboxSpec(
             sandbox_id=sandbox_id,
             rootfs=template.rootfs,
@@ -597,8 +598,8 @@ class SandboxManager:
             init_args=self._init_argv,
             init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(memory_mb),
                       # envd's guard keeps the writable layer's quota (runsc has none).
-                      "AENV_DISK_LIMIT_MB": str(template.disk_size_mb
-                                                or self.config.default_disk_mb)},
+                      "AENV_DISK_LIMIT_MB": str(disk_mb)},
+            disk_mb=disk_mb,
         )
 
     # -- snapshots, pause, resume --------------------------------------------------

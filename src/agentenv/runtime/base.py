@@ -29,6 +29,7 @@ class SandboxSpec:
     bundle_mount: str
     init_args: list[str]  # the sandbox's first process (envd)
     init_env: dict[str, str] = field(default_factory=dict)
+    disk_mb: int = 0  # quota of the writable root layer (0: none)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,13 @@ NPROC_MIN = 128
 
 def nproc_limit(memory_mb: int) -> int:
     return max(NPROC_MIN, int(memory_mb * NPROC_PER_MIB))
+
+
+def file_size_limit(disk_mb: int, memory_mb: int) -> int:
+    """RLIMIT_FSIZE in bytes: no one file outgrows the disk quota, nor the memory its
+    in-memory root layer lives in (gVisor enforces it at once: a filler gets SIGXFSZ
+    where a polling guard came a few hundred MB too late at GB/s)."""
+    return max(16, min(disk_mb, memory_mb * 3 // 4)) * MIB
 MIB = 1024 * 1024
 
 
@@ -68,7 +75,11 @@ def build_spec(spec: SandboxSpec, cgroups_path: str) -> dict[str, Any]:
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1 << 20, "soft": 1 << 20},
                         {"type": "RLIMIT_NPROC", "hard": nproc_limit(spec.memory_mb),
-                         "soft": nproc_limit(spec.memory_mb)}],
+                         "soft": nproc_limit(spec.memory_mb)},
+                        *([{"type": "RLIMIT_FSIZE",
+                            "hard": file_size_limit(spec.disk_mb, spec.memory_mb),
+                            "soft": file_size_limit(spec.disk_mb, spec.memory_mb)}]
+                          if spec.disk_mb else [])],
         },
         # Not read-only: runsc puts a private writable overlay over it, and the
         # template directory underneath is never written.
