@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentenv.testing import Node, leaks
+from agentenv.testing import Node, leaks, sdk_env
 
 # Per session, so that two test runs on one machine never take each other's
 # slots for crash leftovers (each node removes unknown slots of its prefix).
@@ -23,14 +23,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     home = tmp_path_factory.mktemp("node")
     server = Node(home, TEST_PREFIX, TEST_CIDR)
     server.start()
-    saved = {k: os.environ.get(k) for k in server.e2b_env()}
-    os.environ.update(server.e2b_env())
-    yield server
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with sdk_env(server.e2b_env()):
+        yield server
     code = server.stop()
     left = leaks(TEST_PREFIX, home)
     # uvicorn re-raises SIGTERM after its graceful shutdown.

@@ -21,6 +21,7 @@ from websockets.sync.client import connect as ws_connect
 from agentenv.cluster import NodeStatus, PlacementRequest, place
 from agentenv.snapshot import Manifest
 from agentenv.snapshot.manifest import ZERO
+from agentenv.testing import sdk_env
 from agentenv.testing.cluster import Cluster
 from sandbox_helpers import COUNTER, counting, start_ws_echo, wait_port
 
@@ -32,15 +33,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         c.start()
         c.warm()
-        saved = {k: os.environ.get(k) for k in c.e2b_env()}
-        os.environ.update(c.e2b_env())
-        yield c
+        with sdk_env(c.e2b_env()):
+            yield c
     finally:
-        for k, v in locals().get("saved", {}).items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         left = c.stop()
     assert not left, f"cluster left behind: {left}"
 

@@ -18,7 +18,6 @@ tests/test_snapshot_crash.py a kill mid-commit at the repository level.)
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
 import threading
@@ -30,7 +29,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import Node, leaks
+from agentenv.testing import Node, leaks, sdk_env
 
 PREFIX = "acs"
 CIDR = "10.42.0.0/16"
@@ -41,14 +40,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     server = Node(tmp_path_factory.mktemp("crash") / "home", PREFIX, CIDR)
     server.start()
     # The e2b SDK finds the node through these (the port stays the same across restarts).
-    saved = {k: os.environ.get(k) for k in server.e2b_env()}
-    os.environ.update(server.e2b_env())
-    yield server
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with sdk_env(server.e2b_env()):
+        yield server
     if server.proc is None or server.proc.poll() is not None:
         server.start()
     with server.client() as api:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import SHARED_HOME, Node, leaks
+from agentenv.testing import SHARED_HOME, Node, leaks, sdk_env
 from agentenv.testing.nodes import AENV
 from agentenv.testing.registry import (
     DEFAULT_PATH,
@@ -70,14 +70,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_CACHE_BYTES=str(budget),
                 AENV_IMAGE_IMPORT_DIR=str(tmp))
     node.start()
-    saved = {k: os.environ.get(k) for k in node.e2b_env()}
-    os.environ.update(node.e2b_env())
-    yield {"node": node, "registry": registry, "refs": refs, "budget": budget, "tmp": tmp}
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with sdk_env(node.e2b_env()):
+        yield {"node": node, "registry": registry, "refs": refs, "budget": budget, "tmp": tmp}
     node.stop()
     registry.stop()
     assert "node stopped cleanly" in node.log_tail(), node.log_tail()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import Node, leaks
+from agentenv.testing import Node, leaks, sdk_env
 from sandbox_helpers import COUNTER, count, counting
 from test_snapshot_store import S3Server
 
@@ -51,12 +51,8 @@ def oss_node(tmp_path_factory: pytest.TempPathFactory, s3: S3Server) -> Iterator
 def target(request, node: Node) -> Iterator[tuple[Node, httpx.Client]]:
     """A node of each backend, with the e2b SDK pointed at it."""
     chosen = node if request.param == "posix_fs" else request.getfixturevalue("oss_node")
-    saved = {k: os.environ.get(k) for k in chosen.e2b_env()}
-    os.environ.update(chosen.e2b_env())
-    with chosen.client() as api:
+    with sdk_env(chosen.e2b_env()), chosen.client() as api:
         yield chosen, api
-    for k, v in saved.items():
-        os.environ[k] = v or ""
 
 
 def running_sandbox(api: httpx.Client, **body) -> Sandbox:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import Node, leaks
+from agentenv.testing import Node, leaks, sdk_env
 
 PREFIX = f"w{os.getpid() % 4096:03x}"
 CIDR = f"10.{200 + os.getpid() % 50}.0.0/16"
@@ -21,11 +21,8 @@ def pool_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     node = Node(tmp_path_factory.mktemp("pool") / "home", PREFIX, CIDR,
                 AENV_WARM_POOL_SIZE="2")
     node.start()
-    saved = {k: os.environ.get(k) for k in node.e2b_env()}
-    os.environ.update(node.e2b_env())
-    yield node
-    for k, v in saved.items():
-        os.environ[k] = v or ""
+    with sdk_env(node.e2b_env()):
+        yield node
     node.stop()
     assert "node stopped cleanly" in node.log_tail()
     assert leaks(PREFIX, node.home) == []

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -104,6 +106,22 @@ class Node:
 
     def e2b_env(self) -> dict[str, str]:
         return {"E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url, "E2B_API_KEY": self.api_key}
+
+
+@contextlib.contextmanager
+def sdk_env(env: dict[str, str]) -> Iterator[None]:
+    """Point the e2b SDK (which reads E2B_* from the environment) at a server, and
+    put the environment back as it was afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def leaks(prefix: str, home: Path) -> list[str]:
