@@ -23,6 +23,12 @@ from agentenv.snapshot import Manifest
 from agentenv.snapshot.manifest import ZERO
 from agentenv.testing import sdk_env
 from agentenv.testing.cluster import Cluster
+from proxy_attacks import (
+    assert_bad_routing_is_400,
+    assert_no_ssrf,
+    assert_routing_headers_stripped,
+    start_header_echo,
+)
 from sandbox_helpers import COUNTER, counting, start_ws_echo, wait_port
 
 
@@ -150,6 +156,21 @@ def test_ports_by_host_and_headers_http_and_websocket(cluster: Cluster) -> None:
     finally:
         sbx.kill()
 
+
+
+def test_gateway_proxy_is_no_ssrf(cluster: Cluster) -> None:
+    """Issue 12, finding 1, at the gateway: hostile request-targets reach neither the
+    gateway's loopback nor a node's; routing headers are the gateway's own."""
+    sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        assert_no_ssrf(cluster.gateway_port, sbx.sandbox_id)
+        assert_bad_routing_is_400(cluster.gateway_port, sbx.sandbox_id)
+        start_header_echo(sbx)
+        assert_routing_headers_stripped(cluster.gateway_port, sbx.sandbox_id)
+        assert httpx.get(cluster.gateway_url + "/openapi.json").status_code == 401
+        assert sbx.commands.run("echo ok").stdout == "ok\n"
+    finally:
+        sbx.kill()
 
 def _node(nid: str, load: int, capacity: int = 4, **kw) -> NodeStatus:
     return NodeStatus(node_id=nid, url=f"http://{nid}", capacity=capacity, load=load,

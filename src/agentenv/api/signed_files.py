@@ -11,8 +11,6 @@ sandbox's envd (which checks the signature, and its expiry, again).
 from __future__ import annotations
 
 import hmac
-import json
-import re
 from collections.abc import Callable, Iterable
 from urllib.parse import parse_qsl
 
@@ -21,6 +19,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..envd.server import file_signature
 from ..orchestrator import SandboxRecord, SandboxState
 from ..orchestrator.envd_client import ENVD_PORT
+from ..web import SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER, BadTarget, send_error
+from ..web.routing import SandboxRouting
 
 FILES_PATH = "/files"
 
@@ -30,15 +30,17 @@ class SignedFileRouter:
                  domain: str):
         self.app = app
         self.records = records
-        self._sandbox_host = re.compile(r"^\d{1,5}-[a-z0-9]+\." + re.escape(domain.lower()))
+        self.routing = SandboxRouting(domain)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != FILES_PATH:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        if b"e2b-sandbox-id" in headers or self._sandbox_host.match(
-                headers.get(b"host", b"").decode("latin-1").lower()):
+        try:
+            addressed = self.routing.target(scope) is not None
+        except BadTarget:
+            addressed = True  # the proxy answers it
+        if addressed:
             await self.app(scope, receive, send)
             return
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"),
@@ -49,12 +51,12 @@ class SignedFileRouter:
             return
         sandbox_id = self._signer(query, signature, "read" if scope["method"] == "GET" else "write")
         if sandbox_id is None:
-            await _reply(send, 401, "the file URL's signature matches no running sandbox "
-                                    "(or it is for the other operation)")
+            await send_error(scope, send, 401, "the file URL's signature matches no running "
+                             "sandbox (or it is for the other operation)")
             return
         routed = dict(scope)
-        routed["headers"] = [*scope["headers"], (b"e2b-sandbox-id", sandbox_id.encode()),
-                             (b"e2b-sandbox-port", str(ENVD_PORT).encode())]
+        routed["headers"] = [*scope["headers"], (SANDBOX_ID_HEADER.encode(), sandbox_id.encode()),
+                             (SANDBOX_PORT_HEADER.encode(), str(ENVD_PORT).encode())]
         await self.app(routed, receive, send)
 
     def _signer(self, query: dict[str, str], signature: str, operation: str) -> str | None:
@@ -73,10 +75,3 @@ class SignedFileRouter:
                 return record.sandbox_id
         return None
 
-
-async def _reply(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"code": status, "message": message}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

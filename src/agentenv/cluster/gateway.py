@@ -37,10 +37,20 @@ from websockets.asyncio.client import connect as ws_connect
 
 from .. import __version__
 from ..api.errors import error_response, install_error_handlers
-from ..api.proxy import _body, _hung_up, _reply, relay_websocket
-from ..api.proxy import _relay as _relay_body
 from ..orchestrator import NotFound
 from ..orchestrator.envd_client import ENVD_PORT
+from ..web import (
+    SANDBOX_ID_HEADER,
+    SANDBOX_PORT_HEADER,
+    BadTarget,
+    forwarded_headers,
+    relay_client,
+    relay_http,
+    relay_websocket,
+    send_error,
+    upstream_url,
+)
+from ..web.routing import SandboxRouting
 from .common import ClusterError, require_api_key
 from .registry import NodeStatus, Registry
 
@@ -51,12 +61,6 @@ SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")
 # Headers that belong to one hop, or that httpx sets itself.
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
         "te", "trailer"}
-# Relayed sandbox traffic: hop-by-hop headers, and the routing ones the gateway resets.
-_RELAY_DROP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-               "trailer", "transfer-encoding", "upgrade", "host", "e2b-sandbox-id",
-               "e2b-sandbox-port"}
-_RELAY_DROP_RESPONSE = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                        "te", "trailer", "transfer-encoding", "upgrade", "content-length"}
 
 
 class Gateway:
@@ -100,8 +104,15 @@ class Gateway:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers["x-api-key"] = self.api_key
         content = body if body is not None else await request.body()
+        # The node's URL is the scheduler's; the path is the client's, as it sent it
+        # (raw: decoding first would let %2F or %3F change which route it names).
+        raw_path = path.encode() if path is not None else request.scope["raw_path"]
+        try:
+            url = httpx.URL(node_url).copy_with(raw_path=raw_path)
+        except httpx.InvalidURL as exc:
+            raise ClusterError(400, f"invalid request path: {exc}") from None
         return await self.http.request(
-            request.method, node_url + (path or request.url.path),
+            request.method, url,
             params=params if params is not None else request.query_params,
             headers=headers, content=content or None,
         )
@@ -229,101 +240,62 @@ class GatewayProxy:
     def __init__(self, app: ASGIApp, gateway: Gateway, domain: str) -> None:
         self.app = app
         self.gateway = gateway
-        self._host_re = re.compile(
-            r"^(?P<port>\d{1,5})-(?P<sid>[a-z0-9]+)\." + re.escape(domain.lower()) + r"(:\d+)?$"
-        )
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=10.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-            trust_env=False, follow_redirects=False,
-        )
+        self.routing = SandboxRouting(domain)
+        self._http = relay_client(
+            httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
     async def close(self) -> None:
         await self._http.aclose()
 
-    def _target(self, scope: Scope) -> tuple[str, int] | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        sid = headers.get("e2b-sandbox-id")
-        if sid:
-            port = headers.get("e2b-sandbox-port", "")
-            return sid, int(port) if port.isdigit() else -1
-        match = self._host_re.match(headers.get("host", "").lower())
-        return (match["sid"], int(match["port"])) if match else None
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        target = self._target(scope) if scope["type"] in ("http", "websocket") else None
+        try:
+            target = (self.routing.target(scope) if scope["type"] in ("http", "websocket")
+                      else None)
+        except BadTarget as exc:
+            await send_error(scope, send, 400, str(exc))
+            return
         if target is None and scope["type"] == "http" and scope["path"] == "/files":
             query = (scope.get("query_string") or b"").decode("latin-1")
             if "signature=" in query:  # a signed URL names its sandbox by signature only
                 operation = "read" if scope["method"] == "GET" else "write"
                 sid = await self.gateway.signer(f"{query}&_operation={operation}")
                 if sid is None:
-                    await _reply(scope, send, 401, "the file URL's signature matches no running "
-                                                   "sandbox (or it is for the other operation)")
+                    await send_error(scope, send, 401, "the file URL's signature matches no "
+                                     "running sandbox (or it is for the other operation)")
                     return
                 target = (sid, ENVD_PORT)
         if target is None:
             await self.app(scope, receive, send)
             return
         sandbox_id, port = target
-        if not 0 < port < 65536:
-            await _reply(scope, send, 400, f"invalid sandbox port for sandbox {sandbox_id}")
-            return
+        scheme = "ws" if scope["type"] == "websocket" else "http"
         try:
+            # Checked before the owner is looked up: a bad target costs no Redis call.
+            upstream_url(scheme, "node", None, scope)
             _, node = await self.gateway.owner(sandbox_id)
+        except BadTarget as exc:
+            await send_error(scope, send, 400, str(exc))
+            return
         except NotFound:
-            await _reply(scope, send, 502, f"The sandbox {sandbox_id} was not found")
+            await send_error(scope, send, 502, f"The sandbox {sandbox_id} was not found")
             return
         except ClusterError as exc:
-            await _reply(scope, send, 502, str(exc))
+            await send_error(scope, send, 502, str(exc))
             return
-        headers = [(k, v) for k, v in scope["headers"]
-                   if k.decode("latin-1").lower() not in _RELAY_DROP]
-        headers += [(b"e2b-sandbox-id", sandbox_id.encode()),
-                    (b"e2b-sandbox-port", str(port).encode())]
-        path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-        query = (scope.get("query_string") or b"").decode("latin-1")
-        target_url = node.url + path + (f"?{query}" if query else "")
+        headers = forwarded_headers(scope)
+        headers += [(SANDBOX_ID_HEADER.encode(), sandbox_id.encode()),
+                    (SANDBOX_PORT_HEADER.encode(), str(port).encode())]
+        node_url = httpx.URL(node.url)
+        url = upstream_url(scheme, node_url.host, node_url.port, scope)
         if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send, target_url, headers)
-        else:
-            await self._forward_http(scope, receive, send, target_url, headers, node.node_id)
-
-    async def _forward_http(self, scope: Scope, receive: Receive, send: Send, url: str,
-                            headers: list[tuple[bytes, bytes]], node_id: str) -> None:
-        names = {k.lower() for k, _ in scope["headers"]}
-        has_body = b"content-length" in names or b"transfer-encoding" in names
-        body_read = asyncio.Event()
-        if not has_body:
-            body_read.set()
-        request = self._http.build_request(
-            scope["method"], url, headers=headers,
-            content=_body(receive, body_read) if has_body else None)
-        try:
-            upstream = await self._http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            await _reply(scope, send, 502, f"node {node_id} did not answer: {exc}")
+            await self._websocket(scope, receive, send, url, headers)
             return
         try:
-            await send({"type": "http.response.start", "status": upstream.status_code,
-                        "headers": [(k, v) for k, v in upstream.headers.raw
-                                    if k.decode("latin-1").lower() not in _RELAY_DROP_RESPONSE]})
-            relay = asyncio.ensure_future(_relay_body(upstream, send))
-            hangup = asyncio.ensure_future(_hung_up(receive, body_read))
-            await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
-            hangup.cancel()
-            if not relay.done():  # the client left: so does the request to the node
-                relay.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await relay
-                return
-            relay.result()
+            await relay_http(self._http, scope, receive, send, url, headers)
         except httpx.HTTPError as exc:
-            log.info("relay from node %s ended early: %s", node_id, exc)
-        finally:
-            await upstream.aclose()
+            await send_error(scope, send, 502, f"node {node.node_id} did not answer: {exc}")
 
-    async def _websocket(self, scope: Scope, receive: Receive, send: Send, url: str,
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, url: httpx.URL,
                          headers: list[tuple[bytes, bytes]]) -> None:
         first = await receive()
         if first["type"] != "websocket.connect":
@@ -333,7 +305,7 @@ class GatewayProxy:
         extra = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
                  if k.decode("latin-1").lower() not in skip]
         try:
-            upstream = await ws_connect("ws" + url[len("http"):], additional_headers=extra,
+            upstream = await ws_connect(str(url), additional_headers=extra,
                                         subprotocols=scope.get("subprotocols") or None,
                                         open_timeout=10, max_size=None, proxy=None)
         except websockets.InvalidStatus as exc:
@@ -364,7 +336,9 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
             await gw.close()
             await registry.close()
 
-    app = FastAPI(title="agentenv gateway", version=__version__, lifespan=lifespan)
+    # /openapi.json goes on to a node like any other path: its document, for key holders.
+    app = FastAPI(title="agentenv gateway", version=__version__, lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None)
     app.state.api_key = api_key
     app.state.gateway = gw
     install_error_handlers(app)

@@ -1,0 +1,204 @@
+"""Relaying one HTTP request or WebSocket to an upstream: the node's sandbox proxy and
+the gateway's proxy both use this, so the rules that keep a relay safe live once.
+
+Safety rules:
+- The upstream URL is built from parts (scheme, host, port, the request's own
+  path and query as bytes); the client's request-target never becomes part of the
+  authority. A target that is not origin-form (``/path?query``) is refused: before
+  this rule, ``GET @127.0.0.1:18081/x`` turned a sandbox address into userinfo and
+  the node fetched from its own loopback.
+- Hop-by-hop headers (RFC 9110 7.6.1), the client's ``Host`` and the routing
+  headers are never forwarded: a request sent on to the node's own address must
+  not be routed again.
+- Bodies stream both ways; nothing is buffered whole. A client that hangs up
+  mid-response closes the upstream request too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+import httpx
+import websockets
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+SANDBOX_ID_HEADER = "e2b-sandbox-id"
+SANDBOX_PORT_HEADER = "e2b-sandbox-port"
+ROUTING_HEADERS = frozenset({SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER})
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade",
+})
+# What a relay never passes on to its upstream: the hop's own headers, the client's
+# Host (the upstream's is set from the URL) and the routing headers.
+DROP_REQUEST = HOP_BY_HOP | ROUTING_HEADERS | {"host"}
+# Content-Length is dropped too: the relayed body is streamed (chunked) again.
+DROP_RESPONSE = HOP_BY_HOP | {"content-length"}
+
+
+class BadTarget(ValueError):
+    """The request-target cannot be relayed (not origin-form)."""
+
+
+def origin_form(scope: Scope) -> bytes:
+    """The request's path and query exactly as the client sent them, as bytes.
+
+    Only origin-form targets (``/path`` with an optional ``?query``) are relayed;
+    absolute-form (``http://host/x``), authority-form and ``*`` are refused.
+    """
+    raw_path = scope.get("raw_path") or scope["path"].encode("utf-8")
+    if not raw_path.startswith(b"/") or any(c < 0x21 or c == 0x7F for c in raw_path):
+        raise BadTarget("the request-target must be a path starting with '/'")
+    query = scope.get("query_string") or b""
+    return raw_path + b"?" + query if query else raw_path
+
+
+def upstream_url(scheme: str, host: str, port: int | None, scope: Scope) -> httpx.URL:
+    """The upstream URL for this request, built from parts (never a string join)."""
+    try:
+        return httpx.URL(scheme=scheme, host=host, port=port, raw_path=origin_form(scope))
+    except httpx.InvalidURL as exc:  # e.g. a '#' in the path
+        raise BadTarget(f"the request-target is not a valid path: {exc}") from None
+
+
+def relay_client(limits: httpx.Limits | None = None) -> httpx.AsyncClient:
+    """A client for relaying: no proxy from the environment, no redirects followed, and
+    none of httpx's own default headers (User-Agent, Accept, ...): the upstream sees
+    the client's headers only."""
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=10.0),
+        limits=limits or httpx.Limits(), trust_env=False, follow_redirects=False,
+    )
+    client.headers.clear()
+    return client
+
+
+def forwarded_headers(scope: Scope, drop: Iterable[str] = DROP_REQUEST
+                      ) -> list[tuple[bytes, bytes]]:
+    """The client's headers less those a relay must not pass on."""
+    dropped = frozenset(drop)
+    return [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in dropped]
+
+
+def has_body(scope: Scope) -> bool:
+    names = {k.lower() for k, _ in scope["headers"]}
+    return b"content-length" in names or b"transfer-encoding" in names
+
+
+async def request_body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
+    """The client's request body as it arrives; ``done`` is set once it has been read."""
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            if chunk:
+                yield chunk
+            if not message.get("more_body", False):
+                return
+    finally:
+        done.set()
+
+
+async def send_response_body(upstream: httpx.Response, send: Send) -> None:
+    async for chunk in upstream.aiter_raw():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def client_gone(receive: Receive, body_read: asyncio.Event) -> None:
+    """Returns once the client has gone away (waits for the body to be read first)."""
+    await body_read.wait()
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def send_error(scope: Scope, send: Send, status: int, message: str) -> None:
+    """An error as the API shapes it (``{"code", "message"}``); a WebSocket is closed."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1011, "reason": message[:120]})
+        return
+    body = json.dumps({"code": status, "message": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def relay_http(client: httpx.AsyncClient, scope: Scope, receive: Receive, send: Send,
+                     url: httpx.URL, headers: list[tuple[bytes, bytes]]) -> None:
+    """Send the request upstream and stream the answer back. Errors before the answer
+    starts raise ``httpx.HTTPError`` for the caller to word; after, the answer ends early."""
+    body_read = asyncio.Event()  # from then on, receive() only reports a hang-up
+    streamed = has_body(scope)
+    if not streamed:
+        body_read.set()
+    request = client.build_request(
+        scope["method"], url, headers=headers,
+        content=request_body(receive, body_read) if streamed else None,
+    )
+    upstream = await client.send(request, stream=True)
+    try:
+        await send({
+            "type": "http.response.start",
+            "status": upstream.status_code,
+            "headers": [(k, v) for k, v in upstream.headers.raw
+                        if k.decode("latin-1").lower() not in DROP_RESPONSE],
+        })
+        # A client that hangs up mid-stream closes the upstream request too, so the
+        # upstream sees it (e.g. a code execution the SDK gave up on stops).
+        relay = asyncio.ensure_future(send_response_body(upstream, send))
+        hangup = asyncio.ensure_future(client_gone(receive, body_read))
+        await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        hangup.cancel()
+        if not relay.done():
+            relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay
+            return
+        relay.result()
+    except httpx.HTTPError as exc:
+        # The response has started: all that can be done is to end it early.
+        log.info("relay from %s ended early: %s", url.host, exc)
+    finally:
+        await upstream.aclose()
+
+
+async def relay_websocket(receive: Receive, send: Send, upstream) -> None:
+    """Carry an accepted client WebSocket and its upstream both ways until either ends."""
+
+    async def client_to_upstream() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "websocket.disconnect":
+                await upstream.close()
+                return
+            if msg.get("bytes") is not None:
+                await upstream.send(msg["bytes"])
+            elif msg.get("text") is not None:
+                await upstream.send(msg["text"])
+
+    async def upstream_to_client() -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for data in upstream:
+                key = "bytes" if isinstance(data, bytes) else "text"
+                await send({"type": "websocket.send", key: data})
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+
+    tasks = [asyncio.create_task(client_to_upstream()),
+             asyncio.create_task(upstream_to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await upstream.close()
