@@ -19,7 +19,7 @@ from ..templates import TemplateRegistry
 from ..templates.builder import TemplateBuilder
 from .auth import ApiKeys, load_or_create_api_key
 from .cluster_routes import router as cluster_router
-from .errors import document_errors, install_error_handlers
+from .errors import document_errors, install_error_handlers, serve_openapi
 from .image_routes import router as image_router
 from .limits import BodyLimitMiddleware
 from .proxy import SandboxProxy
@@ -93,7 +93,10 @@ def create_app(config: Config) -> ASGIApp:
             manager.store.close()
             log.info("node stopped cleanly")
 
-    app = FastAPI(title="agentenv node API", version=__version__, lifespan=lifespan)
+    # The API document is served to key holders only (see docs/security.md); the
+    # browsable /docs and /redoc pages are off: they could not send the key.
+    app = FastAPI(title="agentenv node API", version=__version__, lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None)
     app.state.config = config
     app.state.api_key = api_key
     # Re-read on change: `aenv keys rotate` takes effect without a restart.
@@ -108,6 +111,7 @@ def create_app(config: Config) -> ASGIApp:
     app.include_router(cluster_router, dependencies=[Depends(require_api_key)])
     app.include_router(image_router, dependencies=[Depends(require_api_key)])
     document_errors(app)
+    serve_openapi(app, require_api_key)
     limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT,
                                                     config.http_body_timeout), app)
     proxy = SandboxProxy(limited, manager.endpoint, config.domain,

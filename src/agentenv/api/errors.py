@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -107,3 +108,13 @@ def document_errors(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def serve_openapi(app: FastAPI, require_key: Callable[..., Awaitable[None]]) -> None:
+    """``GET /openapi.json`` for key holders only: the document names every route, the
+    version and the cluster's internal routes, and anyone who can reach the port could
+    read it otherwise. Create the app with ``openapi_url=None`` first."""
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_key)])
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(app.openapi())

@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from pydantic import BaseModel, Field
 
 from .. import __version__
-from ..api.errors import install_error_handlers
+from ..api.errors import install_error_handlers, serve_openapi
 from .common import ClusterError, require_api_key
 from .placement import PlacementRequest, place
 from .registry import NodeStatus, Registry
@@ -66,9 +66,11 @@ def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) 
                 await task
             await registry.close()
 
-    app = FastAPI(title="agentenv scheduler", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="agentenv scheduler", version=__version__, lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None)
     app.state.api_key = api_key
     install_error_handlers(app)
+    serve_openapi(app, require_api_key)
     auth = [Depends(require_api_key)]
 
     @app.get("/health")
