@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.images import HostileInput, ImageService, LayerStore
+from agentenv.images import BadReference, HostileInput, ImageService, LayerStore
 from agentenv.templates import TemplateRegistry
 from agentenv.testing import free_port
 from agentenv.testing.registry import (
@@ -185,3 +185,15 @@ def test_docker_archive_layer_not_matching_config(svc: ImageService, tmp_path: P
                 member.size = len(data)
             dst.addfile(member, io.BytesIO(data))
     refused(svc, tmp_path, f"docker-archive:{swapped}", "does not match the config's diff ID")
+
+
+@pytest.mark.parametrize("ref", [
+    "evil.example#x/repo", "127.0.0.1:5000?x=/repo", "user@127.0.0.1:5000/repo",
+    "a.b\\c/repo", "127.0.0.1:5000/Repo/../x",
+])
+def test_references_name_one_registry_and_repository(ref: str, svc: ImageService) -> None:
+    """A reference's registry becomes the authority of the URLs the node fetches: only a
+    host name (and port) is taken, so no reference can smuggle a query, fragment or
+    userinfo into them."""
+    with pytest.raises(BadReference):
+        svc.pull(ref, "hostile")

@@ -14,6 +14,9 @@ _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REPO = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
+# A registry is a host name or IPv4 address with an optional port, nothing else: it
+# becomes the authority of the URLs the node fetches.
+_REGISTRY = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+(?::[0-9]{1,5})?$")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ def parse_reference(text: str) -> ImageRef:
     first, _, remainder = name.partition("/")
     if remainder and ("." in first or ":" in first or first == "localhost"):
         registry, repo = first, remainder
+        if len(registry) > 255 or not _REGISTRY.match(registry):
+            raise BadReference(f"bad registry {registry[:80]!r}: a host name and an optional "
+                               "port")
     else:
         registry, repo = DOCKER_HUB, name if "/" in name else f"library/{name}"
     if not _REPO.match(repo):
