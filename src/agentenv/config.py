@@ -64,6 +64,9 @@ class Config:
     warm_pool_size: int = 0
     # Seconds a template build waits for its ready check to pass.
     build_ready_timeout: int = 120
+    # Bytes of log a template build keeps (its steps' output); past them one
+    # "log truncated" entry, and later output is dropped while the build goes on.
+    build_log_max_bytes: int = 8 << 20
     # Pulled images: unpacked layers live here (default <home>/cache/images) within
     # image_cache_bytes; least recently used layers no running sandbox or pinned
     # template (comma-separated names) needs are evicted, and fetched again on use.
@@ -190,4 +193,6 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         cfg.node_id = os.uname().nodename
     if cfg.net_pool_low > cfg.net_pool_high:
         raise ConfigError("net_pool_low must not exceed net_pool_high")
+    if cfg.build_log_max_bytes < 64 * 1024:
+        raise ConfigError("build_log_max_bytes must be at least 65536")
     return cfg

@@ -48,6 +48,7 @@ ID_ALPHABET = string.ascii_lowercase + string.digits
 BUILD_SANDBOX_TTL = 3600
 UPLOAD_URL_TTL = 3600
 BUILD_METADATA_KEY = "aenv.build"
+MAX_CAPTURE = 4 << 20  # bytes of a command's output the builder reads for itself (env -0)
 KEEP_BUILDS = 10  # finished builds kept per template
 FILES_KEEP_S = 7 * 24 * 3600
 # E2B's default base image is the counterpart of the built-in ``base`` template.
@@ -84,7 +85,7 @@ class TemplateBuilder:
         self.local_dir = self.registry.local_dir
         self.files_dir = home / "build-files"
         self.files_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.store = BuildStore(home / "builds")
+        self.store = BuildStore(home / "builds", manager.config.build_log_max_bytes)
         # Signs upload URLs; of this process only (the URLs live an hour, the SDKs use
         # them at once), so a leaked URL or API key never outlives a restart.
         self._key = secrets.token_bytes(32)
@@ -285,6 +286,10 @@ class TemplateBuilder:
     def _log(self, build: Build, message: str, level: str = "info", step: str = "") -> None:
         self.store.append(build.build_id, log_entry(message, level, step))
 
+    def _output(self, build: Build, step: str, lines: list[str]) -> None:
+        self.store.extend(build.build_id, [log_entry(line, step=step) for line in lines],
+                          output=True)
+
     def _finish(self, build: Build, status: str, reason: dict | None = None) -> None:
         build.status, build.reason, build.finished_at = status, reason, time.time()
         self.store.put(build)
@@ -463,9 +468,16 @@ class TemplateBuilder:
 
     async def _capture(self, record, state: BuildState, command: str) -> str:
         out: list[bytes] = []
+        size = 0
+
+        def keep(stream: str, data: bytes) -> None:
+            nonlocal size
+            if stream == "stdout" and size < MAX_CAPTURE:
+                out.append(data[:MAX_CAPTURE - size])
+                size += len(out[-1])
+
         code = await self.manager.envd.run_logged(
-            record.slot_address, record.envd_token, command,
-            lambda stream, data: out.append(data) if stream == "stdout" else None,
+            record.slot_address, record.envd_token, command, keep,
             user=state.user, cwd=state.workdir, envs=state.envs)
         if code != 0:
             raise StepFailed(f"reading the build's environment failed ({code})", "base")
@@ -473,7 +485,8 @@ class TemplateBuilder:
 
     async def _shell(self, build: Build, record, state: BuildState, step: str, user: str,
                      command: str, what: str) -> None:
-        lines = LineLog(lambda text: self._log(build, text, step=step))
+        lines = LineLog(lambda texts: self._output(build, step, texts),
+                        lambda: self.store.keeps_output(build.build_id))
         code = await self.manager.envd.run_logged(
             record.slot_address, record.envd_token, command, lines.feed, user=user,
             cwd=state.workdir, envs=state.envs)

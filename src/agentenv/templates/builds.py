@@ -15,12 +15,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 WAITING, BUILDING, READY, ERROR = "waiting", "building", "ready", "error"
-TRUNCATED = "(the log is too long: further output is not kept, only warnings and errors)"
+TRUNCATED = ("log truncated: the build's log reached its limit; later output of its steps "
+             "is not kept (warnings and errors are), the build goes on")
 REASON_LOG_LINES = 20
-# A build's log is bounded: past this many entries only warnings and errors are
-# kept (a step printing without end must not fill the disk); lines are cut too.
+# A build's log is bounded, in entries and in bytes (``max_bytes``, the node's
+# build_log_max_bytes): past either, one TRUNCATED entry, then only warnings and
+# errors are kept, within a reserve (a step printing without end must fill neither
+# the disk nor the node's memory). Lines are cut too (LineLog splits them).
 MAX_LOG_ENTRIES = 20_000
-MAX_MESSAGE = 16 * 1024
+MAX_LOG_BYTES = 8 << 20
+RESERVE_ENTRIES = 1000
+RESERVE_BYTES = 1 << 20
+MAX_MESSAGE = 64 * 1024
 
 
 @dataclass
@@ -54,11 +60,14 @@ def log_entry(message: str, level: str = "info", step: str = "") -> dict:
 
 
 class BuildStore:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, max_bytes: int = MAX_LOG_BYTES):
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.max_bytes = max_bytes
         self._builds: dict[str, Build] = {}
         self._logs: dict[str, list[dict]] = {}
+        self._bytes: dict[str, int] = {}  # of each loaded log, as written
+        self._truncated: set[str] = set()
         for path in sorted(self.dir.glob("*.json")):
             try:
                 build = Build(**json.loads(path.read_text()))
@@ -81,26 +90,57 @@ class BuildStore:
     def delete(self, build_id: str) -> None:
         self._builds.pop(build_id, None)
         self._logs.pop(build_id, None)
+        self._bytes.pop(build_id, None)
+        self._truncated.discard(build_id)
         for suffix in (".json", ".log"):
             (self.dir / f"{build_id}{suffix}").unlink(missing_ok=True)
 
-    def append(self, build_id: str, entry: dict) -> None:
+    def append(self, build_id: str, entry: dict, output: bool = False) -> None:
+        self.extend(build_id, [entry], output)
+
+    def keeps_output(self, build_id: str) -> bool:
+        """False once the build's log is truncated: its steps' output is dropped."""
+        self.logs(build_id)
+        return build_id not in self._truncated
+
+    def extend(self, build_id: str, entries: list[dict], output: bool = False) -> None:
+        """Append entries (``output``: of a step's command) within the log's bounds;
+        one write for them all. Each costs O(its size), whatever the log holds."""
         logs = self.logs(build_id)
-        if len(logs) >= MAX_LOG_ENTRIES and entry.get("level") in ("info", "debug"):
-            if len(logs) == MAX_LOG_ENTRIES:  # the first one over: say so, once
-                entry = {**entry, "level": "warn", "message": TRUNCATED}
-            else:
-                return
-        logs.append(entry)
-        with open(self.dir / f"{build_id}.log", "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        size = self._bytes.get(build_id, 0)
+        lines: list[str] = []
+        for entry in entries:
+            important = not output and entry.get("level") in ("warn", "error")
+            if build_id in self._truncated and not important:
+                continue
+            line = json.dumps(entry)
+            if len(logs) >= MAX_LOG_ENTRIES or size + len(line) + 1 > self.max_bytes:
+                if not important:  # the first one over: say so, once
+                    self._truncated.add(build_id)
+                    entry = {**entry, "level": "warn", "message": TRUNCATED}
+                    line = json.dumps(entry)
+                if len(logs) >= MAX_LOG_ENTRIES + RESERVE_ENTRIES or \
+                        size + len(line) + 1 > self.max_bytes + RESERVE_BYTES:
+                    continue
+            logs.append(entry)
+            lines.append(line + "\n")
+            size += len(line) + 1
+        self._bytes[build_id] = size
+        if lines:
+            with open(self.dir / f"{build_id}.log", "a") as f:
+                f.write("".join(lines))
 
     def logs(self, build_id: str) -> list[dict]:
         if build_id not in self._logs:
             entries: list[dict] = []
+            size = 0
             with contextlib.suppress(OSError):
                 for line in (self.dir / f"{build_id}.log").read_text().splitlines():
+                    size += len(line) + 1
                     with contextlib.suppress(ValueError):
                         entries.append(json.loads(line))
             self._logs[build_id] = entries
+            self._bytes[build_id] = size
+            if any(e.get("message") == TRUNCATED for e in entries):
+                self._truncated.add(build_id)
         return self._logs[build_id]
