@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .resources import MIN_CPU_COUNT, MIN_DISK_MB, MIN_MEMORY_MB, ResourceLimits
+
 DEFAULT_HOME = Path("/var/lib/aenv")
 
 
@@ -39,6 +41,12 @@ class Config:
     default_memory_mb: int = 512
     # Disk quota of a sandbox's writable layer when its template names none.
     default_disk_mb: int = 1024
+    # The most one sandbox may have (0: derived from the host: all its cores, half
+    # its RAM, and as much disk). Requests above are refused; values read from
+    # templates, snapshots and records on disk are clamped (agentenv.resources).
+    max_cpu_count: int = 0
+    max_memory_mb: int = 0
+    max_disk_mb: int = 0
     # Seconds between re-resolutions of the domain names in egress policies.
     egress_refresh_s: float = 60
     # Network slots: names start with this prefix; host addresses come from this /16.
@@ -95,6 +103,10 @@ class Config:
     # the repository stays the source of truth).
     peer_transfer: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def resource_limits(self) -> ResourceLimits:
+        return ResourceLimits.from_config(self)
 
     @property
     def secrets_dir(self) -> Path:
@@ -193,6 +205,11 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         cfg.node_id = os.uname().nodename
     if cfg.net_pool_low > cfg.net_pool_high:
         raise ConfigError("net_pool_low must not exceed net_pool_high")
+    for name, low in (("max_cpu_count", MIN_CPU_COUNT), ("max_memory_mb", MIN_MEMORY_MB),
+                      ("max_disk_mb", MIN_DISK_MB)):
+        value = getattr(cfg, name)
+        if value and value < low:
+            raise ConfigError(f"{name} must be 0 (derived from the host) or at least {low}")
     if cfg.build_log_max_bytes < 64 * 1024:
         raise ConfigError("build_log_max_bytes must be at least 65536")
     return cfg

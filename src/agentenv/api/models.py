@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..envd import ENVD_VERSION
 from ..orchestrator import SandboxRecord
 from ..orchestrator.query import public_state
+from ..resources import MIN_CPU_COUNT, MIN_MEMORY_MB
 from ..templates import Template
 
 
@@ -21,7 +22,8 @@ class _Body(BaseModel):
 
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
-    timeout: int | None = Field(default=None, description="Time to live in seconds")
+    # Maximums of times are the node's (max_timeout), checked by the orchestrator.
+    timeout: int | None = Field(default=None, ge=0, description="Time to live in seconds")
     # Expiry pauses unless asked otherwise (agentenv's rule; E2B's API kills). The
     # e2b SDK leaves the field out without lifecycle.on_timeout, and sends false
     # for lifecycle={"on_timeout": "kill"}.
@@ -34,16 +36,30 @@ class NewSandbox(_Body):
     network: dict[str, Any] | None = None
 
 
+class TemplateBuildRequest(_Body):
+    """``POST /v3/templates`` (E2B's TemplateBuildRequestV3; ``alias`` is v2's name).
+    cpuCount and memoryMB have floors here; their maximums are the node's
+    (agentenv.resources), checked by the builder."""
+
+    name: str | None = Field(default=None, max_length=256)
+    alias: str | None = Field(default=None, max_length=256)
+    tags: list[Annotated[str, Field(max_length=128)]] | None = Field(default=None,
+                                                                    max_length=64)
+    cpu_count: int | None = Field(default=None, alias="cpuCount", ge=MIN_CPU_COUNT)
+    memory_mb: int | None = Field(default=None, alias="memoryMB", ge=MIN_MEMORY_MB)
+    team_id: str | None = Field(default=None, alias="teamID")
+
+
 class TimeoutRequest(_Body):
-    timeout: int
+    timeout: int = Field(ge=0)
 
 
 class RefreshRequest(_Body):
-    duration: int | None = None
+    duration: int | None = Field(default=None, ge=0, le=3600)
 
 
 class ConnectRequest(_Body):
-    timeout: int | None = None
+    timeout: int | None = Field(default=None, ge=0)
 
 
 class SandboxCreated(_Body):

@@ -206,6 +206,10 @@ async def connect_sandbox(
         record = await mgr.resume(sandbox_id, body.timeout if body else None)
         response.status_code = 201
         return models.created(record, _domain(request))
+    if body is not None and body.timeout is not None and \
+            body.timeout > request.app.state.config.max_timeout:
+        raise BadRequest(f"timeout must be at most {request.app.state.config.max_timeout} "
+                         "seconds")
     if body is not None and body.timeout is not None and time.time() + body.timeout > record.end_at:
         record = await mgr.set_timeout(sandbox_id, body.timeout)
     return models.created(record, _domain(request))
@@ -228,9 +232,7 @@ async def refresh(sandbox_id: str, request: Request,
                   body: models.RefreshRequest | None = None) -> Response:
     """E2B's keep-alive: the sandbox lives ``duration`` more seconds (default the node's)."""
     mgr = manager(request)
-    duration = body.duration if body is not None else None
-    if duration is not None and not 0 <= duration <= 3600:
-        raise BadRequest("duration must be between 0 and 3600 seconds")
+    duration = body.duration if body is not None else None  # (0..3600: the model's bounds)
     await mgr.set_timeout(sandbox_id, duration)
     return Response(status_code=204)
 

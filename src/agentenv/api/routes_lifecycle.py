@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import Field
 
 from ..orchestrator import NotFound, OrchestratorError, SandboxManager, StorageFull
+from ..orchestrator.sandboxes import MAX_FORK
 from ..snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound
 from ..snapshot import StorageFull as SnapshotStorageFull
 from . import models
@@ -16,8 +17,9 @@ router = APIRouter()
 
 
 class ForkRequest(models._Body):
-    count: int = Field(default=1, description="Children to create, 1..16")
-    timeout: int | None = Field(default=None, description="Children's time to live in seconds")
+    count: int = Field(default=1, ge=1, le=MAX_FORK, description="Children to create, 1..16")
+    timeout: int | None = Field(default=None, ge=0,
+                                description="Children's time to live in seconds")
 
 
 class ForkError(models._Body):
@@ -50,7 +52,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, request: Request) -> 
 
 
 class ResumeRequest(models._Body):
-    timeout: int | None = None
+    timeout: int | None = Field(default=None, ge=0)
     auto_pause: bool | None = Field(default=None, alias="autoPause")
 
 

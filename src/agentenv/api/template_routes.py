@@ -65,13 +65,11 @@ async def list_templates_v2(
     request: Request,
     response: Response,
     team_id: str | None = Query(default=None, alias="teamID"),
-    limit: int | None = None,
+    limit: int | None = Query(default=None, ge=1, le=MAX_PAGE),
     next_token: str | None = Query(default=None, alias="nextToken"),
 ) -> list[models.TemplateInfo]:
     """Templates by ID; ``x-next-token`` (the last ID handed out) when more remain."""
     limit = MAX_PAGE if limit is None else limit
-    if not 1 <= limit <= MAX_PAGE:
-        raise BadRequest(f"limit must be between 1 and {MAX_PAGE}")
     templates = sorted(_registry(request).list(), key=lambda t: t.template_id)
     if next_token:
         templates = [t for t in templates if t.template_id > next_token]
@@ -109,11 +107,13 @@ def _fail(exc: BuildError) -> HTTPException:
 
 
 @router.post("/v3/templates", status_code=202)
-async def request_build(request: Request, body: JsonBody) -> dict:
-    name = body.get("name") or body.get("alias") or ""
+async def request_build(request: Request, body: models.TemplateBuildRequest) -> dict:
+    """A build of template ``name``; cpuCount and memoryMB within the node's maximums
+    (a 400 naming the field and the bound)."""
+    name = body.name or body.alias or ""
+    builder = _builder(request)
     try:
-        build = _builder(request).request(name, body.get("tags"), body.get("cpuCount"),
-                                          body.get("memoryMB"))
+        build = builder.request(name, body.tags, body.cpu_count, body.memory_mb)
     except BuildError as exc:
         raise _fail(exc) from exc
     return {"templateID": build.template_id, "buildID": build.build_id, "public": False,

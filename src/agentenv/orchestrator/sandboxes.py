@@ -24,6 +24,7 @@ from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
 from ..images import DEFAULT_MOUNTPOINTS, ImageError, ImageService, LayerStore
 from ..network import EgressPolicy, Slot, SlotPool, SlotPoolExhausted, compile_policy
+from ..resources import CPU, DISK, MEMORY, ResourceError
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
 from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 BUNDLE_MOUNT = "/.aenv"
 MAX_METADATA_ENTRIES = 64
 MAX_ENV_ENTRIES = 256
+# Characters of one metadata key and value (metadata is stored with the sandbox, in
+# its snapshots, and in every listing), and of one env var (Linux's MAX_ARG_STRLEN
+# is 128 KiB for NAME=value).
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 256, 8 * 1024
+MAX_ENV_NAME, MAX_ENV_VALUE = 1024, 128 * 1024 - 1024 - 2
 MAX_FORK = 16
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 
@@ -86,6 +92,9 @@ class SandboxManager:
         self.runtime = runtime
         self.slots = slots
         self.templates = templates
+        # Resource bounds: requests beyond are refused, values from disk clamped.
+        self.limits = config.resource_limits
+        templates.limits = self.limits
         self.store = store
         self.envd = EnvdClient()
         self._records: dict[str, SandboxRecord] = {}
@@ -282,9 +291,15 @@ class SandboxManager:
 
     async def create(self, req: CreateRequest) -> SandboxRecord:
         timeout = self._check_timeout(req.timeout)
-        _check_str_map("metadata", req.metadata, MAX_METADATA_ENTRIES)
-        _check_str_map("envVars", req.env_vars, MAX_ENV_ENTRIES)
+        _check_str_map("metadata", req.metadata, MAX_METADATA_ENTRIES, MAX_METADATA_KEY,
+                       MAX_METADATA_VALUE)
+        _check_str_map("envVars", req.env_vars, MAX_ENV_ENTRIES, MAX_ENV_NAME, MAX_ENV_VALUE)
         _check_env(req.env_vars)
+        try:
+            self.limits.check(CPU, req.cpu_count)
+            self.limits.check(MEMORY, req.memory_mb)
+        except ResourceError as exc:
+            raise BadRequest(str(exc)) from exc
         try:
             template = self.templates.get(req.template)
         except TemplateNotFound as exc:
@@ -316,11 +331,12 @@ class SandboxManager:
             alias=template.alias,
             state=SandboxState.CREATING,
             node_id=self.config.node_id,
-            cpu_count=(custom and req.cpu_count) or template.cpu_count
-            or self.config.default_cpu_count,
-            memory_mb=(custom and req.memory_mb) or template.memory_mb
-            or self.config.default_memory_mb,
-            disk_size_mb=template.disk_size_mb or self.config.default_disk_mb,
+            cpu_count=self.limits.clamp(CPU, (custom and req.cpu_count) or template.cpu_count
+                                        or self.config.default_cpu_count, 1),
+            memory_mb=self.limits.clamp(MEMORY, (custom and req.memory_mb) or template.memory_mb
+                                        or self.config.default_memory_mb, 512),
+            disk_size_mb=self.limits.clamp(DISK, template.disk_size_mb
+                                           or self.config.default_disk_mb),
             started_at=now,
             end_at=now + timeout,
             auto_pause=req.auto_pause,
@@ -585,7 +601,11 @@ class SandboxManager:
         """The runtime spec of a sandbox of ``template`` (the same for boot and restore:
         a restore must match what was checkpointed)."""
         assert self._bundle is not None
-        disk_mb = template.disk_size_mb or self.config.default_disk_mb
+        # The last word on what runsc is given, whatever the record says.
+        limits = self.limits
+        disk_mb = limits.clamp(DISK, template.disk_size_mb or self.config.default_disk_mb, 1024)
+        cpu_count = limits.clamp(CPU, cpu_count, 1)
+        memory_mb = limits.clamp(MEMORY, memory_mb, 512)
         return SandboxSpec(
             sandbox_id=sandbox_id,
             rootfs=template.rootfs,
@@ -626,6 +646,12 @@ class SandboxManager:
             "bundle": self._bundle.name if self._bundle else "",
             "created_at": time.time(),
         }
+
+    def _resources_of(self, meta: dict) -> dict[str, int]:
+        """A snapshot's resources as its metadata says, within the node's bounds."""
+        return {"cpu_count": self.limits.clamp(CPU, meta.get("cpu_count"), 1),
+                "memory_mb": self.limits.clamp(MEMORY, meta.get("memory_mb"), 512),
+                "disk_size_mb": self.limits.clamp(DISK, meta.get("disk_size_mb"), 0)}
 
     def _check_restorable(self, metadata: dict) -> None:
         runtime = metadata.get("runtime", {})
@@ -853,8 +879,7 @@ class SandboxManager:
             record = SandboxRecord(
                 sandbox_id=sandbox_id, template_id=meta["template_id"],
                 alias=meta.get("alias") or meta["template_id"], state=SandboxState.PAUSED,
-                node_id=self.config.node_id, cpu_count=meta["cpu_count"],
-                memory_mb=meta["memory_mb"], disk_size_mb=meta.get("disk_size_mb", 0),
+                node_id=self.config.node_id, **self._resources_of(meta),
                 started_at=float(meta.get("started_at") or now), end_at=now,
                 auto_pause=bool(meta.get("auto_pause", True)),
                 internet=bool(meta.get("internet", True)),
@@ -919,8 +944,7 @@ class SandboxManager:
             template_id=template.template_id if template else meta["template_id"],
             alias=template.alias if template else meta.get("alias") or meta["template_id"],
             state=SandboxState.CREATING,
-            node_id=self.config.node_id, cpu_count=meta["cpu_count"],
-            memory_mb=meta["memory_mb"], disk_size_mb=meta.get("disk_size_mb", 0),
+            node_id=self.config.node_id, **self._resources_of(meta),
             started_at=now, end_at=now + ttl, auto_pause=req.auto_pause,
             internet=req.internet,
             network=req.network.to_json() if req.network else {},
@@ -1127,7 +1151,7 @@ def _check_env(env: dict[str, str]) -> None:
                              "(names are non-empty without '='; no NUL bytes)")
 
 
-def _check_str_map(name: str, value: dict, limit: int) -> None:
+def _check_str_map(name: str, value: dict, limit: int, key_max: int, value_max: int) -> None:
     if not isinstance(value, dict):
         raise BadRequest(f"{name} must be an object of strings")
     if len(value) > limit:
@@ -1135,3 +1159,8 @@ def _check_str_map(name: str, value: dict, limit: int) -> None:
     for k, v in value.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise BadRequest(f"{name} must map strings to strings")
+        if len(k) > key_max:
+            raise BadRequest(f"{name}: a key of {len(k)} characters; at most {key_max}")
+        if len(v) > value_max:
+            raise BadRequest(f"{name}: the value of {k[:64]!r} has {len(v)} characters; "
+                             f"at most {value_max}")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from ..resources import CPU, MEMORY, ResourceError
 from .builds import BUILDING, ERROR, READY, REASON_LOG_LINES, WAITING, Build, BuildStore, log_entry
 from .registry import Template, TemplateNotFound, TemplateRegistry
 from .steps import LineLog, copy_script, expand
@@ -137,9 +138,11 @@ class TemplateBuilder:
         if not NAME.match(alias):
             raise BuildError(f"invalid template name '{name}': lowercase letters, digits, "
                              "'.', '_' and '-', starting with a letter or digit")
-        for value, what in ((cpu_count, "cpuCount"), (memory_mb, "memoryMB")):
-            if value is not None and value < 1:
-                raise BuildError(f"{what} must be positive")
+        try:
+            cpu_count = self.manager.limits.check(CPU, cpu_count)
+            memory_mb = self.manager.limits.check(MEMORY, memory_mb)
+        except ResourceError as exc:
+            raise BuildError(str(exc)) from exc
         template_id = self._template_id_for(alias)
         build = Build(build_id=str(uuid.uuid4()), template_id=template_id, names=[alias],
                       tags=sorted({*(tags or []), *([tag] if tag else [])}) or ["default"],
@@ -298,6 +301,7 @@ class TemplateBuilder:
         from ..orchestrator import CreateRequest, OrchestratorError
 
         t0 = time.monotonic()
+        limits = self.manager.limits
         try:
             base = await self._base(build, spec)
             self._log(build, f"FROM {spec.get('fromImage') or spec.get('fromTemplate')}"
@@ -307,7 +311,9 @@ class TemplateBuilder:
                     template=base.template_id, timeout=min(BUILD_SANDBOX_TTL,
                                                            self.manager.config.max_timeout),
                     metadata={BUILD_METADATA_KEY: build.build_id},
-                    cpu_count=build.cpu_count, memory_mb=build.memory_mb))
+                    # (a record from disk is clamped into the node's bounds, not trusted)
+                    cpu_count=build.cpu_count and limits.clamp(CPU, build.cpu_count),
+                    memory_mb=build.memory_mb and limits.clamp(MEMORY, build.memory_mb)))
                 if base.snapshot_id and (build.cpu_count or build.memory_mb):
                     self._log(build, f"cpu/memory are those of template {base.template_id} "
                                      "(a snapshot's resources are fixed)", "warn", "base")

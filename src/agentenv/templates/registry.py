@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..resources import CPU, DISK, MEMORY, ResourceLimits
+
 
 class TemplateNotFound(LookupError):
     pass
@@ -76,6 +78,8 @@ class TemplateRegistry:
         self.local_dir = local_dir or templates_dir
         # Where image templates' layers are mounted (one directory per image).
         self.rootfs_dir = rootfs_dir or self.local_dir / ".rootfs"
+        # The node's resource bounds: a template.json asking for more is clamped.
+        self.limits: ResourceLimits | None = None
 
     @property
     def dirs(self) -> list[Path]:
@@ -105,6 +109,16 @@ class TemplateRegistry:
                 return template
         raise TemplateNotFound(f"template '{name}' not found")
 
+    def _resource(self, name: str, value, default: int) -> int:
+        """A template's resource as its file says, within the node's bounds (a file
+        on disk is not trusted with a sandbox's limits)."""
+        if self.limits is not None:
+            return self.limits.clamp(name, value, default)
+        try:
+            return int(value) if value is not None else default
+        except (TypeError, ValueError, OverflowError):
+            return default
+
     def _load(self, directory: Path) -> Template | None:
         try:
             meta = json.loads((directory / "template.json").read_text())
@@ -126,9 +140,9 @@ class TemplateRegistry:
         return Template(
             template_id=meta.get("templateID", directory.name),
             rootfs=rootfs,
-            cpu_count=int(meta.get("cpuCount", 2)),
-            memory_mb=int(meta.get("memoryMB", 512)),
-            disk_size_mb=int(meta.get("diskSizeMB", 0)),
+            cpu_count=self._resource(CPU, meta.get("cpuCount"), 2),
+            memory_mb=self._resource(MEMORY, meta.get("memoryMB"), 512),
+            disk_size_mb=self._resource(DISK, meta.get("diskSizeMB"), 0),
             aliases=tuple(meta.get("aliases", [])),
             created_at=meta.get("createdAt", ""),
             build_id=meta.get("buildID", ""),
