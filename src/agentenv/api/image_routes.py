@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from ..images import ImageError, ImageService
 from ..templates import TemplateNotFound
+from ..templates.builder import BuildError
 from .errors import error_response
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ def _line(event: dict) -> bytes:
 @router.post("/images", response_model=None)
 async def pull_image(request: Request, body: PullRequest) -> Response:
     service = _service(request)
+    try:  # the image's template must not hide a snapshot of that name
+        await request.app.state.builder.check_not_a_snapshot(body.name)
+    except BuildError as exc:
+        return error_response(exc.status, str(exc))
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[dict | BaseException | None] = asyncio.Queue()
     cancel = threading.Event()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from ..orchestrator import NotFound, OrchestratorError, SandboxManager, StorageFull
+from ..orchestrator import Conflict, NotFound, OrchestratorError, SandboxManager, StorageFull
 from ..orchestrator.sandboxes import MAX_FORK
 from ..snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound
 from ..snapshot import StorageFull as SnapshotStorageFull
+from ..snapshot.manifest import NAME_MAX_LENGTH, NAME_PATTERN, check_name
+from ..templates import TemplateNotFound
 from . import models
 
 router = APIRouter()
@@ -57,7 +59,19 @@ class ResumeRequest(models._Body):
 
 
 class SnapshotRequest(models._Body):
-    name: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    # The snapshot store's own rule (documented as its pattern); its message is the 400's.
+    name: str | None = Field(default=None, min_length=1, max_length=NAME_MAX_LENGTH,
+                             json_schema_extra={"pattern": NAME_PATTERN})
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str | None) -> str | None:
+        if name is not None:
+            try:
+                check_name("snapshot name", name)
+            except SnapshotError as exc:
+                raise ValueError(str(exc)) from None
+        return name
 
 
 class SnapshotInfo(models._Body):
@@ -103,6 +117,8 @@ async def snapshot_sandbox(sandbox_id: str, request: Request,
                            body: SnapshotRequest | None = None) -> SnapshotInfo:
     """Capture a running sandbox; it is stopped only for the capture."""
     name = body.name if body else None
+    if name:
+        _check_not_a_template(request, name)
     manifest = await _snapshot_call(_manager(request).snapshot(sandbox_id, name))
     return _info(manifest)
 
@@ -133,6 +149,20 @@ async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
     manifest = await _snapshot_call(asyncio.to_thread(store.resolve, snapshot_id))
     await _snapshot_call(asyncio.to_thread(store.delete, manifest.snapshot_id))
     return Response(status_code=204)
+
+
+def _check_not_a_template(request: Request, name: str) -> None:
+    """A create names a template before a snapshot: a snapshot named like a template
+    (or like one whose first build is under way) could never be reached by name."""
+    try:
+        template = _manager(request).templates.get(name)
+    except TemplateNotFound:
+        template = None
+    builder = getattr(request.app.state, "builder", None)
+    if template is not None or (builder is not None and builder.name_in_use(name)):
+        what = f"template {template.template_id}" if template is not None else "a template"
+        raise Conflict(f"snapshot name '{name}' is the name of {what}; "
+                       "choose another (sandboxes are created from the template by that name)")
 
 
 async def _snapshot_call(awaitable):

@@ -109,10 +109,11 @@ def _fail(exc: BuildError) -> HTTPException:
 @router.post("/v3/templates", status_code=202)
 async def request_build(request: Request, body: models.TemplateBuildRequest) -> dict:
     """A build of template ``name``; cpuCount and memoryMB within the node's maximums
-    (a 400 naming the field and the bound)."""
+    (a 400 naming the field and the bound), a name no snapshot has (409)."""
     name = body.name or body.alias or ""
     builder = _builder(request)
     try:
+        await builder.check_not_a_snapshot(name)
         build = builder.request(name, body.tags, body.cpu_count, body.memory_mb)
     except BuildError as exc:
         raise _fail(exc) from exc

@@ -18,18 +18,27 @@ from agentenv.snapshot.errors import CorruptSnapshot, SnapshotError
 FORMAT_VERSION = 1
 # A chunk made only of zero bytes: recorded by size, never stored or fetched.
 ZERO = "0"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# Snapshot IDs and names: 1-128 of [A-Za-z0-9._:-], starting with a letter or digit,
+# never two dots in a row (single, safe path components and object keys). The one
+# rule: the API's models take NAME_PATTERN and NAME_MAX_LENGTH (the pattern says
+# "no '..'" without a lookahead, so JSON Schema tools read it too), and
+# check_name's message is the API's 400.
+NAME_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_:-])*\.?$"
+NAME_MAX_LENGTH = 128
+NAME_RULE = ("1-128 characters of A-Z, a-z, 0-9, '.', '_', ':' and '-', starting with a "
+             "letter or digit, without '..'")
+_NAME = re.compile(NAME_PATTERN)
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
 def valid_name(name: str) -> bool:
     """Snapshot IDs and aliases are single, safe path components and object keys."""
-    return bool(_NAME.match(name)) and ".." not in name
+    return isinstance(name, str) and len(name) <= NAME_MAX_LENGTH and bool(_NAME.fullmatch(name))
 
 
 def check_name(kind: str, name: str) -> str:
-    if not isinstance(name, str) or not valid_name(name):
-        raise SnapshotError(f"invalid {kind} {name!r}: use 1-128 characters of [A-Za-z0-9._:-]")
+    if not valid_name(name):
+        raise SnapshotError(f"invalid {kind} {name!r}: use {NAME_RULE}")
     return name
 
 

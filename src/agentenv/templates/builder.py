@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..resources import CPU, MEMORY, ResourceError
+from ..snapshot import SnapshotError, SnapshotNotFound
 from .builds import BUILDING, ERROR, READY, REASON_LOG_LINES, WAITING, Build, BuildStore, log_entry
 from .registry import Template, TemplateNotFound, TemplateRegistry
 from .steps import LineLog, copy_script, expand
@@ -149,6 +150,30 @@ class TemplateBuilder:
                       cpu_count=cpu_count, memory_mb=memory_mb)
         self.store.put(build)
         return build
+
+    def name_in_use(self, name: str) -> bool:
+        """A template by that ID or alias, or one whose build under way will take it."""
+        try:
+            self.registry.get(name)
+            return True
+        except TemplateNotFound:
+            return any(name in b.names and not b.done for b in self.store.all())
+
+    async def check_not_a_snapshot(self, name: str) -> None:
+        """A new template must not take a snapshot's name or ID: creates look the name
+        up as a template first, so the snapshot could no longer be reached by it."""
+        alias = (name or "").partition(":")[0].strip()
+        if not NAME.match(alias) or self.name_in_use(alias):
+            return  # refused by request(), or the template has the name already
+        try:
+            manifest = await asyncio.to_thread(self.manager.snapshots.resolve, alias)
+        except SnapshotNotFound:
+            return
+        except SnapshotError as exc:
+            raise BuildError(f"snapshot repository: {exc}", 503) from exc
+        raise BuildError(f"template name '{alias}' is the name of snapshot "
+                         f"{manifest.snapshot_id}; choose another (it would hide the snapshot)",
+                         409)
 
     def _template_id_for(self, alias: str) -> str:
         try:
