@@ -1,0 +1,188 @@
+"""In-memory stand-ins for the runtime, the slot pool and envd, for orchestrator unit
+tests that run in seconds. They keep the contracts of the real ones (runtime/base.py,
+network.SlotPool, orchestrator.EnvdClient) and count what is held, so a test can assert
+that nothing leaks; ``fail`` makes a named step raise, to test each rollback.
+
+The real components are tested for real elsewhere (runsc, netns, envd in a sandbox);
+these only make the orchestrator's own logic cheap to test exhaustively.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..network import CompiledPolicy, Slot, SlotPoolExhausted
+from ..orchestrator.envd_client import EnvdUnavailable
+from ..runtime import RuntimeFailure, RuntimeSandbox, SandboxSpec
+
+
+class Faults:
+    """Steps told to fail: ``fail("restore")`` makes the next restore raise."""
+
+    def __init__(self) -> None:
+        self.failing: dict[str, BaseException] = {}
+        self.delays: dict[str, float] = {}
+
+    def fail(self, step: str, exc: BaseException | None = None) -> None:
+        self.failing[step] = exc or RuntimeError(f"injected failure at {step}")
+
+    def delay(self, step: str, seconds: float) -> None:
+        self.delays[step] = seconds
+
+    async def check(self, step: str) -> None:
+        if step in self.delays:
+            await asyncio.sleep(self.delays[step])
+        exc = self.failing.pop(step, None)
+        if exc is not None:
+            raise exc
+
+
+@dataclass
+class FakeRuntime:
+    """A runtime whose sandboxes are dictionary entries; checkpoints are small files."""
+
+    faults: Faults = field(default_factory=Faults)
+    kind: str = "fake"
+    on_exit: Callable[[str, str], None] | None = None
+    sandboxes: dict[str, RuntimeSandbox] = field(default_factory=dict)
+    specs: dict[str, SandboxSpec] = field(default_factory=dict)
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    async def _run(self, step: str, spec: SandboxSpec) -> RuntimeSandbox:
+        self.calls.append((step, spec.sandbox_id))
+        if spec.sandbox_id in self.sandboxes:
+            raise RuntimeFailure(f"sandbox {spec.sandbox_id} exists already")
+        # The engine holds the sandbox before it can fail (as runsc's state dir does).
+        box = RuntimeSandbox(spec.sandbox_id, "created", 0)
+        self.sandboxes[spec.sandbox_id] = box
+        await self.faults.check(step)
+        box = RuntimeSandbox(spec.sandbox_id, "running", 1000 + len(self.calls))
+        self.sandboxes[spec.sandbox_id] = box
+        self.specs[spec.sandbox_id] = spec
+        return box
+
+    async def start(self, spec: SandboxSpec) -> RuntimeSandbox:
+        return await self._run("start", spec)
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> RuntimeSandbox:
+        if not (image_dir / "checkpoint.img").is_file():
+            raise RuntimeFailure(f"no checkpoint in {image_dir}")
+        return await self._run("restore", spec)
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
+        self.calls.append(("checkpoint", sandbox_id))
+        if sandbox_id not in self.sandboxes:
+            raise RuntimeFailure(f"no sandbox {sandbox_id}")
+        await self.faults.check("checkpoint")
+        image_dir.mkdir(parents=True, exist_ok=True)
+        (image_dir / "checkpoint.img").write_text(sandbox_id)
+        if not leave_running:
+            self.sandboxes[sandbox_id] = RuntimeSandbox(sandbox_id, "stopped", 0)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        self.calls.append(("destroy", sandbox_id))
+        self.sandboxes.pop(sandbox_id, None)
+        self.specs.pop(sandbox_id, None)
+
+    async def pause(self, sandbox_id: str) -> None:
+        self.sandboxes[sandbox_id] = RuntimeSandbox(sandbox_id, "paused", 0)
+
+    async def resume(self, sandbox_id: str) -> None:
+        self.sandboxes[sandbox_id] = RuntimeSandbox(sandbox_id, "running", 0)
+
+    async def state(self, sandbox_id: str) -> RuntimeSandbox | None:
+        return self.sandboxes.get(sandbox_id)
+
+    async def list(self) -> dict[str, RuntimeSandbox]:
+        return dict(self.sandboxes)
+
+    async def housekeeping(self) -> None:
+        pass
+
+    async def settle(self, wait_s: float) -> int:
+        return 0
+
+    async def reconcile(self, keep: set[str]) -> list[str]:
+        gone = [sid for sid in self.sandboxes if sid not in keep]
+        for sid in gone:
+            del self.sandboxes[sid]
+        return gone
+
+    def crash(self, sandbox_id: str, why: str = "was killed: out of memory") -> None:
+        """The sandbox's engine process ends on its own (as the host's OOM killer does)."""
+        self.sandboxes[sandbox_id] = RuntimeSandbox(sandbox_id, "stopped", 0)
+        if self.on_exit is not None:
+            self.on_exit(sandbox_id, why)
+
+
+@dataclass
+class FakeSlots:
+    """A slot pool of ``capacity`` slots with no network behind them."""
+
+    capacity: int = 4
+    faults: Faults = field(default_factory=Faults)
+    held: dict[int, Slot] = field(default_factory=dict)
+    policies: dict[int, CompiledPolicy] = field(default_factory=dict)
+
+    async def acquire(self, internet: bool = True) -> Slot:
+        await self.faults.check("acquire")
+        free = [i for i in range(2, 2 + self.capacity) if i not in self.held]
+        if not free:
+            raise SlotPoolExhausted(f"all {self.capacity} slots are in use")
+        index = free[0]
+        slot = Slot(index=index, address=f"10.99.{index}.2", host_ip=f"10.99.{index}.1",
+                    netns=f"fake{index}", netns_path=f"/run/netns/fake{index}",
+                    router_netns=f"fake{index}r", host_link=f"fakeh{index}", internet=internet)
+        self.held[index] = slot
+        return slot
+
+    async def release(self, slot: Slot) -> None:
+        if self.held.get(slot.index) is not slot:
+            raise RuntimeError(f"slot {slot.index} is not held by this caller")
+        del self.held[slot.index]
+        self.policies.pop(slot.index, None)
+
+    async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None:
+        await self.faults.check("egress")
+        self.policies[slot.index] = compiled
+
+
+@dataclass
+class FakeEnvd:
+    """envd's host-side client, answering for every sandbox at once."""
+
+    faults: Faults = field(default_factory=Faults)
+    inits: dict[str, dict] = field(default_factory=dict)
+    commands: list[str] = field(default_factory=list)
+
+    async def close(self) -> None:
+        pass
+
+    async def wait_ready(self, address: str, deadline_s: float = 15.0) -> None:
+        try:
+            await self.faults.check("envd")
+        except RuntimeError as exc:
+            raise EnvdUnavailable(str(exc)) from exc
+
+    async def init(self, address: str, access_token: str, env_vars: dict[str, str],
+                   default_user: str = "user", current_token: str | None = None,
+                   default_workdir: str = "") -> None:
+        await self.faults.check("init")
+        self.inits[address] = {"token": access_token, "env": dict(env_vars),
+                               "user": default_user, "current": current_token}
+
+    async def start(self, address: str, token: str, command: str) -> None:
+        await self.faults.check("start_command")
+        self.commands.append(command)
+
+    async def run(self, address: str, token: str, command: str, user: str = "root",
+                  deadline_s: float = 60.0) -> int:
+        self.commands.append(command)
+        return 0
