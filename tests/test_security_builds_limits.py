@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import socket
 import statistics
 import threading
 import time
@@ -266,6 +268,30 @@ def test_sizes_and_counts_are_bounded(node: Node, api: httpx.Client) -> None:
         assert api.post(f"/sandboxes/{sid}/connect", json={"timeout": 30}).status_code == 200
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_build_context_upload_is_bounded(node: Node, api: httpx.Client) -> None:
+    """A context archive larger than build_context_max_bytes (2 GiB) is a 413 at once:
+    a holder of an upload URL could fill the node's disk."""
+    created = api.post("/v3/templates", json={"name": _name("ctx")})
+    assert created.status_code == 202, created.text
+    tid = created.json()["templateID"]
+    try:
+        digest = hashlib.sha256(uuid.uuid4().bytes).hexdigest()
+        url = httpx.URL(api.get(f"/templates/{tid}/files/{digest}").json()["url"])
+        with socket.create_connection((url.host, url.port), timeout=10) as conn:
+            target = url.raw_path.decode()
+            conn.sendall(f"PUT {target} HTTP/1.1\r\nHost: {url.host}\r\n"
+                         f"Content-Length: {3 << 30}\r\n\r\n".encode() + b"x" * 1024)
+            raw = b""
+            while chunk := conn.recv(65536):  # the node closes after a 413
+                raw += chunk
+        answer = raw.decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 413"), answer
+        assert "build_context_max_bytes" in answer, answer
+        assert api.get(f"/templates/{tid}/files/{digest}").json()["present"] is False
+    finally:
+        api.delete(f"/templates/{tid}")
 
 
 # -- 7a/7b: snapshot names ---------------------------------------------------------------

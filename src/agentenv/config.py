@@ -75,6 +75,8 @@ class Config:
     # Bytes of log a template build keeps (its steps' output); past them one
     # "log truncated" entry, and later output is dropped while the build goes on.
     build_log_max_bytes: int = 8 << 20
+    # Bytes of one uploaded build context archive (a COPY's files); larger is a 413.
+    build_context_max_bytes: int = 2 << 30
     # Pulled images: unpacked layers live here (default <home>/cache/images) within
     # image_cache_bytes; least recently used layers no running sandbox or pinned
     # template (comma-separated names) needs are evicted, and fetched again on use.

@@ -144,9 +144,12 @@ async def upload_file(template_id: str, files_hash: str, request: Request,
     builder = _builder(request)
     try:
         builder.check_upload(template_id, files_hash, expires, signature)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > builder.max_context_bytes:
+            raise BuildError(builder.context_too_large(), 413)
+        await builder.receive(files_hash, request.stream())
     except BuildError as exc:
         raise _fail(exc) from exc
-    await builder.receive(files_hash, request.stream())
     return Response(status_code=201)
 
 

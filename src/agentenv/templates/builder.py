@@ -94,6 +94,7 @@ class TemplateBuilder:
         self._tasks: dict[str, asyncio.Task] = {}
         self._publish_lock = asyncio.Lock()
         self.ready_timeout_s = float(manager.config.build_ready_timeout)
+        self.max_context_bytes = int(manager.config.build_context_max_bytes)
 
     # -- life ---------------------------------------------------------------------------
 
@@ -260,18 +261,25 @@ class TemplateBuilder:
             raise BuildError("invalid upload URL signature", 403)
 
     async def receive(self, files_hash: str, body: AsyncIterable[bytes]) -> int:
-        """Store an uploaded context archive under its hash (atomically)."""
+        """Store an uploaded context archive under its hash (atomically); one larger
+        than build_context_max_bytes is refused (413) and nothing of it kept."""
         tmp = self.files_dir / f".{files_hash}.{secrets.token_hex(4)}.tmp"
         size = 0
         try:
             with open(tmp, "wb") as f:
                 async for chunk in body:
                     size += len(chunk)
+                    if size > self.max_context_bytes:
+                        raise BuildError(self.context_too_large(), 413)
                     await asyncio.to_thread(f.write, chunk)
             os.replace(tmp, self.files_dir / files_hash)
         finally:
             tmp.unlink(missing_ok=True)
         return size
+
+    def context_too_large(self) -> str:
+        return (f"the build context archive exceeds {self.max_context_bytes} bytes "
+                "(build_context_max_bytes)")
 
     # -- deleting -------------------------------------------------------------------------
 
