@@ -323,8 +323,7 @@ class TemplateBuilder:
         self.store.append(build.build_id, log_entry(message, level, step))
 
     def _output(self, build: Build, step: str, lines: list[str]) -> None:
-        self.store.extend(build.build_id, [log_entry(line, step=step) for line in lines],
-                          output=True)
+        self.store.add_output(build.build_id, step, lines)
 
     def _finish(self, build: Build, status: str, reason: dict | None = None) -> None:
         build.status, build.reason, build.finished_at = status, reason, time.time()

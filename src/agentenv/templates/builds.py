@@ -10,8 +10,10 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from json.encoder import encode_basestring_ascii as _quote
 from pathlib import Path
 
 WAITING, BUILDING, READY, ERROR = "waiting", "building", "ready", "error"
@@ -49,11 +51,14 @@ class Build:
         return self.status in (READY, ERROR)
 
 
+def _timestamp() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
 def log_entry(message: str, level: str = "info", step: str = "") -> dict:
     if len(message) > MAX_MESSAGE:
         message = message[:MAX_MESSAGE] + f"... ({len(message) - MAX_MESSAGE} more characters)"
-    entry = {"timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
-             "level": level, "message": message}
+    entry = {"timestamp": _timestamp(), "level": level, "message": message}
     if step:
         entry["step"] = step
     return entry
@@ -95,22 +100,22 @@ class BuildStore:
         for suffix in (".json", ".log"):
             (self.dir / f"{build_id}{suffix}").unlink(missing_ok=True)
 
-    def append(self, build_id: str, entry: dict, output: bool = False) -> None:
-        self.extend(build_id, [entry], output)
+    def append(self, build_id: str, entry: dict) -> None:
+        self.extend(build_id, [entry])
 
     def keeps_output(self, build_id: str) -> bool:
         """False once the build's log is truncated: its steps' output is dropped."""
         self.logs(build_id)
         return build_id not in self._truncated
 
-    def extend(self, build_id: str, entries: list[dict], output: bool = False) -> None:
-        """Append entries (``output``: of a step's command) within the log's bounds;
-        one write for them all. Each costs O(its size), whatever the log holds."""
+    def extend(self, build_id: str, entries: Iterable[dict]) -> None:
+        """Append the builder's own entries within the log's bounds (past them, only
+        warnings and errors, within a reserve); one write for them all."""
         logs = self.logs(build_id)
         size = self._bytes.get(build_id, 0)
         lines: list[str] = []
         for entry in entries:
-            important = not output and entry.get("level") in ("warn", "error")
+            important = entry.get("level") in ("warn", "error")
             if build_id in self._truncated and not important:
                 continue
             line = json.dumps(entry)
@@ -125,6 +130,42 @@ class BuildStore:
             logs.append(entry)
             lines.append(line + "\n")
             size += len(line) + 1
+        self._write(build_id, lines, size)
+
+    def add_output(self, build_id: str, step: str, lines: list[str]) -> None:
+        """A step's output lines as info entries: one timestamp and one write for them
+        all, little work per line (a step may print millions of them), none at all once
+        the log is truncated. The first line over the bounds truncates it."""
+        logs = self.logs(build_id)
+        if build_id in self._truncated or not lines:
+            return
+        stamp = _timestamp()
+        head = f'{{"timestamp": "{stamp}", "level": "info", "message": '
+        tail = f', "step": {_quote(step)}}}\n' if step else "}\n"
+        size = self._bytes.get(build_id, 0)
+        room = MAX_LOG_ENTRIES - len(logs)
+        out: list[str] = []
+        over = False
+        for line in lines:
+            if len(line) > MAX_MESSAGE:
+                line = log_entry(line)["message"]
+            text = head + _quote(line) + tail
+            if room <= 0 or size + len(text) > self.max_bytes:
+                over = True
+                break
+            entry = {"timestamp": stamp, "level": "info", "message": line}
+            if step:
+                entry["step"] = step
+            logs.append(entry)
+            out.append(text)
+            size += len(text)
+            room -= 1
+        self._write(build_id, out, size)
+        if over:
+            self._truncated.add(build_id)
+            self.extend(build_id, [log_entry(TRUNCATED, "warn", step)])
+
+    def _write(self, build_id: str, lines: list[str], size: int) -> None:
         self._bytes[build_id] = size
         if lines:
             with open(self.dir / f"{build_id}.log", "a") as f:
