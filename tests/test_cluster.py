@@ -22,7 +22,7 @@ from agentenv.cluster import NodeStatus, PlacementRequest, place
 from agentenv.snapshot import Manifest
 from agentenv.snapshot.manifest import ZERO
 from agentenv.testing import sdk_env
-from agentenv.testing.cluster import Cluster
+from agentenv.testing.cluster import SERVICE_HEAD_TIMEOUT, Cluster
 from proxy_attacks import (
     assert_bad_routing_is_400,
     assert_no_ssrf,
@@ -171,6 +171,22 @@ def test_gateway_proxy_is_no_ssrf(cluster: Cluster) -> None:
         assert sbx.commands.run("echo ok").stdout == "ok\n"
     finally:
         sbx.kill()
+
+
+def test_gateway_and_scheduler_close_slow_heads(cluster: Cluster) -> None:
+    """A client trickling its request head (slowloris) is cut off at the head deadline by
+    the gateway and the scheduler too, not only by nodes (they had none)."""
+    socks = []
+    for port in (cluster.gateway_port, cluster.scheduler_port):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=SERVICE_HEAD_TIMEOUT + 10)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+        socks.append(sock)
+    t0 = time.monotonic()
+    for sock in socks:
+        with sock:
+            assert sock.recv(1024) == b""  # closed by the server, nothing answered
+    assert time.monotonic() - t0 < SERVICE_HEAD_TIMEOUT + 5
+    assert httpx.get(cluster.gateway_url + "/health").status_code == 200
 
 def _node(nid: str, load: int, capacity: int = 4, **kw) -> NodeStatus:
     return NodeStatus(node_id=nid, url=f"http://{nid}", capacity=capacity, load=load,

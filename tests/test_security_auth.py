@@ -14,9 +14,9 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.api import auth
 from agentenv.testing import Node, leaks
 from agentenv.testing.nodes import AENV
+from agentenv.web import keys as auth
 from sandbox_helpers import wait_port
 
 ENVD_PORT = 49983

@@ -6,30 +6,19 @@ import time
 from typing import Annotated
 
 import httpx
-from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 
 from .. import __version__
 from ..orchestrator import BadRequest, CreateRequest, NotFound, SandboxManager, SandboxState
 from ..orchestrator import query as q
 from ..orchestrator.envd_client import ENVD_PORT
 from . import models, network_routes
-from .auth import key_matches
 
 public = APIRouter()
 router = APIRouter()
 
 def manager(request: Request) -> SandboxManager:
     return request.app.state.manager
-
-
-async def require_api_key(
-    request: Request, x_api_key: str | None = Header(default=None, alias="X-API-Key")
-) -> None:
-    keys = getattr(request.app.state, "api_keys", None)
-    ok = keys.matches(x_api_key) if keys is not None else key_matches(
-        x_api_key, request.app.state.api_key)
-    if not ok:
-        raise HTTPException(status_code=401, detail="missing or invalid X-API-Key header")
 
 
 @public.get("/health", response_model=models.Health, response_model_by_alias=True)

@@ -119,7 +119,7 @@ async def snapshot_sandbox(sandbox_id: str, request: Request,
     name = body.name if body else None
     if name:
         _check_not_a_template(request, name)
-    manifest = await _snapshot_call(_manager(request).snapshot(sandbox_id, name))
+    manifest = await snapshot_call(_manager(request).snapshot(sandbox_id, name))
     return _info(manifest)
 
 
@@ -130,7 +130,7 @@ async def list_snapshots(
     name: str | None = None,
 ) -> list[SnapshotInfo]:
     store = _manager(request).snapshots
-    manifests = await _snapshot_call(asyncio.to_thread(store.list, sandbox_id))
+    manifests = await snapshot_call(asyncio.to_thread(store.list, sandbox_id))
     # Pause snapshots and template images are the node's own; list what users took.
     out = [_info(m) for m in manifests if m.metadata.get("kind") not in ("pause", "template")]
     return [i for i in out if name is None or name in i.names]
@@ -140,14 +140,14 @@ async def list_snapshots(
             response_model_by_alias=True, response_model_exclude_none=True)
 async def get_snapshot(snapshot_id: str, request: Request) -> SnapshotInfo:
     store = _manager(request).snapshots
-    return _info(await _snapshot_call(asyncio.to_thread(store.resolve, snapshot_id)))
+    return _info(await snapshot_call(asyncio.to_thread(store.resolve, snapshot_id)))
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204)
 async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
     store = _manager(request).snapshots
-    manifest = await _snapshot_call(asyncio.to_thread(store.resolve, snapshot_id))
-    await _snapshot_call(asyncio.to_thread(store.delete, manifest.snapshot_id))
+    manifest = await snapshot_call(asyncio.to_thread(store.resolve, snapshot_id))
+    await snapshot_call(asyncio.to_thread(store.delete, manifest.snapshot_id))
     return Response(status_code=204)
 
 
@@ -165,7 +165,7 @@ def _check_not_a_template(request: Request, name: str) -> None:
                        "choose another (sandboxes are created from the template by that name)")
 
 
-async def _snapshot_call(awaitable):
+async def snapshot_call(awaitable):
     """Snapshot store errors as API errors: unknown -> 404, full disk -> 507, store down -> 503."""
     try:
         return await awaitable

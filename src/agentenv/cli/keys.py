@@ -18,8 +18,8 @@ def rotate(
     show: Annotated[bool, typer.Option("--show", help="Print the new key.")] = False,
 ) -> None:
     """Replace the node's API key; a running node uses the new one from its next request."""
-    from ..api.auth import KEY_FILE, rotate_api_key
     from ..config import ConfigError, load_config
+    from ..web.keys import KEY_FILE, rotate_api_key
 
     try:
         config = load_config({"home": home})

@@ -61,9 +61,9 @@ def server(
     """Run a node server in the foreground."""
     import uvicorn
 
-    from ..api.app import create_app
-    from ..api.serving import server_options
     from ..config import ConfigError, load_config
+    from ..node.app import create_app
+    from ..web.serving import server_options
 
     try:
         config = load_config({"host": host, "port": port, "home": home})
@@ -115,14 +115,16 @@ def scheduler(
     """Run the cluster scheduler: node registry and placement."""
     import uvicorn
 
-    from ..api.auth import load_or_create_api_key
     from ..cluster.scheduler import create_scheduler_app
+    from ..web.keys import load_or_create_api_key
+    from ..web.serving import server_options
 
     config = _cluster_config(home, redis_url)
     asgi = create_scheduler_app(config.redis_url, load_or_create_api_key(config.secrets_dir),
                                 config.node_ttl_ms)
     typer.echo(f"agentenv scheduler on http://{host}:{port}", err=True)
-    uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on")
+    uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on",
+                **server_options(config.http_head_timeout))
 
 
 @app.command()
@@ -137,8 +139,9 @@ def gateway(
     """Run the cluster gateway: the node API in front of every node."""
     import uvicorn
 
-    from ..api.auth import load_or_create_api_key
     from ..cluster.gateway import create_gateway_app
+    from ..web.keys import load_or_create_api_key
+    from ..web.serving import server_options
 
     config = _cluster_config(home, redis_url)
     asgi = create_gateway_app(config.redis_url,
@@ -146,7 +149,7 @@ def gateway(
                               load_or_create_api_key(config.secrets_dir), config.domain)
     typer.echo(f"agentenv gateway on http://{host}:{port}", err=True)
     uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on",
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **server_options(config.http_head_timeout))
 
 
 from . import commands  # noqa: E402  (the client commands, talking HTTP to a node)

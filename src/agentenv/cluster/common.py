@@ -1,10 +1,7 @@
-"""What the scheduler and the gateway share: the cluster API key check and errors."""
+"""What the scheduler and the gateway share: the cluster's errors."""
 
 from __future__ import annotations
 
-from fastapi import Header, HTTPException, Request
-
-from ..api.auth import key_matches
 from ..orchestrator import OrchestratorError
 
 
@@ -15,9 +12,3 @@ class ClusterError(OrchestratorError):
         super().__init__(message)
         self.status = status
 
-
-async def require_api_key(
-    request: Request, x_api_key: str | None = Header(default=None, alias="X-API-Key")
-) -> None:
-    if not key_matches(x_api_key, request.app.state.api_key):
-        raise HTTPException(status_code=401, detail="missing or invalid X-API-Key header")

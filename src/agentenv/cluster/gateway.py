@@ -50,8 +50,9 @@ from ..web import (
     send_error,
     upstream_url,
 )
+from ..web.keys import require_api_key
 from ..web.routing import SandboxRouting
-from .common import ClusterError, require_api_key
+from .common import ClusterError
 from .registry import NodeStatus, Registry
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field
 
 from .. import __version__
 from ..api.errors import install_error_handlers, serve_openapi
-from .common import ClusterError, require_api_key
+from ..web.keys import require_api_key
+from .common import ClusterError
 from .placement import PlacementRequest, place
 from .registry import NodeStatus, Registry
 

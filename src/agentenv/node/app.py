@@ -10,6 +10,15 @@ from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp
 
 from .. import __version__
+from ..api.errors import document_errors, install_error_handlers, serve_openapi
+from ..api.image_routes import router as image_router
+from ..api.limits import BodyLimitMiddleware
+from ..api.proxy import SandboxProxy
+from ..api.routes import public, router
+from ..api.routes_lifecycle import router as lifecycle_router
+from ..api.signed_files import SignedFileRouter
+from ..api.template_routes import unlimited_uploads
+from ..api.template_routes import uploads as template_uploads
 from ..config import Config
 from ..network import SlotPool
 from ..orchestrator import SandboxManager, SandboxStore
@@ -17,17 +26,8 @@ from ..runtime import GVisorRuntime
 from ..snapshot import SnapshotStore, open_repository
 from ..templates import TemplateRegistry
 from ..templates.builder import TemplateBuilder
-from .auth import ApiKeys, load_or_create_api_key
+from ..web.keys import ApiKeys, load_or_create_api_key, require_api_key
 from .cluster_routes import router as cluster_router
-from .errors import document_errors, install_error_handlers, serve_openapi
-from .image_routes import router as image_router
-from .limits import BodyLimitMiddleware
-from .proxy import SandboxProxy
-from .routes import public, require_api_key, router
-from .routes_lifecycle import router as lifecycle_router
-from .signed_files import SignedFileRouter
-from .template_routes import unlimited_uploads
-from .template_routes import uploads as template_uploads
 
 log = logging.getLogger(__name__)
 API_BODY_LIMIT = 1 << 20  # 1 MiB: far above any sandbox request, far below harm
@@ -45,8 +45,8 @@ def build_manager(config: Config) -> SandboxManager:
     )
     repository = open_repository(config.snapshot_repository())
     if config.peer_transfer and config.scheduler_url:
-        from ..cluster.heartbeat import advertised_url
-        from ..cluster.peer import PeerRepository
+        from .heartbeat import advertised_url
+        from .peer import PeerRepository
 
         repository = PeerRepository(repository, config.scheduler_url,
                                     load_or_create_api_key(config.secrets_dir),
@@ -77,7 +77,7 @@ def create_app(config: Config) -> ASGIApp:
                  config.home)
         heartbeat = None
         if config.scheduler_url:  # a cluster node: register and keep heartbeating
-            from ..cluster.heartbeat import Heartbeat, advertised_url
+            from .heartbeat import Heartbeat, advertised_url
 
             heartbeat = Heartbeat(manager, config.scheduler_url, advertised_url(config), api_key,
                                   config.heartbeat_interval_ms / 1000)

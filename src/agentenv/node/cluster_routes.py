@@ -9,12 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
-from ..cluster.heartbeat import node_status
-from ..cluster.peer import read_cached_chunk
+from ..api import models
+from ..api.routes_lifecycle import snapshot_call
 from ..envd.server import file_signature
 from ..orchestrator import NotFound, SandboxManager, SandboxState
-from . import models
-from .routes_lifecycle import _snapshot_call
+from .heartbeat import node_status
+from .peer import read_cached_chunk
 
 router = APIRouter(prefix="/cluster")
 
@@ -39,7 +39,7 @@ async def adopt(sandbox_id: str, body: AdoptRequest, request: Request) -> models
 async def chunk(digest: str, snapshot: str, request: Request) -> Response:
     """A chunk of a snapshot this node caches, zstd-compressed (the caller verifies it)."""
     store = _manager(request).snapshots
-    blob = await _snapshot_call(asyncio.to_thread(read_cached_chunk, store, snapshot, digest))
+    blob = await snapshot_call(asyncio.to_thread(read_cached_chunk, store, snapshot, digest))
     if blob is None:
         raise NotFound(f"chunk {digest} of snapshot {snapshot} is not cached on this node")
     return Response(blob, media_type="application/octet-stream")

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from ..cluster.registry import NodeStatus, SandboxEntry
 from ..orchestrator import SandboxState
 from ..snapshot import SnapshotError, SnapshotNotFound
-from .registry import NodeStatus, SandboxEntry
 
 if TYPE_CHECKING:
     from ..orchestrator import SandboxManager

@@ -23,6 +23,8 @@ import httpx
 from .nodes import AENV, Node, free_port, leaks
 
 NODE_PORT = 8000
+# The gateway's and scheduler's request-head deadline (short, so a test can see it act).
+SERVICE_HEAD_TIMEOUT = 4
 
 
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> None:
@@ -157,7 +159,8 @@ class Cluster:
         log = open(log_path, "ab")
         env = {**os.environ, "AENV_HOME": str(self.home),
                "AENV_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
-               "AENV_NODE_TTL_MS": str(self.node_ttl_ms)}
+               "AENV_NODE_TTL_MS": str(self.node_ttl_ms),
+               "AENV_HTTP_HEAD_TIMEOUT": str(SERVICE_HEAD_TIMEOUT)}
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True)
         log.close()

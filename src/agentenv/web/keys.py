@@ -9,6 +9,8 @@ import secrets
 import time
 from pathlib import Path
 
+from fastapi import Header, HTTPException, Request
+
 KEY_FILE = "api-key"
 
 
@@ -124,3 +126,15 @@ class ApiKeys:
             old_ok = key_matches(given, self._previous[0])
             ok = ok or (old_ok and time.time() < self._previous[1])
         return ok
+
+
+async def require_api_key(
+    request: Request, x_api_key: str | None = Header(default=None, alias="X-API-Key")
+) -> None:
+    """FastAPI dependency: the request carries the app's key (``app.state.api_keys``, which
+    follows rotations, or else the fixed ``app.state.api_key``)."""
+    keys = getattr(request.app.state, "api_keys", None)
+    ok = keys.matches(x_api_key) if keys is not None else key_matches(
+        x_api_key, request.app.state.api_key)
+    if not ok:
+        raise HTTPException(status_code=401, detail="missing or invalid X-API-Key header")
