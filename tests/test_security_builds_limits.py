@@ -26,7 +26,15 @@ import httpx
 import pytest
 from e2b import Template
 
-from agentenv.resources import MIN_MEMORY_MB, host_limits
+from agentenv.resources import (
+    CPU,
+    DISK,
+    MEMORY,
+    MIN_MEMORY_MB,
+    ResourceError,
+    ResourceLimits,
+    host_limits,
+)
 from agentenv.runtime.oci import host_memory_limit, nproc_limit
 from agentenv.templates.builds import MAX_MESSAGE, TRUNCATED
 from agentenv.templates.steps import CONTINUED
@@ -165,6 +173,22 @@ def test_template_resources_beyond_the_node_are_refused(node: Node, api: httpx.C
                                          "memoryMB": MAX_MEMORY_MB})
     assert ok.status_code == 202, ok.text
     assert api.delete(f"/templates/{ok.json()['templateID']}").status_code == 204
+
+
+def test_resource_limits_check_requests_and_clamp_what_disk_says() -> None:
+    limits = ResourceLimits(max_cpu_count=1, max_memory_mb=1000, max_disk_mb=500)
+    assert limits.check(CPU, None) is None and limits.check(CPU, 1) == 1
+    for value, expected in ((2, "at most 1"), (0, "at least 1"), ("2", "integer"),
+                            (True, "integer"), (1.5, "integer")):
+        with pytest.raises(ResourceError, match=expected):
+            limits.check(CPU, value)
+    with pytest.raises(ResourceError, match="memoryMB must be at least 128"):
+        limits.check(MEMORY, 64)
+    # From disk: beyond the bounds, garbage or missing, never outside them.
+    assert limits.clamp(MEMORY, 10 ** 9, 512) == 1000 and limits.clamp(MEMORY, 5, 512) == 128
+    assert limits.clamp(CPU, None, 2) == 1 and limits.clamp(CPU, "lots", 2) == 1
+    assert limits.clamp(CPU, float("inf"), 2) == 1
+    assert limits.clamp(DISK, 10 ** 9) == 500 and limits.clamp(DISK, None) == 0
 
 
 def _spec(node: Node, sandbox_id: str) -> dict:

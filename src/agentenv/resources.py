@@ -81,13 +81,16 @@ class ResourceLimits:
         return value
 
     def clamp(self, name: str, value: Any, default: int = 0) -> int:
-        """A value read from disk, within the bounds; 0 and garbage become ``default``
-        (0 for diskSizeMB means "the node's default")."""
+        """A value read from disk, within the bounds; missing, 0 and garbage become
+        ``default`` (within the bounds too; a default of 0, as diskSizeMB's, means
+        "the node's default" and stays 0)."""
         try:
             number = int(value)
         except (TypeError, ValueError, OverflowError):
-            return default
+            number = default
         if number <= 0:
-            return default
+            number = default
+        if number <= 0:
+            return 0
         low, high = self.bounds(name)
         return min(max(number, low), high)
