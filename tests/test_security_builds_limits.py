@@ -36,6 +36,7 @@ from agentenv.resources import (
     host_limits,
 )
 from agentenv.runtime.oci import host_memory_limit, nproc_limit
+from agentenv.templates.builder import MAX_WAITING_BUILDS
 from agentenv.templates.builds import MAX_MESSAGE, TRUNCATED
 from agentenv.templates.steps import CONTINUED
 from agentenv.testing import SHARED_HOME, Node
@@ -316,6 +317,26 @@ def test_build_context_upload_is_bounded(node: Node, api: httpx.Client) -> None:
         assert api.get(f"/templates/{tid}/files/{digest}").json()["present"] is False
     finally:
         api.delete(f"/templates/{tid}")
+
+
+def test_builds_requested_and_never_started_are_bounded(node: Node, api: httpx.Client) -> None:
+    """Each POST /v3/templates keeps a build record until the build starts: a client
+    requesting builds without end met no bound (disk and memory); now a 429."""
+    made: list[str] = []
+    try:
+        for _ in range(MAX_WAITING_BUILDS + 10):
+            r = api.post("/v3/templates", json={"name": _name("wait")})
+            if r.status_code != 202:
+                break
+            made.append(r.json()["templateID"])
+        assert "not started" in _error(r, 429)
+        assert len(made) <= MAX_WAITING_BUILDS
+    finally:
+        for tid in made:
+            api.delete(f"/templates/{tid}")
+    r = api.post("/v3/templates", json={"name": _name("wait")})
+    assert r.status_code == 202, r.text
+    api.delete(f"/templates/{r.json()['templateID']}")
 
 
 # -- 7a/7b: snapshot names ---------------------------------------------------------------

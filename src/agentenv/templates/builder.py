@@ -52,6 +52,9 @@ UPLOAD_URL_TTL = 3600
 BUILD_METADATA_KEY = "aenv.build"
 MAX_CAPTURE = 4 << 20  # bytes of a command's output the builder reads for itself (env -0)
 KEEP_BUILDS = 10  # finished builds kept per template
+# Builds requested and not started (their records cost disk and memory): at most
+# this many at once (a 429 past it), each dropped after an upload URL's lifetime.
+MAX_WAITING_BUILDS = 100
 FILES_KEEP_S = 7 * 24 * 3600
 # E2B's default base image is the counterpart of the built-in ``base`` template.
 BASE_IMAGES = {"e2bdev/base": "base"}
@@ -145,12 +148,28 @@ class TemplateBuilder:
             memory_mb = self.manager.limits.check(MEMORY, memory_mb)
         except ResourceError as exc:
             raise BuildError(str(exc)) from exc
+        self._check_waiting()
         template_id = self._template_id_for(alias)
         build = Build(build_id=str(uuid.uuid4()), template_id=template_id, names=[alias],
                       tags=sorted({*(tags or []), *([tag] if tag else [])}) or ["default"],
                       cpu_count=cpu_count, memory_mb=memory_mb)
         self.store.put(build)
         return build
+
+    def _check_waiting(self) -> None:
+        cutoff = time.time() - UPLOAD_URL_TTL
+        waiting = 0
+        for build in self.store.all():
+            if build.status != WAITING or build.build_id in self._tasks:
+                continue
+            if build.created_at < cutoff:  # never started: its uploads have expired too
+                self.store.delete(build.build_id)
+            else:
+                waiting += 1
+        if waiting >= MAX_WAITING_BUILDS:
+            raise BuildError(f"{waiting} template builds were requested and not started (at "
+                             f"most {MAX_WAITING_BUILDS}): start them or delete their "
+                             "templates first", 429)
 
     def name_in_use(self, name: str) -> bool:
         """A template by that ID or alias, or one whose build under way will take it."""
