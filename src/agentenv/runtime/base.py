@@ -6,6 +6,7 @@ driver later) owns its engine's flags, files and processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -41,6 +42,9 @@ class RuntimeSandbox:
 
 class Runtime(Protocol):
     kind: str
+    # Called in the event loop with (sandbox ID, why: "was killed: out of memory: ...")
+    # as soon as a sandbox's engine process ends without the node stopping it.
+    on_exit: Callable[[str, str], None] | None
 
     @property
     def version(self) -> str: ...

@@ -16,11 +16,13 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
 from .cpu_balance import CpuBalancer
-from .oci import build_spec
+from .exits import MIB, ExitWatcher, PressureWatcher, exit_reason, working_set
+from .oci import build_spec, pressure_threshold
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,14 @@ class GVisorRuntime:
         self.platform = platform
         self._version: str | None = None
         self._cpu = CpuBalancer(cgroup_parent)
+        # Called with (sandbox ID, why) when a sandbox's process ends without the
+        # node asking (host OOM kill, crash); the orchestrator sets it.
+        self.on_exit: Callable[[str, str], None] | None = None
+        self._exits = ExitWatcher(self._exited)
+        # Near the cgroup's limit envd is told to free memory (SIGUSR2) before the host
+        # OOM-kills the whole sandbox.
+        self._pressure = PressureWatcher(self._pressed)
+        self._signals: set[asyncio.Task] = set()
         for d in (self.state_dir, self.sandboxes_dir):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         _become_subreaper()
@@ -150,8 +160,8 @@ class GVisorRuntime:
             await asyncio.shield(self.destroy(spec.sandbox_id))
             raise
         reap_runsc_orphans()
-        # The pid is read when needed (destroy); a `runsc state` here costs an exec.
-        return RuntimeSandbox(spec.sandbox_id, "running", 0)
+        pid = self._watch(spec.sandbox_id)
+        return RuntimeSandbox(spec.sandbox_id, "running", pid)
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
         """Save the sandbox's whole state (memory, processes, in-memory root layer).
@@ -165,8 +175,14 @@ class GVisorRuntime:
             args.append("--leave-running")
             await self._runsc(*args, sandbox_id, limit=300)
         else:
-            # runsc waits for the stopped sandbox to be reaped, and we reap it.
-            await self._reaping(self._runsc(*args, sandbox_id, limit=300))
+            # The capture stops the sandbox: that exit is the node's own doing.
+            self._unwatch(sandbox_id)
+            try:
+                # runsc waits for the stopped sandbox to be reaped, and we reap it.
+                await self._reaping(self._runsc(*args, sandbox_id, limit=300))
+            except BaseException:
+                self._watch(sandbox_id)  # still running (or its end is reported now)
+                raise
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> RuntimeSandbox:
         """Start a sandbox from a checkpoint; the spec must match the checkpointed one
@@ -182,6 +198,7 @@ class GVisorRuntime:
         return RuntimeSandbox(data["id"], data.get("status", "unknown"), int(data.get("pid") or 0))
 
     async def destroy(self, sandbox_id: str) -> None:
+        self._unwatch(sandbox_id)
         # Kill and reap the sandbox's processes ourselves: `runsc delete --force`
         # would wait on the host's init to reap them (over a second here).
         await asyncio.to_thread(self._kill_processes, sandbox_id)
@@ -191,6 +208,7 @@ class GVisorRuntime:
 
     async def housekeeping(self) -> None:
         reap_runsc_orphans()
+        self._pressure.recheck()
         try:
             self._cpu.tick()
         except OSError:
@@ -226,6 +244,65 @@ class GVisorRuntime:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _reap(pids, deadline=time.monotonic() + 5)
+
+    # -- noticing exits -------------------------------------------------------
+
+    def _state_file(self, sandbox_id: str) -> Path:
+        return self.state_dir / f"{sandbox_id}_sandbox:{sandbox_id}.state"
+
+    def _watch(self, sandbox_id: str) -> int:
+        """Watch the sandbox's process (pid from runsc's state file: no exec); 0 if
+        there is none to watch."""
+        try:
+            state = json.loads(self._state_file(sandbox_id).read_text())
+            pid = int(state["sandbox"]["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("sandbox %s: no runsc state to watch its process by", sandbox_id)
+            return 0
+        self._exits.watch(sandbox_id, pid)
+        cgroup = self.memory_cgroup(sandbox_id)
+        limit = _read_int(cgroup / "memory.limit_in_bytes")
+        if limit and not self._pressure.watch(
+                sandbox_id, cgroup, pressure_threshold(self._memory_mb(sandbox_id), limit),
+                limit):
+            log.warning("sandbox %s: cannot watch its memory cgroup %s", sandbox_id, cgroup)
+        return pid
+
+    def _unwatch(self, sandbox_id: str) -> None:
+        self._exits.unwatch(sandbox_id)
+        self._pressure.unwatch(sandbox_id)
+
+    def _pressed(self, sandbox_id: str) -> None:
+        cgroup = self.memory_cgroup(sandbox_id)
+        log.warning("sandbox %s: %d MB of its %d MB host memory limit in use (the sandbox "
+                    "kernel's included); telling envd to free memory", sandbox_id,
+                    working_set(cgroup) // MIB,
+                    _read_int(cgroup / "memory.limit_in_bytes") // MIB)
+        task = asyncio.get_running_loop().create_task(
+            self._runsc("kill", sandbox_id, "USR2", check=False, limit=5))
+        self._signals.add(task)
+        task.add_done_callback(self._signals.discard)
+
+    def memory_cgroup(self, sandbox_id: str) -> Path:
+        """The sandbox's memory cgroup (v1: runsc puts the sentry, gofer and all in it)."""
+        return CGROUP_ROOT / "memory" / self._cgroups_path(sandbox_id).strip("/")
+
+    def _exited(self, sandbox_id: str) -> None:
+        reason = exit_reason(self.memory_cgroup(sandbox_id), self._memory_mb(sandbox_id))
+        log.warning("sandbox %s %s", sandbox_id, reason)
+        for line in _guard_lines(self.bundle_dir(sandbox_id) / "console.log"):
+            log.warning("sandbox %s before it ended: %s", sandbox_id, line)
+        if self.on_exit is not None:
+            self.on_exit(sandbox_id, reason)
+
+    def _memory_mb(self, sandbox_id: str) -> int:
+        """The memory size the sandbox was started with (its bundle's config.json)."""
+        try:
+            spec = json.loads((self.bundle_dir(sandbox_id) / "config.json").read_text())
+            env = dict(e.split("=", 1) for e in spec["process"]["env"])
+            return int(env.get("AENV_MEMORY_LIMIT_MB", 0))
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
 
     def _remove_leftovers(self, sandbox_id: str) -> None:
         shutil.rmtree(self.bundle_dir(sandbox_id), ignore_errors=True)
@@ -294,6 +371,9 @@ class GVisorRuntime:
                 if leftover.name not in removed:
                     removed.append(leftover.name)
         await asyncio.to_thread(self._remove_stray_cgroups, keep)
+        for sandbox_id in keep:  # adopted after a restart: watched from now on
+            if sandbox_id not in removed and not self._exits.watching(sandbox_id):
+                self._watch(sandbox_id)
         return removed
 
     def _remove_stray_cgroups(self, keep: set[str]) -> None:
@@ -368,6 +448,24 @@ def remove_cgroup(path: str) -> None:
         if candidate.is_dir():
             with contextlib.suppress(OSError):
                 os.rmdir(candidate)
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _guard_lines(console: Path, keep: int = 3) -> list[str]:
+    """envd's last memory and disk guard actions (its warnings) in a console log."""
+    try:
+        with open(console, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [ln for ln in text.splitlines() if ln.startswith("envd WARNING")][-keep:]
 
 
 def _last_line(err: bytes) -> str:

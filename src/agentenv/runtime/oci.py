@@ -34,11 +34,37 @@ def nproc_limit(memory_mb: int) -> int:
     return max(NPROC_MIN, int(memory_mb * NPROC_PER_MIB))
 
 
+def writable_mb(disk_mb: int, memory_mb: int) -> int:
+    """What the sandbox may keep in files (root layer and /tmp together, both in its
+    memory): the disk quota, but never more than 3/4 of the memory they live in."""
+    return max(16, min(disk_mb, memory_mb * 3 // 4))
+
+
+def files_quota_mb(disk_mb: int, memory_mb: int) -> int:
+    """What envd's guard allows in / and /tmp together before it stops their writers:
+    the writable budget, plus a little so that one file or /tmp alone meets its own
+    limit (RLIMIT_FSIZE, the tmpfs size: enforced by gVisor at once) first. The guard
+    polls: parallel writers at GB/s overshoot it by 100-190 MB here."""
+    return writable_mb(disk_mb, memory_mb) + 8
+
+
 def file_size_limit(disk_mb: int, memory_mb: int) -> int:
     """RLIMIT_FSIZE in bytes: no one file outgrows the disk quota, nor the memory its
     in-memory root layer lives in (gVisor enforces it at once: a filler gets SIGXFSZ
     where a polling guard came a few hundred MB too late at GB/s)."""
-    return max(16, min(disk_mb, memory_mb * 3 // 4)) * MIB
+    return writable_mb(disk_mb, memory_mb) * MIB
+
+
+def tmp_mount(disk_mb: int, memory_mb: int) -> dict[str, Any]:
+    """/tmp as a tmpfs of bounded size. Without it runsc mounts an internal tmpfs with
+    no limit but memory: four files each under RLIMIT_FSIZE filled it past the host
+    cgroup's limit and the host OOM-killed the whole sandbox. With it, a filler gets
+    ENOSPC at once; envd's guard keeps / and /tmp together within the same budget."""
+    return {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=1777",
+                        f"size={writable_mb(disk_mb or memory_mb, memory_mb)}m"]}
+
+
 MIB = 1024 * 1024
 
 
@@ -58,6 +84,22 @@ def host_memory_limit(memory_mb: int) -> int:
     requested figure is enforced per process inside by envd's OOM guard.
     """
     return (memory_mb + max(128, memory_mb // 4)) * MIB
+
+
+def pressure_threshold(memory_mb: int, limit_bytes: int) -> int:
+    """Host cgroup usage (bytes) past which the node tells envd to free memory.
+
+    What is left above it is what a fast allocator (300-400 MB/s inside gVisor here)
+    may take while the node signals envd (`runsc kill`, ~20 ms) and envd kills and
+    the sentry gives the memory back. 300 MB of socket memory in the sentry, then a
+    hog: with 96 MB left the host OOM-killed the sandbox in 3 runs of 8, with 128 MB
+    in 1 of 6 (it went 524 -> 640 MB in 200 ms). So 128 MB (a 512 MB sandbox: from
+    its own size up, and the sentry's ~70 MB come off what the guest can use before
+    the node steps in), or half the headroom when that is more."""
+    headroom = limit_bytes - memory_mb * MIB
+    if not memory_mb or headroom <= 0:
+        return limit_bytes * 3 // 4
+    return max(limit_bytes // 2, limit_bytes - max(128 * MIB, headroom // 2))
 
 
 def build_spec(spec: SandboxSpec, cgroups_path: str) -> dict[str, Any]:
@@ -95,6 +137,7 @@ def build_spec(spec: SandboxSpec, cgroups_path: str) -> dict[str, Any]:
              "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["nosuid", "noexec", "nodev", "ro"]},
+            tmp_mount(spec.disk_mb, spec.memory_mb),
             {"destination": spec.bundle_mount, "type": "bind",
              "source": str(spec.runtime_bundle), "options": ["rbind", "ro"]},
         ],

@@ -1,0 +1,208 @@
+"""Noticing at once when a sandbox's engine process ends, and why; and when its
+memory cgroup nears the limit at which the host would kill it whole.
+
+Each watched sandbox has a pidfd (Linux 5.3+) on its sandbox process (gVisor's
+sentry) in the event loop's own epoll set: the loop wakes when, and only when,
+one of them exits. Nothing is polled: a node with N sandboxes holds N more file
+descriptors and does no work per tick; an exit costs one callback and a few
+small cgroup file reads.
+
+Why it ended is read from the sandbox's memory cgroup before the runtime
+removes it: the kernel counts its OOM kills there (``memory.oom_control``,
+``oom_kill``), with the peak usage and the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+MIB = 1 << 20
+
+
+class ExitWatcher:
+    """Calls ``on_exit(sandbox_id)`` in the event loop when a watched process ends."""
+
+    def __init__(self, on_exit: Callable[[str], None]) -> None:
+        self._on_exit = on_exit
+        self._fds: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def watch(self, sandbox_id: str, pid: int) -> bool:
+        """Start watching ``pid``; False (and ``on_exit`` soon) when it is already gone."""
+        self.unwatch(sandbox_id)
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            loop.call_soon(self._on_exit, sandbox_id)
+            return False
+        self._fds[sandbox_id] = fd
+        loop.add_reader(fd, self._fired, sandbox_id, fd)
+        return True
+
+    def watching(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._fds
+
+    def unwatch(self, sandbox_id: str) -> None:
+        """Stop watching (before the node itself stops or checkpoints the sandbox)."""
+        fd = self._fds.pop(sandbox_id, None)
+        if fd is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for sandbox_id in list(self._fds):
+            self.unwatch(sandbox_id)
+
+    def _fired(self, sandbox_id: str, fd: int) -> None:
+        if self._fds.get(sandbox_id) != fd:
+            return
+        self.unwatch(sandbox_id)
+        try:
+            self._on_exit(sandbox_id)
+        except Exception:
+            log.exception("handling the exit of sandbox %s failed", sandbox_id)
+
+
+def exit_reason(memory_cgroup: Path, memory_mb: int = 0) -> str:
+    """Why a sandbox's process ended, from its memory cgroup (read before it is removed):
+    "killed: out of memory (...)" when the kernel's OOM killer acted there."""
+    oom_kills = 0
+    with contextlib.suppress(OSError, ValueError):
+        for line in (memory_cgroup / "memory.oom_control").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                oom_kills = int(value)
+    peak = _read_int(memory_cgroup / "memory.max_usage_in_bytes")
+    limit = _read_int(memory_cgroup / "memory.limit_in_bytes")
+    if oom_kills:
+        size = f"{memory_mb} MB of memory plus {limit // MIB - memory_mb} MB for its kernel" \
+            if memory_mb and limit // MIB > memory_mb else "its memory"
+        return (f"was killed: out of memory: the sandbox used {peak // MIB} MB of its "
+                f"{limit // MIB} MB limit ({size}); the host's OOM killer stopped it")
+    return "exited: its runtime process ended" + (
+        f" (peak memory {peak // MIB} MB of its {limit // MIB} MB limit)" if limit else "")
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+class PressureWatcher:
+    """Tells ``on_pressure(sandbox_id)`` when a sandbox's memory cgroup (gVisor's sentry
+    and gofer included: what the host's OOM killer judges) nears its limit.
+
+    The kernel does the watching: a cgroup v1 memory threshold (``cgroup.event_control``)
+    signals an eventfd when usage crosses it, and the eventfd is in the event loop's
+    epoll set. Per sandbox: two file descriptors and no work until it crosses. Usage
+    counts reclaimable page cache, so on a crossing the working set (rss + shmem: the
+    sandbox's memory file is shmem) decides; a sandbox that stays above is looked at
+    again by ``recheck`` (the runtime's once-a-second housekeeping).
+    """
+
+    # At most one report per sandbox this often (envd ignores reports while its last
+    # victim is still going).
+    MIN_INTERVAL = 0.1
+    # Thresholds from the first one up to the limit, this far apart: a sandbox still
+    # growing after a kill is reported again at once, not at the next recheck.
+    STEP = 16 << 20
+
+    def __init__(self, on_pressure: Callable[[str], None]) -> None:
+        self._on_pressure = on_pressure
+        self._watched: dict[str, tuple[int, int, Path, int]] = {}  # efd, usage fd, cg, at
+        self._above: set[str] = set()
+        self._last: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._watched)
+
+    def watch(self, sandbox_id: str, cgroup: Path, threshold: int, limit: int) -> bool:
+        self.unwatch(sandbox_id)
+        try:
+            usage_fd = os.open(cgroup / "memory.usage_in_bytes", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        try:
+            for level in range(threshold, max(limit, threshold + 1), self.STEP):
+                (cgroup / "cgroup.event_control").write_text(f"{efd} {usage_fd} {level}")
+        except OSError:
+            os.close(efd)
+            os.close(usage_fd)
+            return False
+        self._watched[sandbox_id] = (efd, usage_fd, cgroup, threshold)
+        asyncio.get_running_loop().add_reader(efd, self._crossed, sandbox_id)
+        return True
+
+    def unwatch(self, sandbox_id: str) -> None:
+        entry = self._watched.pop(sandbox_id, None)
+        self._above.discard(sandbox_id)
+        self._last.pop(sandbox_id, None)
+        if entry is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().remove_reader(entry[0])
+        os.close(entry[0])
+        os.close(entry[1])
+
+    def close(self) -> None:
+        for sandbox_id in list(self._watched):
+            self.unwatch(sandbox_id)
+
+    def _crossed(self, sandbox_id: str) -> None:
+        entry = self._watched.get(sandbox_id)
+        if entry is None:
+            return
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.eventfd_read(entry[0])
+        self._check(sandbox_id)
+
+    def recheck(self) -> None:
+        """Look again at sandboxes last seen above their threshold."""
+        for sandbox_id in list(self._above):
+            self._check(sandbox_id)
+
+    def _check(self, sandbox_id: str) -> None:
+        entry = self._watched.get(sandbox_id)
+        if entry is None:
+            return
+        _, _, cgroup, threshold = entry
+        if _read_int(cgroup / "memory.usage_in_bytes") < threshold:
+            self._above.discard(sandbox_id)
+            return
+        self._above.add(sandbox_id)
+        if working_set(cgroup) < threshold:
+            return  # page cache, which the kernel reclaims before it kills
+        now = time.monotonic()
+        if now - self._last.get(sandbox_id, 0.0) < self.MIN_INTERVAL:
+            return
+        self._last[sandbox_id] = now
+        try:
+            self._on_pressure(sandbox_id)
+        except Exception:
+            log.exception("handling memory pressure of sandbox %s failed", sandbox_id)
+
+
+def working_set(cgroup: Path) -> int:
+    """What the cgroup cannot give back without killing: rss + shmem (gVisor's memory
+    file is shmem), without the page cache the kernel would reclaim first."""
+    total = 0
+    with contextlib.suppress(OSError, ValueError):
+        for line in (cgroup / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("total_rss", "total_shmem"):
+                total += int(value)
+    return total
