@@ -14,14 +14,18 @@ class SandboxState(enum.StrEnum):
     CREATING = "creating"
     RUNNING = "running"
     PAUSED = "paused"
+    # Its runtime ended without being asked (the host's OOM killer, a crash): it holds
+    # nothing any more; the record stays, with the reason, until deleted or expired.
+    ERROR = "error"
     KILLED = "killed"
 
 
 # Which transitions exist; anything else is a 409.
 TRANSITIONS: dict[SandboxState, set[SandboxState]] = {
     SandboxState.CREATING: {SandboxState.RUNNING, SandboxState.KILLED},
-    SandboxState.RUNNING: {SandboxState.PAUSED, SandboxState.KILLED},
+    SandboxState.RUNNING: {SandboxState.PAUSED, SandboxState.ERROR, SandboxState.KILLED},
     SandboxState.PAUSED: {SandboxState.RUNNING, SandboxState.KILLED},
+    SandboxState.ERROR: {SandboxState.KILLED},
     SandboxState.KILLED: set(),
 }
 
@@ -84,6 +88,8 @@ class SandboxRecord:
     # Set when the sandbox's ports are private (E2B allowPublicTraffic=false): the
     # proxy then wants it in the e2b-traffic-access-token header.
     traffic_token: str = ""
+    # Why the sandbox is in ERROR ("was killed: out of memory: ...", "exited: ...").
+    error: str = ""
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.end_at

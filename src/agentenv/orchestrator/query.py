@@ -26,8 +26,8 @@ def public_state(record: SandboxRecord) -> str | None:
     if record.state is SandboxState.RUNNING:
         return "running"
     value = str(record.state.value)
-    if value == "paused":
-        return "paused"
+    if value in ("paused", "error"):
+        return value
     return None  # creating, killed, or a transitional state
 
 

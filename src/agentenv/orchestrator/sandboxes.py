@@ -26,9 +26,11 @@ from ..images import DEFAULT_MOUNTPOINTS, ImageError, ImageService, LayerStore
 from ..network import EgressPolicy, Slot, SlotPool, SlotPoolExhausted, compile_policy
 from ..resources import CPU, DISK, MEMORY, ResourceError
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
+from ..runtime.oci import files_quota_mb
 from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
 from .envd_client import ENVD_PORT, EnvdClient, EnvdUnavailable
+from .exits import ExitHandler, not_running
 from .models import (
     TRANSITIONS,
     BadRequest,
@@ -108,6 +110,8 @@ class SandboxManager:
         self._init_env: dict[str, str] = {}
         self._ttl_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Sandboxes whose runtime ends unasked go to ERROR (orchestrator/exits.py).
+        self._exits = ExitHandler(self)
         # Called with a sandbox ID once it is gone (the proxy drops its connections).
         self.on_removed: list[Callable[[str], None]] = []
         self.images = (TemplateImages(self, config.warm_pool_size)
@@ -126,6 +130,7 @@ class SandboxManager:
         self._hold_home()
         self._bundle = await asyncio.to_thread(build_bundle, self.config.bundles_dir)
         self._init_argv, self._init_env = envd_command(BUNDLE_MOUNT, ENVD_PORT)
+        self.runtime.on_exit = self._exits
         await self._reconcile()
         # Mounts a crash left are removed, except those adopted sandboxes run on.
         await asyncio.to_thread(self.image_cache.start, {
@@ -154,6 +159,7 @@ class SandboxManager:
                 await self._ttl_task
         for task in list(self._tasks):
             task.cancel()
+        await self._exits.close()
         if self.images is not None:
             await self.images.close()
         if self._releasing:
@@ -186,7 +192,7 @@ class SandboxManager:
                 self.store.delete(record.sandbox_id)
             elif record.state is SandboxState.RUNNING and running and running.state == "running":
                 keep[record.sandbox_id] = record
-            elif record.state is SandboxState.PAUSED:
+            elif record.state in (SandboxState.PAUSED, SandboxState.ERROR):
                 keep[record.sandbox_id] = record
             else:
                 log.info("reconcile: dropping sandbox %s (%s)", record.sandbox_id, record.state)
@@ -283,8 +289,8 @@ class SandboxManager:
     def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
         """Where the node reaches ``port`` inside a running sandbox."""
         record = self.get(sandbox_id)
-        if record.state is not SandboxState.RUNNING:
-            raise Conflict(f"sandbox '{sandbox_id}' is {record.state}")
+        if record.state is not SandboxState.RUNNING or record.error:
+            raise not_running(record)
         return record.slot_address, port
 
     # -- commands -------------------------------------------------------------
@@ -617,8 +623,9 @@ class SandboxManager:
             bundle_mount=BUNDLE_MOUNT,
             init_args=self._init_argv,
             init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(memory_mb),
-                      # envd's guard keeps the writable layer's quota (runsc has none).
-                      "AENV_DISK_LIMIT_MB": str(disk_mb)},
+                      # envd's guard keeps / and /tmp together within the writable
+                      # budget (runsc has no size limit for the in-memory root layer).
+                      "AENV_DISK_LIMIT_MB": str(files_quota_mb(disk_mb, memory_mb))},
             disk_mb=disk_mb,
         )
 
@@ -714,7 +721,7 @@ class SandboxManager:
             if record.state is SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is already paused")
             if record.state is not SandboxState.RUNNING:
-                raise Conflict(f"sandbox '{sandbox_id}' is {record.state}")
+                raise not_running(record)
             try:
                 staging = await self._capture(sandbox_id, snapshot_id, leave_running=False)
             except BaseException as exc:
@@ -972,7 +979,8 @@ class SandboxManager:
             if record.state is SandboxState.PAUSED:
                 await self._forget_paused(record)
                 return
-            await asyncio.shield(self._teardown(record, True))
+            # (an ERROR sandbox's runtime is gone already)
+            await asyncio.shield(self._teardown(record, record.state is SandboxState.RUNNING))
             if record.snapshot_id:  # its last pause snapshot is of no further use
                 with contextlib.suppress(SnapshotError):
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
@@ -1125,6 +1133,9 @@ class SandboxManager:
                     log.info("sandbox %s reached its timeout: %s", record.sandbox_id,
                              "pausing" if record.auto_pause else "killing")
                     await self._expire(record)
+                elif record.state is SandboxState.ERROR and record.expired(now):
+                    with contextlib.suppress(NotFound, Conflict):
+                        await self.kill(record.sandbox_id)
 
 
     async def _expire(self, record: SandboxRecord) -> None:

@@ -34,18 +34,19 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     slot_address TEXT NOT NULL,
     snapshot_id  TEXT NOT NULL DEFAULT '',
     network      TEXT NOT NULL DEFAULT '{}',
-    traffic_token TEXT NOT NULL DEFAULT ''
+    traffic_token TEXT NOT NULL DEFAULT '',
+    error        TEXT NOT NULL DEFAULT ''
 );
 """
 _COLUMNS = [
     "sandbox_id", "template_id", "alias", "state", "node_id", "cpu_count", "memory_mb",
     "disk_size_mb", "started_at", "end_at", "auto_pause", "internet", "metadata", "env_vars",
     "envd_token", "slot_index", "slot_address", "snapshot_id", "network",
-    "traffic_token",
+    "traffic_token", "error",
 ]
 # Columns added after the first release, with their defaults (for old files).
 _ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL DEFAULT '{}'",
-          "traffic_token": "TEXT NOT NULL DEFAULT ''"}
+          "traffic_token": "TEXT NOT NULL DEFAULT ''", "error": "TEXT NOT NULL DEFAULT ''"}
 
 
 class SandboxStore:
@@ -88,7 +89,7 @@ def _to_row(r: SandboxRecord) -> tuple:
         r.disk_size_mb, r.started_at, r.end_at, int(r.auto_pause), int(r.internet),
         json.dumps(r.metadata), json.dumps(r.env_vars), r.envd_token, r.slot_index,
         r.slot_address, r.snapshot_id, json.dumps(r.network),
-        r.traffic_token,
+        r.traffic_token, r.error,
     )
 
 
