@@ -102,8 +102,17 @@ def test_sandbox_whose_runtime_dies_is_error_at_once(node: Node, api: httpx.Clie
     sbx = Sandbox.create("base", timeout=300)
     sid = sbx.sandbox_id
     assert api.post(f"/sandboxes/{sid}/snapshots", json={}).status_code == 201
+    r = api.post(f"/sandboxes/{sid}/fork", json={"count": 1})
+    assert r.status_code == 201, r.text
+    for child in r.json():
+        assert "sandbox" in child, child
+        api.delete(f"/sandboxes/{child['sandbox']['sandboxID']}")
+    # A pause stops the runtime on purpose; the resumed one is watched anew.
+    assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+    assert api.post(f"/sandboxes/{sid}/resume", json={"timeout": 300}).status_code == 201
     time.sleep(0.5)
     assert _state(api, sid)["state"] == "running"
+    assert _state(api, sid)["error"] is None
     assert sbx.commands.run("echo alive").stdout.strip() == "alive"
 
     handle = sbx.commands.run("sleep 120", background=True, timeout=0)
@@ -112,6 +121,7 @@ def test_sandbox_whose_runtime_dies_is_error_at_once(node: Node, api: httpx.Clie
     info, took = _wait_error(api, sid, within=FAST)
     assert info["state"] == "error", info
     assert took < 2, f"state error after {took:.1f} s"
+    assert info["error"].startswith("exited: its runtime process ended"), info
     with pytest.raises(Exception) as in_flight:
         handle.wait()
     print(f"command in flight: {in_flight.value!r}"[:300])
@@ -138,7 +148,8 @@ def test_host_oom_kill_is_reported_with_its_reason(node: Node, api: httpx.Client
                      background=True, timeout=0)
     info, took = _wait_error(api, sid, within=30)
     assert info["state"] == "error", info
-    print(f"host OOM kill reported in {took:.1f} s")
+    assert info["error"].startswith("was killed: out of memory: the sandbox used"), info
+    print(f"host OOM kill reported in {took:.1f} s: {info['error']}")
     log = node.log_tail(400)
     assert f"sandbox {sid} was killed: out of memory: the sandbox used" in log, log
     _assert_fails_fast(node, api, sbx, "out of memory")

@@ -98,6 +98,8 @@ class SandboxDetail(ListedSandbox):
     domain: str | None = None
     # The egress policy in force (E2B's SandboxNetworkConfig shape).
     network: dict[str, Any] | None = None
+    # Why a sandbox in state "error" ended ("was killed: out of memory: ..."); else null.
+    error: str | None = None
 
 
 class SandboxMetric(_Body):
@@ -188,6 +190,7 @@ def detail(record: SandboxRecord, domain: str | None) -> SandboxDetail:
         allow_internet_access=record.internet, allow_internet_access_v2=record.internet,
         domain=domain, network={**record.network,
                                 "allowPublicTraffic": not record.traffic_token},
+        error=record.error or None,
     )
 
 
