@@ -116,9 +116,11 @@ class PressureWatcher:
     # At most one report per sandbox this often (envd ignores reports while its last
     # victim is still going).
     MIN_INTERVAL = 0.1
-    # Thresholds from the first one up to the limit, this far apart: a sandbox still
-    # growing after a kill is reported again at once, not at the next recheck.
+    # Thresholds from the first one up to the limit, at least this far apart and at
+    # most LEVELS of them: a sandbox still growing after a kill is reported again at
+    # once, not at the next recheck.
     STEP = 16 << 20
+    LEVELS = 8
 
     def __init__(self, on_pressure: Callable[[str], None]) -> None:
         self._on_pressure = on_pressure
@@ -137,7 +139,8 @@ class PressureWatcher:
             return False
         efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         try:
-            for level in range(threshold, max(limit, threshold + 1), self.STEP):
+            step = max(self.STEP, (limit - threshold) // self.LEVELS)
+            for level in range(threshold, max(limit, threshold + 1), step):
                 (cgroup / "cgroup.event_control").write_text(f"{efd} {usage_fd} {level}")
         except OSError:
             os.close(efd)
