@@ -99,3 +99,14 @@ def _unique(prefix: str, ids: list[str], kind: str) -> str:
         shown = ", ".join(matches[:5]) + (", ..." if len(matches) > 5 else "")
         raise CliError(f"'{prefix}' is ambiguous: it matches {len(matches)} {kind}s ({shown})")
     return matches[0]
+
+
+def sdk_sandbox(c: Client, sid: str):
+    """The e2b SDK's Sandbox for ``sid``, pointed at this node."""
+    from e2b import Sandbox
+
+    url = c.creds.url
+    try:
+        return Sandbox.connect(sid, api_key=c.creds.key, api_url=url, sandbox_url=url)
+    except Exception as exc:
+        raise CliError(f"cannot connect to sandbox {sid}: {exc}") from exc

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from . import output
-from .client import ApiError, Client
+from .client import ApiError, Client, sdk_sandbox
 from .config import CliError, Credentials, config_path, read_file, write_file
 
 cli = typer.Typer()
@@ -191,17 +191,6 @@ def set_timeout(
 
 # -- exec ---------------------------------------------------------------------------
 
-def sdk_sandbox(c: Client, sid: str):
-    """The e2b SDK's Sandbox for ``sid``, pointed at this node."""
-    from e2b import Sandbox
-
-    url = c.creds.url
-    try:
-        return Sandbox.connect(sid, api_key=c.creds.key, api_url=url, sandbox_url=url)
-    except Exception as exc:
-        raise CliError(f"cannot connect to sandbox {sid}: {exc}") from exc
-
-
 @cli.command("exec", context_settings={"allow_interspersed_args": False})
 def exec_(
     sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],
@@ -347,7 +336,7 @@ def snapshot_rm(
         raise typer.Exit(1)
 
 
-__all__ = ["ApiError", "cli", "config_path", "sdk_sandbox"]
+__all__ = ["ApiError", "cli", "config_path"]
 
 
 # -- files --------------------------------------------------------------------------

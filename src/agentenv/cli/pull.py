@@ -14,6 +14,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskID,
     TextColumn,
     TransferSpeedColumn,
 )
@@ -42,10 +43,10 @@ def pull(
         TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
         TransferSpeedColumn(), console=err, transient=False,
     ) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
         record: dict | None = None
 
-        def task(digest: str, size: int) -> int:
+        def task(digest: str, size: int) -> TaskID:
             if digest not in tasks:
                 tasks[digest] = bar.add_task(digest.split(":")[-1][:12], total=size or None)
             return tasks[digest]

@@ -9,8 +9,9 @@ import sys
 import termios
 import threading
 import tty
+from typing import Any
 
-from .client import Client
+from .client import Client, sdk_sandbox
 
 
 def _size(fd: int) -> tuple[int, int]:
@@ -25,7 +26,6 @@ def attach(c: Client, sid: str) -> int:
     """Attach this terminal to a new login shell in ``sid`` until it exits; its exit code."""
     from e2b import CommandExitException, PtySize
 
-    from .commands import sdk_sandbox
 
     sbx = sdk_sandbox(c, sid)
     in_fd, out_fd = sys.stdin.fileno(), sys.stdout.fileno()
@@ -33,7 +33,7 @@ def attach(c: Client, sid: str) -> int:
     # Keystrokes are read only once the shell has written something (its prompt): input
     # sent to a PTY whose process is still starting can be lost.
     ready_out = threading.Event()
-    result = {"code": 0}
+    result: dict[str, Any] = {"code": 0}
     wake_r, wake_w = os.pipe()
 
     def on_output(data) -> None:

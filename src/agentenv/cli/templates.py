@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -78,7 +78,7 @@ def template_build(
     context = context or file.parent
     name = name or _default_name(context)
     with Client() as c:
-        api = {"api_key": c.creds.key, "api_url": c.creds.url}
+        api: dict[str, Any] = {"api_key": c.creds.key, "api_url": c.creds.url}
         try:
             template = Template(file_context_path=str(context)).from_dockerfile(str(file))
         except (TemplateException, ValueError, OSError) as exc:

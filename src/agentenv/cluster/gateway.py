@@ -477,13 +477,12 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
         if r.status_code != 201:
             return _relay(r)
         snapshot = r.json()["snapshotID"]
+        error: ClusterError | None = None
         try:
             picks = await gw.place(snapshot=snapshot, count=count,
                                    runtime=(source.runtime_kind, source.runtime_version))
         except ClusterError as exc:
             picks, error = [], exc
-        else:
-            error = None
 
         async def child(pick: dict[str, str]) -> dict[str, Any]:
             payload: dict[str, Any] = {"templateID": snapshot}

@@ -78,7 +78,9 @@ return {entry, redis.call('GET', p .. 'node:' .. node),
 
 class Registry:
     def __init__(self, url: str, prefix: str = "aenv:") -> None:
-        self.redis = redis.from_url(url, decode_responses=True)
+        # decode_responses: every answer is a str, which redis-py's types cannot say
+        # (they give bytes | str), so the client is untyped here.
+        self.redis: Any = redis.from_url(url, decode_responses=True)
         self.prefix = prefix
         self._route = self.redis.register_script(_ROUTE)
 

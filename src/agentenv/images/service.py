@@ -7,6 +7,7 @@ Everything here blocks (network, disk, mount): callers run it in a thread.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -324,15 +325,15 @@ class ImageService:
                             raise ImageError(f"rootfs of {t.template_id} is still mounted")
             self.store.evict(protected, before_remove, need)
 
-    def _image_templates(self) -> list[Template]:
+    def _image_templates(self) -> builtins.list[Template]:
         return [t for t in self.templates.list() if t.image is not None]
 
-    def _hold(self, hexes: list[str]) -> None:
+    def _hold(self, hexes: builtins.list[str]) -> None:
         with self._lock:
             for h in hexes:
                 self._busy[h] = self._busy.get(h, 0) + 1
 
-    def _release(self, hexes: list[str]) -> None:
+    def _release(self, hexes: builtins.list[str]) -> None:
         with self._lock:
             for h in hexes:
                 self._busy[h] -= 1

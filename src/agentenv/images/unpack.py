@@ -73,7 +73,7 @@ class _Compressed(io.RawIOBase):
         self._chunk = memoryview(chunk)
         return True
 
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+    def readinto(self, buffer) -> int:
         while not self._chunk:
             if not self._pull():
                 return 0
@@ -179,7 +179,7 @@ class _Pipelined(io.RawIOBase):
             except queue.Full:
                 continue
 
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+    def readinto(self, buffer) -> int:
         if not self._pending:
             if self._ended:
                 return 0

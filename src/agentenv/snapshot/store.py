@@ -18,6 +18,7 @@ commit never relies on a chunk the collector is deleting.
 
 from __future__ import annotations
 
+import builtins
 import collections
 import contextlib
 import errno
@@ -501,7 +502,7 @@ class SnapshotStore:
         with self._lock(snapshot_id):
             manifest = self._fetch_manifest(snapshot_id)
             self.repo.delete_object(f"manifests/{snapshot_id}.json")
-            for alias in {manifest.alias, *self._aliases_to(snapshot_id)} - {None}:
+            for alias in {a for a in (manifest.alias, *self._aliases_to(snapshot_id)) if a}:
                 if self._alias_target(alias) == snapshot_id:
                     self.repo.delete_object(f"aliases/{alias}")
             with contextlib.suppress(OSError):
@@ -579,13 +580,14 @@ class SnapshotStore:
     def _local_sources(self, manifest: Manifest) -> dict[str, tuple[Path, int, int]]:
         """Chunks of related snapshots in this node's cache: digest -> (file, offset, size)."""
         md = manifest.metadata
-        related = []
+        related: builtins.list[str] = []
         parent = md.get("parent_snapshot_id")
         if isinstance(parent, str):
             related.append(parent)
         source = md.get("source_sandbox_id")
-        if source:
-            related.append(self._recent.get(str(source)))
+        recent = self._recent.get(str(source)) if source else None
+        if recent:
+            related.append(recent)
         index: dict[str, tuple[Path, int, int]] = {}
         for sid in dict.fromkeys(r for r in related if r and valid_name(r)):
             if not self.is_cached(sid):
@@ -605,7 +607,7 @@ class SnapshotStore:
 
     def _fetch_files(self, manifest: Manifest, dest: Path) -> int:
         local = self._local_sources(manifest)
-        where: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)
+        where: dict[str, builtins.list[tuple[int, int, int]]] = collections.defaultdict(list)
         sizes: dict[str, int] = {}
         fds: dict[str, int] = {}
         try:
@@ -742,8 +744,9 @@ class SnapshotStore:
                     self.repo.delete_object(GC_LOCK)
         return False
 
-    def _leases(self) -> tuple[list[str], list[str]]:
-        live, expired = [], []
+    def _leases(self) -> tuple[builtins.list[str], builtins.list[str]]:
+        live: builtins.list[str] = []
+        expired: builtins.list[str] = []
         now = _now()
         for key in self.repo.list_objects("leases/"):
             try:

@@ -10,6 +10,7 @@ these only make the orchestrator's own logic cheap to test exhaustively.
 from __future__ import annotations
 
 import asyncio
+import builtins
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,7 @@ class FakeRuntime:
     async def settle(self, wait_s: float) -> int:
         return 0
 
-    async def reconcile(self, keep: set[str]) -> list[str]:
+    async def reconcile(self, keep: set[str]) -> builtins.list[str]:
         gone = [sid for sid in self.sandboxes if sid not in keep]
         for sid in gone:
             del self.sandboxes[sid]

@@ -23,6 +23,7 @@ import tarfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def build_index(images: dict[str, TestImage]) -> Blob:
 
 
 def write_oci_layout(directory: Path, image: TestImage, tag: str = "latest",
-                     index: Blob | None = None, extra: list[TestImage] = ()) -> Path:
+                     index: Blob | None = None, extra: Sequence[TestImage] = ()) -> Path:
     blobs = directory / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
     for blob in [*image.blobs, image.manifest, *((index and [index]) or []),

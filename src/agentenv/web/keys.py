@@ -91,7 +91,7 @@ class ApiKeys:
         return self._current
 
     def _stamp(self) -> tuple:
-        out = []
+        out: list[tuple[int, int, int] | None] = []
         for name in (KEY_FILE, PREVIOUS_FILE):
             try:
                 st = os.stat(self.secrets_dir / name)
