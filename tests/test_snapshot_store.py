@@ -426,3 +426,31 @@ def test_failed_commit_leaves_staging_for_a_retry(store: SnapshotStore) -> None:
     assert not staging.exists()
     with pytest.raises(SnapshotError, match="empty"):
         store.commit("e", store.new_staging("e"), {})
+
+
+def test_staging_owns_pending_pauses(tmp_path: Path) -> None:
+    """A pending pause (capture + metadata) survives a restart's clean-up; an interrupted
+    snapshot (capture only), stray metadata and half-written metadata do not."""
+    from agentenv.snapshot.staging import Staging
+
+    staging = Staging(tmp_path / "staging")
+    for sid in ("pause1", "snap1", "pause2"):
+        (staging.new(sid) / "pages.img").write_bytes(b"x")
+    staging.hold_for_commit("pause1", {"kind": "pause", "n": 1})
+    staging.hold_for_commit("pause2", {"kind": "pause", "n": 2})
+    staging.hold_for_commit("orphan", {"kind": "pause"})  # its capture is gone
+    (staging.dir / "pause1.meta.json.tmp").write_text("{")  # a crash mid-write
+    assert staging.pending("pause1") == {"kind": "pause", "n": 1}
+    assert staging.pending("snap1") is None and staging.pending("orphan") is None
+
+    removed = staging.remove_leftovers(keep={"pause1", "snap1", "orphan"})
+    assert sorted(removed) == ["orphan.meta.json", "pause1.meta.json.tmp", "pause2",
+                               "pause2.meta.json", "snap1"]
+    assert sorted(p.name for p in staging.dir.iterdir()) == ["pause1", "pause1.meta.json"]
+
+    staging.committed("pause1")
+    assert not staging.is_pending("pause1") and staging.path("pause1").is_dir()
+    staging.discard("pause1")
+    assert list(staging.dir.iterdir()) == []
+    with pytest.raises(SnapshotError):
+        staging.path("../escape")

@@ -54,6 +54,7 @@ from agentenv.snapshot.manifest import (
     valid_name,
 )
 from agentenv.snapshot.repository import Repository
+from agentenv.snapshot.staging import Staging
 
 log = logging.getLogger("agentenv.snapshot")
 
@@ -145,7 +146,7 @@ class SnapshotStore:
         self._recent: dict[str, str] = {}
         for d in (self.cache_dir, self._meta_dir, self._tmp_dir, self._manifest_cache):
             d.mkdir(parents=True, exist_ok=True)
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        self.staging = Staging(self.staging_dir)
 
     # -- paths ------------------------------------------------------------------
     @property
@@ -170,42 +171,14 @@ class SnapshotStore:
         with self._locks_guard:
             return self._locks[snapshot_id]
 
-    # -- staging ----------------------------------------------------------------
+    # -- staging (the layout is staging.Staging's) ------------------------------------
     def new_staging(self, snapshot_id: str) -> Path:
         """An empty directory for the runtime to write a capture into."""
-        check_name("snapshot id", snapshot_id)
-        path = self.staging_dir / snapshot_id
-        try:
-            if path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        except OSError as exc:
-            if is_no_space(exc):
-                raise storage_full(f"creating staging {path}", exc) from exc
-            raise SnapshotError(f"cannot create staging {path}: {exc}") from exc
-        return path
+        return self.staging.new(snapshot_id)
 
     def discard_staging(self, snapshot_id: str) -> None:
-        shutil.rmtree(self.staging_dir / check_name("snapshot id", snapshot_id),
-                      ignore_errors=True)
-
-    @staticmethod
-    def _scan(staging: Path) -> list[tuple[str, Path, int, int]]:
-        if not staging.is_dir():
-            raise SnapshotError(f"staging {staging} is not a directory")
-        out = []
-        for dirpath, dirnames, filenames in os.walk(staging):
-            dirnames.sort()
-            for name in sorted(filenames):
-                path = Path(dirpath) / name
-                st = path.lstat()
-                if not os.path.isfile(path) or path.is_symlink():
-                    raise SnapshotError(f"staging holds {path}, which is not a regular file")
-                rel = path.relative_to(staging).as_posix()
-                out.append((rel, path, st.st_size, st.st_mode & 0o7777))
-        if not out:
-            raise SnapshotError(f"staging {staging} is empty")
-        return out
+        """Remove a capture (and, for a pending pause, its metadata)."""
+        self.staging.discard(snapshot_id)
 
     # -- commit -----------------------------------------------------------------
     def commit(self, snapshot_id: str, staging: Path, metadata: dict,
@@ -225,7 +198,7 @@ class SnapshotStore:
         with self._lock(snapshot_id):
             if self._manifest_exists(snapshot_id):
                 raise SnapshotExists(f"snapshot {snapshot_id} already exists")
-            files = self._scan(staging)
+            files = Staging.files(staging)
             t0 = time.perf_counter()
             lease = self._begin_commit(snapshot_id)
             try:
