@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # The SDK gates features on the envd version a sandbox reports.
-from ..envd import ENVD_VERSION
+from ..envd.protocol import ENVD_VERSION
 from ..orchestrator import SandboxRecord
 from ..orchestrator.query import public_state
 from ..resources import MIN_CPU_COUNT, MIN_MEMORY_MB
@@ -86,6 +86,8 @@ class ListedSandbox(_Body):
     metadata: dict[str, str] = Field(default_factory=dict)
     state: str
     envd_version: str = Field(serialization_alias="envdVersion")
+    # Why a sandbox in state "error" ended ("was killed: out of memory: ..."); else null.
+    error: str | None = None
 
 
 class SandboxDetail(ListedSandbox):
@@ -98,8 +100,6 @@ class SandboxDetail(ListedSandbox):
     domain: str | None = None
     # The egress policy in force (E2B's SandboxNetworkConfig shape).
     network: dict[str, Any] | None = None
-    # Why a sandbox in state "error" ended ("was killed: out of memory: ..."); else null.
-    error: str | None = None
 
 
 class SandboxMetric(_Body):
@@ -190,7 +190,6 @@ def detail(record: SandboxRecord, domain: str | None) -> SandboxDetail:
         allow_internet_access=record.internet, allow_internet_access_v2=record.internet,
         domain=domain, network={**record.network,
                                 "allowPublicTraffic": not record.traffic_token},
-        error=record.error or None,
     )
 
 
@@ -261,4 +260,5 @@ def _common(record: SandboxRecord) -> dict:
         "cpu_count": record.cpu_count, "memory_mb": record.memory_mb,
         "disk_size_mb": record.disk_size_mb, "metadata": record.metadata,
         "state": public_state(record) or "running", "envd_version": ENVD_VERSION,
+        "error": record.error or None,
     }

@@ -17,6 +17,7 @@ import websockets
 from starlette.types import ASGIApp, Receive, Scope, Send
 from websockets.asyncio.client import connect as ws_connect
 
+from ..envd.protocol import ENVD_PORT
 from ..orchestrator import Conflict, NotFound
 from ..web import (
     DROP_REQUEST,
@@ -39,7 +40,6 @@ Resolver = Callable[[str, int], tuple[str, int]]
 # A sandbox's traffic access token ("" when its ports are public).
 TrafficToken = Callable[[str], str]
 TRAFFIC_HEADER = "e2b-traffic-access-token"
-ENVD_PORT = 49983  # envd checks its own access token; the traffic token is for user ports
 
 
 class SandboxProxy:
@@ -100,6 +100,7 @@ class SandboxProxy:
             await self._http(scope, receive, send, sandbox_id, url)
 
     def _traffic_allowed(self, scope: Scope, sandbox_id: str, port: int) -> bool:
+        # envd checks its own access token; the traffic token is for user ports.
         if self.traffic_token is None or port == ENVD_PORT:
             return True
         try:

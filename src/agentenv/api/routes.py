@@ -9,9 +9,16 @@ import httpx
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
 from .. import __version__
-from ..orchestrator import BadRequest, CreateRequest, NotFound, SandboxManager, SandboxState
+from ..envd.protocol import ENVD_PORT
+from ..orchestrator import (
+    BadRequest,
+    CreateRequest,
+    NotFound,
+    SandboxManager,
+    SandboxRecord,
+    SandboxState,
+)
 from ..orchestrator import query as q
-from ..orchestrator.envd_client import ENVD_PORT
 from . import models, network_routes
 
 public = APIRouter()
@@ -136,7 +143,18 @@ async def sandboxes_metrics(
 @router.get("/sandboxes/{sandbox_id}", response_model=models.SandboxDetail,
             response_model_by_alias=True)
 async def get_sandbox(sandbox_id: str, request: Request) -> models.SandboxDetail:
-    return models.detail(manager(request).get(sandbox_id), _domain(request))
+    return models.detail(_alive(request, sandbox_id), _domain(request))
+
+
+def _alive(request: Request, sandbox_id: str) -> SandboxRecord:
+    """A sandbox that can still be used. One whose runtime died is, to the E2B API, gone
+    (a 404, as E2B answers; its SDKs know no 'error' state), with the reason said; its
+    record stays listed under ``state=error`` until deleted or expired."""
+    record = manager(request).get(sandbox_id)
+    if record.state is SandboxState.ERROR:
+        raise NotFound(f"sandbox '{sandbox_id}' is not running: {record.error} (its record "
+                       f"stays until DELETE /sandboxes/{sandbox_id} or its timeout)")
+    return record
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics", response_model=list[models.SandboxMetric],
@@ -190,7 +208,7 @@ async def connect_sandbox(
     """Connect to a running sandbox (200), or resume a paused one (201).
     A timeout given only ever extends a running sandbox's TTL."""
     mgr = manager(request)
-    record = mgr.get(sandbox_id)
+    record = _alive(request, sandbox_id)
     if record.state is SandboxState.PAUSED:
         record = await mgr.resume(sandbox_id, body.timeout if body else None)
         response.status_code = 201

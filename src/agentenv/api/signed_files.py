@@ -16,9 +16,8 @@ from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..envd.server import file_signature
+from ..envd.protocol import ENVD_PORT, file_signature
 from ..orchestrator import SandboxRecord, SandboxState
-from ..orchestrator.envd_client import ENVD_PORT
 from ..web import SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER, BadTarget, send_error
 from ..web.routing import SandboxRouting
 

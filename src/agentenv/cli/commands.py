@@ -118,7 +118,7 @@ def cn(sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.
 @cli.command("ls")
 def ls(
     state: Annotated[list[str] | None, typer.Option(
-        "--state", "-s", help="running or paused (repeatable).")] = None,
+        "--state", "-s", help="running, paused or error (repeatable).")] = None,
     metadata: Annotated[list[str] | None, typer.Option(
         "--metadata", "-m", help="KEY=VALUE that must match (repeatable).")] = None,
     as_json: JsonOpt = False,

@@ -37,8 +37,8 @@ from websockets.asyncio.client import connect as ws_connect
 
 from .. import __version__
 from ..api.errors import error_response, install_error_handlers
+from ..envd.protocol import ENVD_PORT
 from ..orchestrator import NotFound
-from ..orchestrator.envd_client import ENVD_PORT
 from ..web import (
     SANDBOX_ID_HEADER,
     SANDBOX_PORT_HEADER,

@@ -1,9 +1,11 @@
 """envd: the daemon that runs inside every sandbox and speaks E2B's envd protocol.
 
-Submodules are imported lazily; importing this package costs nothing.
+Submodules are imported lazily; importing this package costs nothing. The host side
+uses ``protocol`` (port, version, file signatures) and ``bundle`` (envd's runtime).
 """
 
-# Version reported to SDKs (the API returns it as the sandbox's ``envdVersion``).
-# The SDK gates features on it; every feature up to this version is implemented.
-ENVD_VERSION = "0.6.4"
-DEFAULT_PORT = 49983
+from .protocol import ENVD_PORT, ENVD_VERSION, file_signature
+
+DEFAULT_PORT = ENVD_PORT
+
+__all__ = ["DEFAULT_PORT", "ENVD_PORT", "ENVD_VERSION", "file_signature"]

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from ..api import models
 from ..api.routes_lifecycle import snapshot_call
-from ..envd.server import file_signature
+from ..envd.protocol import file_signature
 from ..orchestrator import NotFound, SandboxManager, SandboxState
 from .heartbeat import node_status
 from .peer import read_cached_chunk

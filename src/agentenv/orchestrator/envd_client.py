@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import httpx
 
-ENVD_PORT = 49983
+from ..envd.protocol import ENVD_PORT
 
 
 class EnvdUnavailable(RuntimeError):

@@ -17,8 +17,11 @@ from .models import BadRequest, SandboxRecord, SandboxState
 
 MAX_PAGE = 100
 
-# The states a listing can name, as the E2B API spells them.
+# The states a listing shows unless asked otherwise, as the E2B API spells them (the
+# SDKs know no others: an unknown state fails their parsing of the whole list).
 LISTED_STATES = ("running", "paused")
+# Shown only when asked for by name (agentenv's own: ``aenv ls --state error``).
+EXTRA_STATES = ("error",)
 
 
 def public_state(record: SandboxRecord) -> str | None:
@@ -60,10 +63,11 @@ class Page:
 def parse_states(values: Iterable[str]) -> frozenset[str]:
     """``state`` as the SDKs send it: comma-separated, possibly repeated."""
     states = {s.strip() for v in values for s in v.split(",") if s.strip()}
-    unknown = states - set(LISTED_STATES)
+    unknown = states - set(LISTED_STATES) - set(EXTRA_STATES)
     if unknown:
         raise BadRequest(
-            f"invalid state {sorted(unknown)[0]!r}: expected one of {', '.join(LISTED_STATES)}"
+            f"invalid state {sorted(unknown)[0]!r}: expected one of "
+            f"{', '.join(LISTED_STATES + EXTRA_STATES)}"
         )
     return frozenset(states) if states else frozenset(LISTED_STATES)
 
