@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
-import grp
+import logging
+import math
 import os
-import pwd
-import shutil
-import stat as st
 import struct
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -20,78 +18,47 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
-from .state import PathError, State, User, UserError, chown, makedirs_owned, resolve_path
+from .state import PathError, State, User, UserError, resolve_path
+from .userfs import (
+    MAX_LIST_DEPTH,
+    MAX_LIST_ENTRIES,
+    MAX_WATCH_DIRS,
+    Refused,
+    UserFS,
+    WorkerGone,
+    user_key,
+)
 
 if TYPE_CHECKING:
     from connectrpc.request import RequestContext
 
-METADATA_XATTR_PREFIX = "user.e2b."
+log = logging.getLogger("agentenv.envd")
+
 KEEPALIVE_HEADER = "keepalive-ping-interval"
+MIN_KEEPALIVE_S = 1.0
+MAX_KEEPALIVE_S = 3600.0
 MAX_WATCHER_EVENTS = 10_000
 
 
 # -- entry info ------------------------------------------------------------------------
-def _name_of(table, key: int) -> str:
-    try:
-        return (table.getpwuid(key).pw_name if table is pwd else table.getgrgid(key).gr_name)
-    except (KeyError, OSError):
-        return str(key)
+def _file_type(kind: str) -> int:
+    return {"dir": pb.FileType.DIRECTORY, "file": pb.FileType.FILE,
+            "symlink": pb.FileType.SYMLINK}.get(kind, pb.FileType.UNSPECIFIED)
 
 
-def read_metadata(path: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError:
-        return out
-    for n in names:
-        if n.startswith(METADATA_XATTR_PREFIX):
-            with contextlib.suppress(OSError, UnicodeDecodeError):
-                out[n[len(METADATA_XATTR_PREFIX):]] = os.getxattr(
-                    path, n, follow_symlinks=False).decode()
-    return out
-
-
-def _file_type(mode: int) -> int:
-    if st.S_ISDIR(mode):
-        return pb.FileType.DIRECTORY
-    if st.S_ISREG(mode):
-        return pb.FileType.FILE
-    return pb.FileType.UNSPECIFIED
-
-
-def entry_info(path: str) -> pb.EntryInfo:
-    """EntryInfo of ``path`` (lstat; a symlink reports its target's type)."""
-    lst = os.lstat(path)
-    info = lst
-    is_link = st.S_ISLNK(lst.st_mode)
-    target = None
-    if is_link:
-        target = os.path.realpath(path)
-        try:
-            info = os.stat(path)
-            ftype = _file_type(info.st_mode)
-        except OSError:  # dangling link
-            ftype = pb.FileType.SYMLINK
-    else:
-        ftype = _file_type(lst.st_mode)
+def entry_pb(d: dict) -> pb.EntryInfo:
+    """EntryInfo from a worker's entry (see userfs._entry)."""
     from protobuf.wkt import Timestamp
 
+    mtime = int(d["mtime"])
     e = pb.EntryInfo(
-        name=os.path.basename(path) or path,
-        type=ftype,
-        path=path,
-        size=info.st_size,
-        mode=st.S_IMODE(info.st_mode),
-        permissions=st.filemode(info.st_mode),
-        owner=_name_of(pwd, lst.st_uid),
-        group=_name_of(grp, lst.st_gid),
-        modified_time=Timestamp(seconds=int(lst.st_mtime), nanos=lst.st_mtime_ns % 1_000_000_000),
-        is_symlink=is_link,
-        metadata=read_metadata(path),
+        name=d["name"], type=_file_type(d["type"]), path=d["path"], size=d["size"],
+        mode=d["mode"], permissions=d["perm"], owner=d["owner"], group=d["group"],
+        modified_time=Timestamp(seconds=mtime // 1_000_000_000, nanos=mtime % 1_000_000_000),
+        is_symlink=d["link"], metadata=d["meta"],
     )
-    if target is not None:
-        e.symlink_target = target
+    if d["target"] is not None:
+        e.symlink_target = d["target"]
     return e
 
 
@@ -110,6 +77,11 @@ def _oserror(e: OSError, path: str) -> ConnectError:
     return ConnectError(Code.INTERNAL, f"{e.strerror or e}: '{path}'")
 
 
+def _worker_error(path: str) -> ConnectError:
+    return ConnectError(Code.UNAVAILABLE,
+                        f"the file operation on '{path}' was interrupted (its worker ended)")
+
+
 # -- inotify ---------------------------------------------------------------------------
 IN_MODIFY = 0x2
 IN_ATTRIB = 0x4
@@ -121,71 +93,84 @@ IN_DELETE_SELF = 0x400
 IN_IGNORED = 0x8000
 IN_ISDIR = 0x40000000
 IN_Q_OVERFLOW = 0x4000
-_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 _HDR = struct.Struct("iIII")
-_libc = None
-
-
-def _inotify():
-    global _libc
-    if _libc is None:
-        import ctypes
-
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
+# Watchers (streaming WatchDir and polling CreateWatcher alike) one sandbox may have
+# at once: each holds an inotify instance (a descriptor, kernel memory) and a queue.
+# One more is refused with RESOURCE_EXHAUSTED until a watcher is stopped, its stream
+# ends, or (only when the cap is reached) a polling watcher not polled for
+# WATCHER_IDLE_S is expired to make room.
+MAX_WATCHERS = 128
+WATCHER_IDLE_S = 600.0
 
 
 class Watcher:
-    """inotify watch of a directory (optionally recursive) delivering FilesystemEvents."""
+    """An inotify watch of a directory (optionally recursive) delivering FilesystemEvents.
 
-    def __init__(self, root: str, recursive: bool, include_entry: bool, on_event) -> None:
-        import ctypes
+    The inotify instance and every watch in it are made by the user's file worker,
+    so only directories the user may read are watched; the entry info of events
+    is likewise looked up as the user. Events are processed in order by one task.
+    """
 
+    def __init__(self, userfs: UserFS, key: tuple, root: str, fd: int, wds: dict[int, str],
+                 recursive: bool, include_entry: bool, on_event) -> None:
+        self.userfs = userfs
+        self.key = key
         self.root = root
+        self.fd = fd
+        self.wds = wds
         self.recursive = recursive
         self.include_entry = include_entry
         self.on_event = on_event
-        libc = _inotify()
-        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        self.fd = fd
-        self.wds: dict[int, str] = {}
+        self.polled = time.monotonic()
         self._loop = asyncio.get_running_loop()
-        try:
-            self._add(root)
-            if recursive:
-                for dirpath, dirnames, _ in os.walk(root):
-                    for d in dirnames:
-                        self._add(os.path.join(dirpath, d))
-        except BaseException:
-            os.close(fd)
-            raise
-        self._loop.add_reader(fd, self._on_readable)
+        self._task = asyncio.create_task(self._run())
 
-    def _add(self, path: str) -> None:
-        import ctypes
-
-        wd = _inotify().inotify_add_watch(self.fd, os.fsencode(path), _MASK)
-        if wd < 0:
-            err = ctypes.get_errno()
-            if path == self.root:
-                raise OSError(err, os.strerror(err), path)
-            return
-        self.wds[wd] = path
+    @classmethod
+    async def start(cls, userfs: UserFS, key: tuple, root: str, recursive: bool,
+                    include_entry: bool, on_event) -> Watcher:
+        pairs: list = []
+        result, fds = await userfs.call(key, "watch", path=root, recursive=recursive,
+                                        on_more=pairs.extend)
+        pairs.extend(result)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(errno.EIO, "no inotify descriptor from the file worker")
+        return cls(userfs, key, root, fds[0], {int(wd): p for wd, p in pairs},
+                   recursive, include_entry, on_event)
 
     def close(self) -> None:
         if self.fd >= 0:
-            self._loop.remove_reader(self.fd)
-            os.close(self.fd)
-            self.fd = -1
+            fd, self.fd = self.fd, -1
+            self._loop.remove_reader(fd)
+            self._task.cancel()
+            os.close(fd)
 
-    def _on_readable(self) -> None:
+    async def _readable(self) -> None:
+        fd = self.fd
+        fut = self._loop.create_future()
+        self._loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
         try:
-            buf = os.read(self.fd, 64 * 1024)
-        except BlockingIOError:
-            return
+            await fut
+        finally:
+            if self.fd == fd:  # else close() removed it (and the number may be reused)
+                self._loop.remove_reader(fd)
+
+    async def _run(self) -> None:
+        try:
+            while self.fd >= 0:
+                await self._readable()
+                try:
+                    buf = os.read(self.fd, 64 * 1024)
+                except BlockingIOError:
+                    continue
+                await self._process(buf)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a worker gone etc.: the watch ends, envd does not
+            log.warning("watcher of %s stopped: %r", self.root, e)
+
+    async def _process(self, buf: bytes) -> None:
         off = 0
         while off + _HDR.size <= len(buf):
             wd, mask, _cookie, ln = _HDR.unpack_from(buf, off)
@@ -199,8 +184,12 @@ class Watcher:
             if base is None or not name:
                 continue
             full = os.path.join(base, name)
-            if mask & IN_CREATE and mask & IN_ISDIR and self.recursive:
-                self._add(full)
+            if (mask & IN_CREATE and mask & IN_ISDIR and self.recursive
+                    and len(self.wds) < MAX_WATCH_DIRS):
+                new, _ = await self.userfs.call(self.key, "add_watch", fds=(self.fd,),
+                                                path=full)
+                if new >= 0:
+                    self.wds[new] = full
             if mask & (IN_CREATE | IN_MOVED_TO):
                 etype = pb.EventType.CREATE
             elif mask & IN_MODIFY:
@@ -215,8 +204,9 @@ class Watcher:
                 continue
             ev = pb.FilesystemEvent(name=os.path.relpath(full, self.root), type=etype)
             if self.include_entry and etype not in (pb.EventType.REMOVE, pb.EventType.RENAME):
-                with contextlib.suppress(OSError):
-                    ev.entry = entry_info(full)
+                entry, _ = await self.userfs.call(self.key, "entry", path=full)
+                if entry is not None:
+                    ev.entry = entry_pb(entry)
             self.on_event(ev)
 
 
@@ -234,131 +224,179 @@ def _path(raw: str, user: User, *, allow_empty: bool = False) -> str:
         raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
 
 
-class FilesystemService:
-    """Implements ``aenv_envd_protos.filesystem.filesystem_connect.Filesystem``."""
+def keepalive_seconds(ctx: RequestContext) -> float | None:
+    """The client's keepalive-ping-interval, clamped (none when absent or invalid)."""
+    raw = ctx.request_headers.get(KEEPALIVE_HEADER)
+    try:
+        v = float(raw) if raw else 0.0
+    except ValueError:
+        return None
+    if not math.isfinite(v) or v <= 0:
+        return None
+    return min(max(v, MIN_KEEPALIVE_S), MAX_KEEPALIVE_S)
 
-    def __init__(self, state: State) -> None:
+
+class FilesystemService:
+    """Implements ``aenv_envd_protos.filesystem.filesystem_connect.Filesystem``.
+
+    Every operation runs as the request's user (see userfs): the kernel checks
+    each path with that user's uid, gid and groups, symlinks included.
+    """
+
+    def __init__(self, state: State, userfs: UserFS | None = None) -> None:
         self.state = state
+        self.userfs = userfs or UserFS()
         self.watchers: dict[str, tuple[Watcher, list]] = {}
+        self.streams = 0  # WatchDir streams open
+
+    async def _call(self, user: User, op: str, path: str, **args):
+        """Run ``op`` as ``user``; OSErrors come back as the Connect errors E2B sends."""
+        try:
+            return await self.userfs.call(user_key(user), op, path=path, **args)
+        except OSError as e:
+            raise _oserror(e, path) from None
+        except WorkerGone:
+            raise _worker_error(path) from None
 
     async def stat(self, request: pb.StatRequest, ctx: RequestContext) -> pb.StatResponse:
         user = _request_user(self.state, ctx)
         path = _path(request.path, user)
-        try:
-            return pb.StatResponse(entry=entry_info(path))
-        except OSError as e:
-            raise _oserror(e, path) from None
+        entry, _ = await self._call(user, "stat", path)
+        return pb.StatResponse(entry=entry_pb(entry))
 
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext
                        ) -> pb.MakeDirResponse:
         user = _request_user(self.state, ctx)
         path = _path(request.path, user)
-        if os.path.lexists(path):
-            if os.path.isdir(path):
-                raise ConnectError(Code.ALREADY_EXISTS, f"directory '{path}' already exists")
-            raise ConnectError(Code.INVALID_ARGUMENT,
-                               f"path '{path}' already exists and is not a directory")
         try:
-            makedirs_owned(path, user)
-            return pb.MakeDirResponse(entry=entry_info(path))
-        except OSError as e:
-            raise _oserror(e, path) from None
+            entry, _ = await self._call(user, "mkdir", path)
+        except Refused as e:
+            if e.detail == "dir":
+                raise ConnectError(Code.ALREADY_EXISTS,
+                                   f"directory '{path}' already exists") from None
+            raise ConnectError(Code.INVALID_ARGUMENT,
+                               f"path '{path}' already exists and is not a directory") from None
+        return pb.MakeDirResponse(entry=entry_pb(entry))
 
     async def move(self, request: pb.MoveRequest, ctx: RequestContext) -> pb.MoveResponse:
         user = _request_user(self.state, ctx)
         src = _path(request.source, user)
         dst = _path(request.destination, user)
-        if not os.path.lexists(src):
-            raise ConnectError(Code.NOT_FOUND, f"source '{src}' does not exist")
         try:
-            makedirs_owned(os.path.dirname(dst), user)
-            os.rename(src, dst)
-            return pb.MoveResponse(entry=entry_info(dst))
+            entry, _ = await self.userfs.call(user_key(user), "move", src=src, dst=dst)
+        except Refused:
+            raise ConnectError(Code.NOT_FOUND, f"source '{src}' does not exist") from None
         except OSError as e:
-            if e.errno == errno.EXDEV:
-                try:
-                    shutil.move(src, dst)
-                    return pb.MoveResponse(entry=entry_info(dst))
-                except OSError as e2:
-                    raise _oserror(e2, dst) from None
             raise _oserror(e, dst) from None
+        except WorkerGone:
+            raise _worker_error(dst) from None
+        return pb.MoveResponse(entry=entry_pb(entry))
 
     async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext
                        ) -> pb.ListDirResponse:
         user = _request_user(self.state, ctx)
         root = _path(request.path, user, allow_empty=True)
-        depth = max(1, request.depth)
-        try:
-            real = os.path.realpath(root)
-            if not os.path.isdir(real):
-                if not os.path.exists(real):
-                    raise ConnectError(Code.NOT_FOUND, f"path '{root}' does not exist")
-                raise ConnectError(Code.INVALID_ARGUMENT, f"path '{root}' is not a directory")
-            entries: list[pb.EntryInfo] = []
-            self._walk(real, depth, entries)
-        except OSError as e:
-            raise _oserror(e, root) from None
-        return pb.ListDirResponse(entries=entries)
+        depth = max(1, min(request.depth, MAX_LIST_DEPTH))
+        entries: list[pb.EntryInfo] = []
 
-    def _walk(self, d: str, depth: int, out: list) -> None:
-        with os.scandir(d) as it:
-            children = sorted(it, key=lambda e: e.name)
-        for c in children:
-            try:
-                out.append(entry_info(c.path))
-            except OSError:
-                continue  # vanished meanwhile
-            if depth > 1 and c.is_dir(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    self._walk(c.path, depth - 1, out)
+        def more(batch: list) -> None:
+            entries.extend(entry_pb(d) for d in batch)
+
+        try:
+            last, _ = await self._call(user, "list", root, depth=depth, on_more=more)
+        except Refused as e:
+            if e.reason == "too_many":
+                raise ConnectError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"'{root}' holds more than {MAX_LIST_ENTRIES} entries down to depth "
+                    f"{depth}: list it with a smaller depth") from None
+            raise ConnectError(Code.INVALID_ARGUMENT,
+                               f"path '{root}' is not a directory") from None
+        more(last)
+        return pb.ListDirResponse(entries=entries)
 
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext) -> pb.RemoveResponse:
         user = _request_user(self.state, ctx)
         path = _path(request.path, user)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        except OSError as e:
-            raise _oserror(e, path) from None
+        await self._call(user, "remove", path)
         return pb.RemoveResponse()
 
-    def _watch(self, raw: str, recursive: bool, include_entry: bool, ctx: RequestContext,
-               on_event) -> Watcher:
+    # -- watchers -------------------------------------------------------------------
+    def _slots_used(self) -> int:
+        return len(self.watchers) + self.streams
+
+    def _claim_slot(self) -> None:
+        """Raise RESOURCE_EXHAUSTED if no watcher slot is free (after expiring idle ones)."""
+        if self._slots_used() < MAX_WATCHERS:
+            return
+        cutoff = time.monotonic() - WATCHER_IDLE_S
+        for wid, (w, _) in list(self.watchers.items()):
+            if w.polled < cutoff:
+                w.close()
+                del self.watchers[wid]
+        if self._slots_used() >= MAX_WATCHERS:
+            raise ConnectError(
+                Code.RESOURCE_EXHAUSTED,
+                f"too many watchers: a sandbox may have {MAX_WATCHERS} at once; "
+                "stop one (WatchHandle.stop) before starting another")
+
+    async def _watch(self, raw: str, recursive: bool, include_entry: bool,
+                     ctx: RequestContext, on_event) -> Watcher:
         user = _request_user(self.state, ctx)
         path = _path(raw, user)
-        if not os.path.exists(path):
-            raise ConnectError(Code.NOT_FOUND, f"path '{path}' does not exist")
-        if not os.path.isdir(path):
-            raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
         try:
-            return Watcher(path, recursive, include_entry, on_event)
+            return await Watcher.start(self.userfs, user_key(user), path, recursive,
+                                       include_entry, on_event)
+        except Refused as e:
+            if e.reason == "too_many":
+                raise ConnectError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"'{path}' holds more than {MAX_WATCH_DIRS} directories: "
+                    "watch a smaller tree") from None
+            raise ConnectError(Code.INVALID_ARGUMENT,
+                               f"path '{path}' is not a directory") from None
         except OSError as e:
             raise _oserror(e, path) from None
+        except WorkerGone:
+            raise _worker_error(path) from None
 
     async def watch_dir(self, request: pb.WatchDirRequest, ctx: RequestContext
                         ) -> AsyncIterator[pb.WatchDirResponse]:
-        q: asyncio.Queue = asyncio.Queue()
-        w = self._watch(request.path, request.recursive, request.include_entry, ctx,
-                        q.put_nowait)
-        raw = ctx.request_headers.get(KEEPALIVE_HEADER)
+        self._claim_slot()
+        self.streams += 1
         try:
-            keepalive = float(raw) if raw else None
-        except ValueError:
-            keepalive = None
-        try:
-            yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
-            while True:
-                try:
-                    ev = await asyncio.wait_for(q.get(), keepalive or None)
-                except TimeoutError:
-                    yield pb.WatchDirResponse(
-                        event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
-                    continue
-                yield pb.WatchDirResponse(event=Oneof("filesystem", ev))
+            q: asyncio.Queue = asyncio.Queue()
+            overflow = []
+
+            def on_event(ev) -> None:
+                if q.qsize() < MAX_WATCHER_EVENTS:
+                    q.put_nowait(ev)
+                elif not overflow:
+                    overflow.append(True)
+                    q.put_nowait(None)
+
+            w = await self._watch(request.path, request.recursive, request.include_entry,
+                                  ctx, on_event)
+            keepalive = keepalive_seconds(ctx)
+            try:
+                yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+                while True:
+                    try:
+                        ev = await asyncio.wait_for(q.get(), keepalive)
+                    except TimeoutError:
+                        yield pb.WatchDirResponse(
+                            event=Oneof("keepalive", pb.WatchDirResponse.KeepAlive()))
+                        continue
+                    if ev is None:
+                        raise ConnectError(
+                            Code.RESOURCE_EXHAUSTED,
+                            f"the watcher fell {MAX_WATCHER_EVENTS} events behind; "
+                            "events were lost")
+                    yield pb.WatchDirResponse(event=Oneof("filesystem", ev))
+            finally:
+                w.close()
         finally:
-            w.close()
+            self.streams -= 1
 
     async def create_watcher(self, request: pb.CreateWatcherRequest, ctx: RequestContext
                              ) -> pb.CreateWatcherResponse:
@@ -368,7 +406,13 @@ class FilesystemService:
             if len(events) < MAX_WATCHER_EVENTS:
                 events.append(ev)
 
-        w = self._watch(request.path, request.recursive, request.include_entry, ctx, on_event)
+        self._claim_slot()
+        self.streams += 1  # holds the slot while the watch is being set up
+        try:
+            w = await self._watch(request.path, request.recursive, request.include_entry,
+                                  ctx, on_event)
+        finally:
+            self.streams -= 1
         wid = uuid.uuid4().hex
         self.watchers[wid] = (w, events)
         return pb.CreateWatcherResponse(watcher_id=wid)
@@ -381,7 +425,8 @@ class FilesystemService:
 
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest,
                                  ctx: RequestContext) -> pb.GetWatcherEventsResponse:
-        _, events = self._watcher(request.watcher_id)
+        w, events = self._watcher(request.watcher_id)
+        w.polled = time.monotonic()
         out = list(events)
         events.clear()
         return pb.GetWatcherEventsResponse(events=out)
@@ -394,9 +439,4 @@ class FilesystemService:
         return pb.RemoveWatcherResponse()
 
 
-def set_metadata(path: str, metadata: dict[str, str]) -> None:
-    for k, v in metadata.items():
-        os.setxattr(path, METADATA_XATTR_PREFIX + k, v.encode(), follow_symlinks=False)
-
-
-__all__ = ["FilesystemService", "chown", "entry_info", "set_metadata"]
+__all__ = ["MAX_WATCHERS", "FilesystemService", "entry_pb", "user_key"]

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import signal
 import struct
@@ -27,6 +28,7 @@ from protobuf import Oneof
 
 from .spawn import as_user
 from .state import PathError, State, User, UserError, resolve_path
+from .userfs import UserFS, WorkerGone, user_key
 
 if TYPE_CHECKING:
     from connectrpc.request import RequestContext
@@ -40,6 +42,9 @@ LOW_WATER = 16
 # background grandchild may keep the pipes open forever).
 EOF_GRACE_S = 0.25
 KEEPALIVE_HEADER = "keepalive-ping-interval"
+MIN_KEEPALIVE_S = 1.0
+MAX_KEEPALIVE_S = 3600.0
+MAX_PTY_DIM = 4096
 
 _SIGNAL_NAMES = {
     signal.SIGKILL: "killed",
@@ -85,7 +90,9 @@ def _set_controlling_tty() -> None:  # runs in the child, after setsid
 
 
 def _set_winsize(fd: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows or 24, cols or 80, 0, 0))
+    rows = min(max(rows, 0), MAX_PTY_DIM) or 24  # the kernel's fields are 16-bit
+    cols = min(max(cols, 0), MAX_PTY_DIM) or 80
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
 class Proc:
@@ -337,12 +344,16 @@ class Registry:
 
 
 def _keepalive_s(ctx: RequestContext) -> float | None:
+    """The client's keepalive interval, clamped: "1e-9" must not make a busy loop,
+    nor "nan"/"inf" an error."""
     raw = ctx.request_headers.get(KEEPALIVE_HEADER)
     try:
         v = float(raw) if raw else 0.0
     except ValueError:
         v = 0.0
-    return v if v > 0 else None
+    if not math.isfinite(v) or v <= 0:
+        return None
+    return min(max(v, MIN_KEEPALIVE_S), MAX_KEEPALIVE_S)
 
 
 def _request_user(state: State, ctx: RequestContext) -> User:
@@ -355,12 +366,27 @@ def _request_user(state: State, ctx: RequestContext) -> User:
 class ProcessService:
     """Implements ``aenv_envd_protos.process.process_connect.Process``."""
 
-    def __init__(self, state: State, registry: Registry) -> None:
+    def __init__(self, state: State, registry: Registry, userfs: UserFS | None = None) -> None:
         self.state = state
         self.registry = registry
+        self.userfs = userfs or UserFS()
+
+    async def _check_cwd(self, cwd: str, user: User) -> None:
+        """The requested cwd must be a directory *the user* may enter: the child
+        changes into it before dropping root, so root's view must not decide."""
+        ok = os.path.isdir(cwd)
+        if ok and user.uid != 0 and os.geteuid() == 0:
+            try:
+                ok, _ = await self.userfs.call(user_key(user), "cwd_ok", path=cwd)
+            except (OSError, WorkerGone):
+                ok = False
+        if not ok:
+            raise ConnectError(Code.INVALID_ARGUMENT,
+                               f"cwd '{cwd}' does not exist, is not a directory, or "
+                               f"'{user.name}' may not enter it")
 
     # -- spawning -------------------------------------------------------------------
-    def _spawn(self, request: pb.StartRequest, user: User) -> Proc:
+    def _spawn(self, request: pb.StartRequest, user: User, cwd: str | None) -> Proc:
         cfg = request.process
         if cfg is None or not cfg.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process config with a cmd is required")
@@ -369,15 +395,7 @@ class ProcessService:
             cmd = "/bin/sh"  # the SDK always asks for bash; minimal rootfses have only sh
         argv = [cmd, *cfg.args]
         env = self.state.process_env(user, dict(cfg.envs))
-        if cfg.has_field("cwd") and cfg.cwd:
-            try:
-                cwd = resolve_path(cfg.cwd, user)
-            except PathError as e:
-                raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
-            if not os.path.isdir(cwd):
-                raise ConnectError(Code.INVALID_ARGUMENT,
-                                   f"cwd '{cwd}' does not exist or is not a directory")
-        else:
+        if cwd is None:
             cwd = self.state.default_cwd(user)
         creds: dict[str, Any] = {}
         if os.geteuid() == 0:
@@ -455,7 +473,15 @@ class ProcessService:
     async def start(self, request: pb.StartRequest, ctx: RequestContext
                     ) -> AsyncIterator[pb.StartResponse]:
         user = _request_user(self.state, ctx)
-        proc = self._spawn(request, user)
+        cwd = None
+        cfg = request.process
+        if cfg is not None and cfg.has_field("cwd") and cfg.cwd:
+            try:
+                cwd = resolve_path(cfg.cwd, user)
+            except PathError as e:
+                raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
+            await self._check_cwd(cwd, user)
+        proc = self._spawn(request, user, cwd)
         timeout_ms = ctx.timeout_ms
         if timeout_ms:  # E2B semantics: the stream's deadline bounds the process
             proc.set_deadline(timeout_ms / 1000)

@@ -9,6 +9,7 @@ Every request except /health needs ``X-Access-Token`` once a token is set
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import errno
@@ -22,14 +23,22 @@ import zlib
 from typing import Any
 from urllib.parse import parse_qsl, quote
 
-from .state import PathError, State, User, UserError, chown, makedirs_owned, resolve_path
+from .state import PathError, State, User, UserError, resolve_path
+from .userfs import METADATA_XATTR_PREFIX, Refused, UserFS, WorkerGone, user_key
 
 log = logging.getLogger("agentenv.envd")
 
 FILE_CHUNK = 256 * 1024
 MAX_JSON_BODY = 1 << 20
+# Multipart uploads: header bytes of one part, and file parts of one upload
+# without a path (the SDK's write_files); an upload with a path takes one.
+MAX_PART_HEADERS = 16 * 1024
+MAX_UPLOAD_PARTS = 10_000
+MAX_BOUNDARY = 200
 PROCESS_PREFIX = "/process.Process/"
 FILESYSTEM_PREFIX = "/filesystem.Filesystem/"
+SERVER_STREAMS = frozenset({"/filesystem.Filesystem/WatchDir", "/process.Process/Start",
+                            "/process.Process/Connect"})
 
 
 class HTTPError(Exception):
@@ -81,6 +90,48 @@ async def _read_small_body(receive) -> bytes:
     return bytes(buf)
 
 
+async def _until_disconnect(app, scope, receive, send) -> None:
+    """Run a server-streaming RPC, cancelling it when the client goes away.
+
+    A stream that waits for something to send (a watcher without events, a quiet
+    process) never learns on its own that its client left: sends to a gone client
+    are dropped, so it would hold its watcher slot, inotify instance or output
+    subscription forever. Once the request body is in, the only message left for
+    ``receive`` is ``http.disconnect``: wait for it beside the app.
+    """
+    body_done = asyncio.Event()
+    gone = asyncio.Event()
+
+    async def app_receive():
+        if body_done.is_set():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            gone.set()
+        elif not msg.get("more_body", False):
+            body_done.set()
+        return msg
+
+    task = asyncio.ensure_future(app(scope, app_receive, send))
+
+    async def watch() -> None:
+        await body_done.wait()
+        if (await receive())["type"] == "http.disconnect":
+            gone.set()
+            if not task.done():
+                task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not gone.is_set():
+            raise
+    finally:
+        watcher.cancel()
+
+
 def _header(scope, name: bytes) -> str | None:
     for k, v in scope.get("headers", ()):
         if k == name:
@@ -111,18 +162,27 @@ def file_signature(path: str, operation: str, username: str, token: str,
 
 
 class _FileSink:
-    """One destination file of an upload, written as it streams in."""
+    """One destination file of an upload, opened by the user's file worker (so the
+    kernel checks the path, symlinks included, with the user's rights and a new file
+    belongs to the user), then written here as it streams in."""
 
-    def __init__(self, path: str, user: User) -> None:
+    def __init__(self, path: str, fd: int) -> None:
         self.path = path
-        if os.path.isdir(path):
-            raise HTTPError(400, f"path '{path}' is a directory")
+        self.fd = fd
+
+    @classmethod
+    async def open(cls, userfs: UserFS, user: User, path: str) -> _FileSink:
         try:
-            makedirs_owned(os.path.dirname(path), user)
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            _, fds = await userfs.call(user_key(user), "open_write", path=path)
+        except IsADirectoryError:
+            raise HTTPError(400, f"path '{path}' is a directory") from None
         except OSError as e:
             raise _io_error(e, path) from None
-        chown(path, user)
+        except Refused:
+            raise HTTPError(400, f"path '{path}' is not a regular file") from None
+        except WorkerGone:
+            raise HTTPError(503, f"writing '{path}' was interrupted (its worker ended)") from None
+        return cls(path, fds[0])
 
     def write(self, data: bytes | memoryview) -> None:
         try:
@@ -134,6 +194,14 @@ class _FileSink:
             self.close()
             raise _io_error(e, self.path) from None
 
+    def set_metadata(self, metadata: dict[str, str]) -> None:
+        for k, v in metadata.items():
+            try:  # on the open file, not the path (which may since point elsewhere)
+                os.setxattr(self.fd, METADATA_XATTR_PREFIX + k, v.encode())
+            except OSError as e:
+                raise HTTPError(500, f"cannot store metadata on '{self.path}': "
+                                     f"{e.strerror}") from None
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -141,10 +209,12 @@ class _FileSink:
 
 
 class EnvdApp:
-    def __init__(self, state: State, process_app, filesystem_app) -> None:
+    def __init__(self, state: State, process_app, filesystem_app,
+                 userfs: UserFS | None = None) -> None:
         self.state = state
         self.process_app = process_app
         self.filesystem_app = filesystem_app
+        self.userfs = userfs or UserFS()
         self._cpu_prev: tuple[int, int] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -170,7 +240,10 @@ class EnvdApp:
                                              "message": "invalid or missing access token"})
                 return
             app = self.process_app if path.startswith(PROCESS_PREFIX) else self.filesystem_app
-            await app(scope, receive, send)
+            if path in SERVER_STREAMS:
+                await _until_disconnect(app, scope, receive, send)
+            else:
+                await app(scope, receive, send)
             return
         try:
             query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"),
@@ -184,7 +257,7 @@ class EnvdApp:
                 if method == "GET":
                     await self._download(scope, query, send)
                 else:
-                    await self._upload(scope, query, receive, send)
+                    await self._upload(scope, query, receive, send, signed=not authed)
                 return
             if not authed:
                 raise HTTPError(401, "invalid or missing access token")
@@ -236,38 +309,43 @@ class EnvdApp:
         user = self._user(query)
         path = self._resolve(query.get("path", ""), user)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            _, fds = await self.userfs.call(user_key(user), "open_read", path=path)
+        except IsADirectoryError:
+            raise HTTPError(400, f"path '{path}' is a directory") from None
         except OSError as e:
             raise _io_error(e, path) from None
+        except Refused:
+            raise HTTPError(400, f"path '{path}' is not a regular file") from None
+        except WorkerGone:
+            raise HTTPError(503, f"reading '{path}' was interrupted (its worker ended)") from None
+        fd = fds[0]
         try:
-            info = os.fstat(fd)
-            import stat
-
-            if stat.S_ISDIR(info.st_mode):
-                raise HTTPError(400, f"path '{path}' is a directory")
+            size = os.fstat(fd).st_size
             name = quote(os.path.basename(path))
             headers = [
                 (b"content-type", b"application/octet-stream"),
                 (b"content-disposition", f"attachment; filename*=UTF-8''{name}".encode()),
+                (b"content-length", str(size).encode()),
             ]
-            regular = stat.S_ISREG(info.st_mode)
-            if regular:
-                headers.append((b"content-length", str(info.st_size).encode()))
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            remaining = info.st_size if regular else -1
-            while remaining != 0:
-                chunk = os.read(fd, FILE_CHUNK if remaining < 0 else min(FILE_CHUNK, remaining))
+            remaining = size
+            while remaining > 0:
+                chunk = os.read(fd, min(FILE_CHUNK, remaining))
                 if not chunk:
                     break
-                if remaining > 0:
-                    remaining -= len(chunk)
+                remaining -= len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if remaining > 0:  # shrank meanwhile: the promised length cannot be kept
+                raise RuntimeError(f"'{path}' shrank while being downloaded")
             await send({"type": "http.response.body", "body": b""})
         finally:
             os.close(fd)
 
-    async def _upload(self, scope, query: dict[str, str], receive, send) -> None:
+    async def _upload(self, scope, query: dict[str, str], receive, send,
+                      signed: bool = False) -> None:
         user = self._user(query)
+        if signed and not query.get("path"):
+            raise HTTPError(400, "a signed upload URL must name the file's path")
         ctype = _header(scope, b"content-type") or ""
         encoding = (_header(scope, b"content-encoding") or "").strip().lower()
         if encoding not in ("", "identity", "gzip"):
@@ -280,15 +358,16 @@ class EnvdApp:
                                  for k, v in scope.get("headers", ()))
                     if k.startswith("x-metadata-")}
         if ctype.lower().startswith("multipart/form-data"):
-            paths = await self._upload_multipart(ctype, query, user, body)
+            paths = await self._upload_multipart(ctype, query, user, body, metadata)
         else:
             if not query.get("path"):
                 raise HTTPError(400, "the 'path' query parameter is required for raw uploads")
             path = self._resolve(query["path"], user)
-            sink = _FileSink(path, user)
+            sink = await _FileSink.open(self.userfs, user, path)
             try:
                 async for chunk in body:
                     sink.write(chunk)
+                sink.set_metadata(metadata)
             finally:
                 sink.close()
             paths = [path]
@@ -296,36 +375,52 @@ class EnvdApp:
         for p in paths:
             item: dict[str, Any] = {"name": os.path.basename(p), "type": "file", "path": p}
             if metadata:
-                from .filesystem import set_metadata
-
-                try:
-                    set_metadata(p, metadata)
-                    item["metadata"] = metadata
-                except OSError as e:
-                    raise HTTPError(500, f"cannot store metadata on '{p}': {e.strerror}") from None
+                item["metadata"] = metadata
             out.append(item)
         await _send_json(send, 200, out)
 
     async def _upload_multipart(self, ctype: str, query: dict[str, str], user: User,
-                                body) -> list[str]:
+                                body, metadata: dict[str, str]) -> list[str]:
+        """Write a multipart upload's file parts.
+
+        With ``path`` in the query (always, for a signed URL) the body must hold
+        exactly one file part, written to that path: a part's own filename never
+        picks the destination then. Without it (the SDK's multi-file write) each
+        part goes to its filename, resolved against the user's home. Either way
+        every file is opened by the user's worker, as the user.
+        """
         from python_multipart.multipart import MultipartParser, parse_options_header
 
         _, params = parse_options_header(ctype)
         boundary = params.get(b"boundary")
         if not boundary:
             raise HTTPError(400, "multipart body without boundary")
-        query_path = query.get("path") or None
+        if len(boundary) > MAX_BOUNDARY:
+            raise HTTPError(400, "multipart boundary too long")
+        query_path = self._resolve(query["path"], user) if query.get("path") else None
         written: list[str] = []
-        cur: dict[str, Any] = {"field": b"", "value": b"", "headers": {}, "sink": None}
+        # The parser's callbacks are synchronous; opening a file is not (the user's
+        # worker does it). So callbacks queue actions, run in order after each chunk.
+        actions: list[tuple[str, Any]] = []
+        cur: dict[str, Any] = {"field": b"", "value": b"", "headers": {}, "size": 0,
+                               "file": False}
 
         def on_part_begin():
             cur["headers"] = {}
-            cur["sink"] = None
+            cur["size"] = 0
+            cur["file"] = False
+
+        def grow(n: int) -> None:
+            cur["size"] += n
+            if cur["size"] > MAX_PART_HEADERS:
+                raise HTTPError(400, f"multipart part headers exceed {MAX_PART_HEADERS} bytes")
 
         def on_header_field(data, start, end):
+            grow(end - start)
             cur["field"] += data[start:end]
 
         def on_header_value(data, start, end):
+            grow(end - start)
             cur["value"] += data[start:end]
 
         def on_header_end():
@@ -339,19 +434,30 @@ class EnvdApp:
             filename = opts.get(b"filename")
             if filename is None:
                 return  # a non-file form field: ignored
-            raw = query_path if query_path and not written else filename.decode("utf-8")
-            path = self._resolve(raw, user)
-            cur["sink"] = _FileSink(path, user)
-            written.append(path)
+            cur["file"] = True
+            files = sum(1 for a in actions if a[0] == "open") + len(written)
+            if query_path is not None:
+                if files >= 1:
+                    raise HTTPError(400, "an upload to a given path (every signed upload "
+                                         "URL) takes exactly one file part")
+                actions.append(("open", query_path))
+                return
+            if files >= MAX_UPLOAD_PARTS:
+                raise HTTPError(400, f"more than {MAX_UPLOAD_PARTS} files in one upload")
+            try:
+                raw = filename.decode("utf-8")
+            except UnicodeDecodeError:
+                raise HTTPError(400, "a part's filename is not valid UTF-8") from None
+            actions.append(("open", self._resolve(raw, user)))
 
         def on_part_data(data, start, end):
-            if cur["sink"] is not None:
-                cur["sink"].write(memoryview(data)[start:end])
+            if cur["file"]:
+                actions.append(("data", bytes(data[start:end])))
 
         def on_part_end():
-            if cur["sink"] is not None:
-                cur["sink"].close()
-                cur["sink"] = None
+            if cur["file"]:
+                actions.append(("close", None))
+                cur["file"] = False
 
         parser = MultipartParser(boundary, {
             "on_part_begin": on_part_begin, "on_part_data": on_part_data,
@@ -359,17 +465,38 @@ class EnvdApp:
             "on_header_value": on_header_value, "on_header_end": on_header_end,
             "on_headers_finished": on_headers_finished,
         })
+        sink: _FileSink | None = None
+
+        async def run_actions() -> None:
+            nonlocal sink
+            for kind, arg in actions:
+                if kind == "open":
+                    sink = await _FileSink.open(self.userfs, user, arg)
+                    written.append(arg)
+                elif kind == "data":
+                    if sink is not None:
+                        sink.write(arg)
+                elif sink is not None:
+                    sink.set_metadata(metadata)
+                    sink.close()
+                    sink = None
+            actions.clear()
+
         try:
             async for chunk in body:
-                parser.write(chunk)
+                try:
+                    parser.write(chunk)
+                finally:
+                    await run_actions()  # what was parsed before any error
             parser.finalize()
+            await run_actions()
         except HTTPError:
             raise
         except Exception as e:
             raise HTTPError(400, f"malformed multipart body: {e}") from None
         finally:
-            if cur["sink"] is not None:
-                cur["sink"].close()
+            if sink is not None:
+                sink.close()
         if not written:
             raise HTTPError(400, "no file in the multipart body")
         return written
@@ -466,7 +593,8 @@ def build_app(state: State):
     from .process import ProcessService, Registry
 
     registry = Registry()
-    app = EnvdApp(state, ProcessASGIApplication(ProcessService(state, registry)),
-                  FilesystemASGIApplication(FilesystemService(state)))
+    userfs = UserFS()
+    app = EnvdApp(state, ProcessASGIApplication(ProcessService(state, registry, userfs)),
+                  FilesystemASGIApplication(FilesystemService(state, userfs)), userfs)
     app.registry = registry  # type: ignore[attr-defined]
     return app

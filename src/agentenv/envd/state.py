@@ -120,28 +120,3 @@ def resolve_path(path: str, user: User, *, allow_empty: bool = False) -> str:
     elif not path.startswith("/"):
         path = os.path.join(user.home, path)
     return os.path.normpath(path)
-
-
-def makedirs_owned(path: str, user: User, mode: int = 0o755) -> None:
-    """``mkdir -p`` whose newly created directories belong to ``user``."""
-    missing = []
-    p = path
-    while p and not os.path.lexists(p):
-        missing.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            continue
-        chown(d, user)
-
-
-def chown(path: str, user: User) -> None:
-    try:
-        os.lchown(path, user.uid, user.gid)
-    except OSError:
-        pass
