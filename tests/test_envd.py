@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import os
 import pwd
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -126,9 +128,13 @@ def sdk(envd):
 
 
 @pytest.fixture
-def workdir(tmp_path):
-    tmp_path.chmod(0o777)
-    return tmp_path
+def workdir():
+    # Not under tmp_path: pytest's base dir is root's alone (0700), and envd does
+    # file operations as the requested user, who must reach the directory.
+    d = Path(tempfile.mkdtemp(prefix="envd-test-"))
+    d.chmod(0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 # -- processes ---------------------------------------------------------------------------
