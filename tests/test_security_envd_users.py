@@ -269,3 +269,20 @@ def test_small_file_ops_stay_fast(sbx: Sandbox) -> None:
            (("write", writes), ("read", reads), ("stat", stats))}
     print("1 KiB as user, median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
     assert med["write"] < 100 and med["read"] < 100 and med["stat"] < 100
+
+
+def test_file_workers_survive_pause_and_resume(node: Node) -> None:
+    """envd's per-user file workers are processes in the checkpoint: after a resume
+    the user's file operations work, and are still the user's."""
+    sbx = Sandbox.create(template="base", timeout=300)
+    try:
+        sbx.files.write("/home/user/before.txt", "kept", user="user")  # a worker is up
+        sbx.pause()
+        back = Sandbox.connect(sbx.sandbox_id)
+        assert back.files.read("/home/user/before.txt", user="user") == "kept"
+        back.files.write("/home/user/after.txt", "new", user="user")
+        assert _owner(back, "/home/user/after.txt") == "user"
+        with pytest.raises(SandboxException, match=DENIED):
+            back.files.list("/root", user="user")
+    finally:
+        sbx.kill()

@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     # Listen before the heavy imports: the node's health probe connects at once
     # and is answered the moment the app is up, instead of polling a closed port.
     listener = _listen(args.host, args.port)
+    if os.geteuid() == 0:
+        # File operations run in per-user workers forked from this small process
+        # (see userfs), forked now, before the heavy imports make envd big.
+        from .userfs import start_zygote
+
+        start_zygote()
     from .protos import ensure_importable
 
     ensure_importable()

@@ -15,13 +15,15 @@ Files to stream (``/files`` GET and POST) and inotify instances are opened in th
 worker and handed back over the socket (``SCM_RIGHTS``): the bytes then flow in
 envd's event loop with no copy through the worker.
 
-Workers are forked lazily, one per set of credentials at first, up to
-``WORKERS_PER_USER`` when requests overlap (a slow ``rm -r`` must not stall the
-user's other operations), and reused: a fork of envd costs tens of ms under
-gVisor, a round trip to a worker well under one. At most ``MAX_WORKERS`` live at
-once; beyond that the least recently used idle one is retired. A worker that
-dies (a process of the same user may kill it) is replaced; one whose request
-was abandoned (client gone) is killed, so the socket never carries a stale reply.
+Workers are forked lazily by a *zygote*, a small process envd forks at start-up
+before its heavy imports (a copy of the full envd would cost twice the memory),
+one per set of credentials at first, up to ``WORKERS_PER_USER`` when requests
+overlap (a slow ``rm -r`` must not stall the user's other operations). They are
+reused while busy (a round trip costs ~0.3 ms under gVisor, a new worker a few
+ms) and exit after ``WORKER_IDLE_S`` idle. At most ``MAX_WORKERS`` live at once;
+beyond that the least recently used idle one is retired. A worker that dies (a
+process of the same user may kill it) is replaced; one whose request was
+abandoned (client gone) is killed, so the socket never carries a stale reply.
 
 The protocol is one JSON message per ``SOCK_SEQPACKET`` datagram, each at most
 ``MAX_FRAME`` bytes (long listings come as several ``more`` frames), parsed in
@@ -54,8 +56,11 @@ MAX_FRAME = 256 * 1024          # one datagram on a worker socket
 BATCH_BYTES = 64 * 1024         # list entries per reply frame
 MAX_METADATA_BYTES = 16 * 1024  # per entry, in an entry's info
 MAX_FDS = 4                     # descriptors attached to one message
-WORKERS_PER_USER = 4
-MAX_WORKERS = 16
+WORKERS_PER_USER = 2
+MAX_WORKERS = 8
+# A worker idle this long exits (each costs ~14 MB of sandbox memory under gVisor;
+# a new one is forked from the zygote in a few ms).
+WORKER_IDLE_S = 30.0
 # ListDir: depth is clamped, and a listing of more entries than this is refused
 # (RESOURCE_EXHAUSTED) instead of building a response of unbounded size.
 MAX_LIST_DEPTH = 64
@@ -404,14 +409,7 @@ def _child_main(sock: socket.socket, uid: int, gid: int, groups: list[int]) -> N
                 signal.signal(sig, signal.SIG_DFL)
         # Every descriptor of envd's (listener, client connections, pipes of
         # commands) closes here: holding one would keep a connection open.
-        try:
-            open_fds = [int(n) for n in os.listdir("/proc/self/fd")]
-        except OSError:
-            open_fds = list(range(3, 1024))
-        for fd in open_fds:
-            if fd > 2 and fd != keep:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        _close_all_but(keep)
         # Everything to import, before the user may no longer read envd's files.
         libc = _libc()
         if os.geteuid() == 0:
@@ -432,6 +430,113 @@ def _child_main(sock: socket.socket, uid: int, gid: int, groups: list[int]) -> N
         os._exit(code)
 
 
+def _close_all_but(*keep: int) -> None:
+    try:
+        open_fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        open_fds = list(range(3, 1024))
+    for fd in open_fds:
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _zygote_main(sock: socket.socket) -> None:
+    """The zygote: forks workers on envd's request and hands envd their sockets.
+
+    It is forked from envd at start-up, before the heavy imports (protobuf,
+    connectrpc, uvicorn), so every worker is a copy of a small process, not of
+    envd's whole heap. Never returns.
+    """
+    code = 0
+    try:
+        gc.disable()
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                    signal.SIGQUIT):
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+        _close_all_but(sock.fileno())
+        _libc()  # loaded here once, inherited by every worker
+        while True:
+            try:
+                data = sock.recv(1024)
+            except InterruptedError:
+                continue
+            if not data:
+                return  # envd is gone
+            try:
+                req = json.loads(data)
+                uid, gid = int(req["uid"]), int(req["gid"])
+                groups = [int(g) for g in req["groups"]]
+                mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                _tune(mine)
+                _tune(theirs)
+                pid = os.fork()
+                if pid == 0:
+                    _child_main(mine, uid, gid, groups)
+                mine.close()
+                socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [theirs.fileno()])
+                theirs.close()
+            except Exception as e:
+                sock.send(json.dumps({"err": repr(e)}).encode())
+    except BaseException as e:  # the zygote must never unwind into envd
+        with contextlib.suppress(Exception):
+            print(f"envd file worker zygote failed: {e!r}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _tune(s: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_FRAME)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2 * MAX_FRAME)
+
+
+_zygote: socket.socket | None = None
+_zygote_pid = 0
+
+
+def start_zygote() -> None:
+    """Fork the zygote (call early in envd's start-up, as root, from the main thread)."""
+    global _zygote, _zygote_pid
+    if _zygote is not None:
+        return
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the zygote
+        _zygote_main(child)
+    child.close()
+    parent.settimeout(10)
+    _zygote, _zygote_pid = parent, pid
+
+
+def _from_zygote(key: tuple) -> tuple[socket.socket, int] | None:
+    """A new worker's socket and pid from the zygote; None without a (working) one."""
+    global _zygote
+    if _zygote is None:
+        return None
+    uid, gid, groups = key
+    try:
+        _zygote.send(json.dumps({"uid": uid, "gid": gid, "groups": list(groups)}).encode())
+        data, fds, _flags, _ = socket.recv_fds(_zygote, 1024, 1)
+        reply = json.loads(data) if data else {"err": "the zygote ended"}
+        if "pid" not in reply or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(errno.EIO, str(reply.get("err")))
+    except (OSError, ValueError) as e:
+        log.warning("file worker zygote unusable (%r): forking workers from envd", e)
+        with contextlib.suppress(OSError):
+            _zygote.close()
+        _zygote = None
+        return None
+    os.set_inheritable(fds[0], False)
+    return socket.socket(fileno=fds[0]), int(reply["pid"])
+
+
 # ======================================================================================
 # The envd side.
 # ======================================================================================
@@ -439,28 +544,40 @@ class Worker:
     def __init__(self, key: tuple[int, int, tuple[int, ...]]) -> None:
         uid, gid, groups = key
         self.key = key
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for s in (parent, child):
-            with contextlib.suppress(OSError):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_FRAME)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2 * MAX_FRAME)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            _child_main(child, uid, gid, list(groups))
-        child.close()
+        made = _from_zygote(key)
+        if made is not None:
+            parent, pid = made
+            self.parent = _zygote_pid
+        else:  # no zygote (envd not started by __main__): a copy of envd itself
+            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            _tune(parent)
+            _tune(child)
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                _child_main(child, uid, gid, list(groups))
+            child.close()
+            self.parent = os.getpid()
         parent.setblocking(False)
         self.sock = parent
         self.pid = pid
         self.alive = True
         self.used = 0.0
+        self.idle_timer: asyncio.TimerHandle | None = None
 
     def kill(self) -> None:
+        """Close the socket (an idle worker then exits) and kill the worker (one
+        busy with an abandoned request), if that pid is still our worker's."""
         if self.alive:
             self.alive = False
             self.sock.close()
-            with contextlib.suppress(OSError):
-                os.kill(self.pid, signal.SIGKILL)
-            # envd's SIGCHLD handler reaps it (it reaps every child)
+            try:
+                with open(f"/proc/{self.pid}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return  # gone already
+            if ppid == self.parent:
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, signal.SIGKILL)
 
     async def _wait(self, fd: int, writer: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -541,6 +658,9 @@ class UserFS:
             idle = self.idle.get(key)
             while idle:
                 w = idle.pop()
+                if w.idle_timer is not None:
+                    w.idle_timer.cancel()
+                    w.idle_timer = None
                 if w.alive:
                     return w
             if self.count.get(key, 0) < WORKERS_PER_USER:
@@ -568,7 +688,17 @@ class UserFS:
             self.idle[best.key].remove(best)
             self._drop(best)
 
+    def _expire(self, w: Worker) -> None:
+        w.idle_timer = None
+        idle = self.idle.get(w.key, [])
+        if w in idle:
+            idle.remove(w)
+            self._drop(w)
+
     def _drop(self, w: Worker) -> None:
+        if w.idle_timer is not None:
+            w.idle_timer.cancel()
+            w.idle_timer = None
         w.kill()
         self.count[w.key] -= 1
         self.total -= 1
@@ -578,6 +708,8 @@ class UserFS:
             self._clock += 1
             w.used = self._clock
             self.idle.setdefault(w.key, []).append(w)
+            w.idle_timer = asyncio.get_running_loop().call_later(
+                WORKER_IDLE_S, self._expire, w)
         else:
             self._drop(w)
         for fut in self._waiters:  # wake them all: each re-checks its own user's pool
