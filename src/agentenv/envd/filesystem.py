@@ -71,6 +71,8 @@ def _oserror(e: OSError, path: str) -> ConnectError:
         return ConnectError(Code.PERMISSION_DENIED, f"permission denied: '{path}'")
     if e.errno == errno.ENOTDIR:
         return ConnectError(Code.INVALID_ARGUMENT, f"a component of '{path}' is not a directory")
+    if e.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EISDIR, errno.EINVAL):
+        return ConnectError(Code.INVALID_ARGUMENT, f"invalid path '{path}': {e.strerror}")
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return ConnectError(Code.RESOURCE_EXHAUSTED,
                             "not enough disk space (the sandbox's disk quota)")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 FALLBACK_USER = "user"
+MAX_PATH = 4096  # PATH_MAX: no longer path names anything
 
 
 class UserError(Exception):
@@ -111,6 +112,8 @@ def resolve_path(path: str, user: User, *, allow_empty: bool = False) -> str:
     """Absolute, normalised path; relative paths are relative to the user's home."""
     if "\x00" in path:
         raise PathError("invalid path: contains a NUL byte")
+    if len(path) > MAX_PATH:
+        raise PathError(f"invalid path: longer than {MAX_PATH} characters")
     if not path:
         if allow_empty:
             return user.home

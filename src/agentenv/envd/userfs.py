@@ -561,6 +561,7 @@ class Worker:
         self.sock = parent
         self.pid = pid
         self.alive = True
+        self.dropped = False  # no longer counted in the pool
         self.used = 0.0
         self.idle_timer: asyncio.TimerHandle | None = None
 
@@ -663,13 +664,16 @@ class UserFS:
                     w.idle_timer = None
                 if w.alive:
                     return w
+                self._drop(w)
             if self.count.get(key, 0) < WORKERS_PER_USER:
                 if self.total >= MAX_WORKERS:
                     self._retire_lru()
-                w = Worker(key)
-                self.count[key] = self.count.get(key, 0) + 1
-                self.total += 1
-                return w
+                if self.total < MAX_WORKERS:
+                    w = Worker(key)
+                    self.count[key] = self.count.get(key, 0) + 1
+                    self.total += 1
+                    return w
+            # every worker this user may have, or every worker at all, is busy
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
@@ -700,8 +704,10 @@ class UserFS:
             w.idle_timer.cancel()
             w.idle_timer = None
         w.kill()
-        self.count[w.key] -= 1
-        self.total -= 1
+        if not w.dropped:
+            w.dropped = True
+            self.count[w.key] -= 1
+            self.total -= 1
 
     def _release(self, w: Worker, ok: bool) -> None:
         if ok and w.alive:
