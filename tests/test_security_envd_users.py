@@ -286,3 +286,22 @@ def test_file_workers_survive_pause_and_resume(node: Node) -> None:
             back.files.list("/root", user="user")
     finally:
         sbx.kill()
+
+
+def test_fifo_planted_by_the_user_does_not_hang_envd(node: Node) -> None:
+    """Opening a FIFO blocks until the other end opens: envd must not wait on it (a
+    download or upload of one would otherwise stop envd's whole event loop)."""
+    sbx = Sandbox.create(template="base", timeout=300)
+    try:
+        sbx.commands.run("mkfifo /home/user/pipe")
+        t0 = time.monotonic()
+        with pytest.raises(InvalidArgumentException, match="not a regular file"):
+            sbx.files.read("/home/user/pipe", user="user", request_timeout=15)
+        with pytest.raises(InvalidArgumentException, match="not a regular file"):
+            sbx.files.write("/home/user/pipe", "x", user="user", request_timeout=15)
+        r = httpx.get(sbx.download_url("/home/user/pipe", user="user"), timeout=15)
+        assert r.status_code == 400, r.text
+        assert time.monotonic() - t0 < 10
+        assert sbx.commands.run("echo alive", timeout=15).stdout == "alive\n"
+    finally:
+        sbx.kill()

@@ -334,7 +334,12 @@ class _Worker:
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         os.makedirs(os.path.dirname(path) or "/", 0o755, exist_ok=True)
         # O_NONBLOCK: a FIFO planted at the path fails (ENXIO) instead of hanging.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                raise Refused("not_regular") from None
+            raise
         try:
             if not st.S_ISREG(os.fstat(fd).st_mode):
                 raise Refused("not_regular")
