@@ -37,7 +37,7 @@ class Rig:
                            runtime_bundle=Path("/b"), bundle_mount="/.aenv", init_args=["envd"])
 
     def clean(self) -> bool:
-        return not self.slots.held and not self.runtime.sandboxes
+        return not self.slots.holding and not self.runtime.sandboxes
 
 
 def plan(sandbox_id: str = "sbx1", image: Path | None = None, **kw) -> LaunchPlan:
@@ -49,7 +49,7 @@ async def test_boot_runs_every_step_and_hands_over_the_slot() -> None:
     rig = Rig()
     slot = await rig.launcher.launch(plan(init=EnvdInit("tok", {"A": "1"}), start_command=True,
                                           network={"deny_out": ["0.0.0.0/0"]}))
-    assert rig.slots.held == {slot.index: slot}
+    assert rig.slots.holding == {slot.index: slot}
     assert rig.runtime.sandboxes["sbx1"].state == "running"
     assert rig.envd.inits[slot.address]["env"] == {"A": "1"}
     assert rig.envd.commands == ["serve", "true"]
@@ -77,7 +77,7 @@ async def test_a_failure_at_any_step_leaves_nothing_held(step: str) -> None:
     with pytest.raises((OrchestratorError, RuntimeError)) as err:
         await rig.launcher.launch(plan(init=EnvdInit("tok"), start_command=True,
                                        internet=False))
-    assert rig.clean(), (step, rig.slots.held, rig.runtime.sandboxes)
+    assert rig.clean(), (step, rig.slots.holding, rig.runtime.sandboxes)
     if step in ("start", "envd"):  # the engine's and envd's failures read as the launch's
         assert isinstance(err.value, OrchestratorError)
         assert str(err.value).startswith("sandbox failed to start")
@@ -96,7 +96,7 @@ async def test_cancelled_at_any_step_leaves_nothing_held(step: str) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert rig.clean(), (step, rig.slots.held, rig.runtime.sandboxes)
+    assert rig.clean(), (step, rig.slots.holding, rig.runtime.sandboxes)
 
 
 async def test_no_slot_free_is_capacity_and_takes_nothing() -> None:
@@ -104,7 +104,7 @@ async def test_no_slot_free_is_capacity_and_takes_nothing() -> None:
     await rig.launcher.launch(plan("a"))
     with pytest.raises(CapacityExceeded):
         await rig.launcher.launch(plan("b"))
-    assert list(rig.runtime.sandboxes) == ["a"] and len(rig.slots.held) == 1
+    assert list(rig.runtime.sandboxes) == ["a"] and len(rig.slots.holding) == 1
 
 
 async def test_a_missing_checkpoint_is_a_restore_failure(tmp_path: Path) -> None:

@@ -34,10 +34,8 @@ def free_memory_mb() -> int:
 
 def node_status(manager: SandboxManager, url: str) -> NodeStatus:
     cfg = manager.config
-    images = getattr(manager.images, "_images", {}) if manager.images else {}
-    # Template image aliases read tpl.<template>.<hash>; a cached image makes a warm create.
-    templates = sorted({alias.split(".")[1] for alias, img in images.items()
-                        if alias.count(".") >= 2 and img.path.is_dir()})
+    # A template whose boot image this node holds makes a warm create here.
+    templates = manager.boot_images.cached_templates() if manager.boot_images else []
     store = manager.snapshots
     cached = store.cache_dir.iterdir() if store.cache_dir.is_dir() else iter(())
     snapshots = sorted(p.name for p in cached if p.is_dir() and store.is_cached(p.name))

@@ -1,5 +1,7 @@
-"""Sandbox records and states, lifecycle, TTL, and restart reconciliation."""
+"""Sandbox records and states, their lifecycle (one launch path), TTL, pause and
+resume, fork, and restart reconciliation."""
 
+from .manager import SandboxManager
 from .models import (
     BadRequest,
     CapacityExceeded,
@@ -10,7 +12,7 @@ from .models import (
     SandboxState,
     StorageFull,
 )
-from .sandboxes import CreateRequest, SandboxManager
+from .requests import CreateRequest
 from .store import SandboxStore
 
 __all__ = [

@@ -1,6 +1,6 @@
-"""Boot snapshots of templates, and a warm pool of sandboxes restored from them.
+"""Boot images of templates, and a warm pool of sandboxes restored from them.
 
-A template's image is a sandbox of that template captured right after it became
+A template's boot image is a sandbox of that template captured right after it became
 ready (envd up, start command running). Creating a sandbox then restores the
 image instead of booting a kernel and envd: the restore costs a fraction of a
 cold boot. The image lives in the snapshot repository under an alias derived
@@ -26,19 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..network import Slot, SlotPoolExhausted
+from ..network import Slot
 from ..snapshot import SnapshotError, SnapshotNotFound
 from ..templates import Template
-from .models import OrchestratorError, new_sandbox_id
+from .launch import EnvdInit, LaunchPlan
+from .models import CapacityExceeded, OrchestratorError, new_sandbox_id
 
 if TYPE_CHECKING:
-    from .sandboxes import SandboxManager
+    from .core import ManagerCore
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TemplateImage:
+class BootImage:
     snapshot_id: str
     path: Path  # node-local copy of the checkpoint files
     envd_token: str  # the token envd holds in the image (a restore rotates it)
@@ -53,11 +54,11 @@ class PooledSandbox:
     envd_token: str
 
 
-class TemplateImages:
-    def __init__(self, manager: SandboxManager, pool_size: int = 0):
+class BootImages:
+    def __init__(self, manager: ManagerCore, pool_size: int = 0):
         self.manager = manager
         self.pool_size = pool_size
-        self._images: dict[str, TemplateImage] = {}
+        self._images: dict[str, BootImage] = {}
         # Restores reading each image's files now, and images forgotten meanwhile
         # (deleted when their last restore ends), by snapshot ID.
         self._users: collections.Counter[str] = collections.Counter()
@@ -75,11 +76,11 @@ class TemplateImages:
             template.template_id, template.created_at, template.build_id, template.rootfs,
             template.image.manifest_digest if template.image else "",
             template.cpu_count, template.memory_mb, template.start_cmd, template.ready_cmd,
-            m._bundle.name if m._bundle else "", m.runtime.kind, m.runtime.version,
+            m.specs.bundle_name, m.runtime.kind, m.runtime.version,
         ))
         return f"tpl.{template.template_id}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
-    async def image(self, template: Template) -> TemplateImage | None:
+    async def image(self, template: Template) -> BootImage | None:
         """The template's image if this node can restore it now; otherwise None, and
         the image is built in the background for the creates that follow."""
         if template.snapshot_id:
@@ -98,30 +99,30 @@ class TemplateImages:
         except SnapshotError as exc:
             log.warning("template image %s unavailable: %s", alias, exc)
             return None
-        image = TemplateImage(manifest.snapshot_id, path, manifest.metadata["envd_token"])
+        image = BootImage(manifest.snapshot_id, path, manifest.metadata["envd_token"])
         self._images[alias] = image
         return image
 
-    async def _built(self, template: Template) -> TemplateImage | None:
+    async def _built(self, template: Template) -> BootImage | None:
         """A built template's image is the snapshot its build published."""
         known = self._images.get(template.snapshot_id)
         if known is not None and known.path.is_dir():
             return known
         try:
             manifest = await asyncio.to_thread(self.manager.snapshots.get, template.snapshot_id)
-            self.manager._check_restorable(manifest.metadata)
+            self.manager.specs.check_restorable(manifest.metadata)
             path = await asyncio.to_thread(self.manager.snapshots.materialize,
                                            manifest.snapshot_id)
         except SnapshotError as exc:
             log.warning("template %s: its snapshot is unavailable: %s", template.template_id, exc)
             return None
         meta = manifest.metadata
-        image = TemplateImage(manifest.snapshot_id, path, meta["envd_token"],
+        image = BootImage(manifest.snapshot_id, path, meta["envd_token"],
                               meta.get("source_sandbox_id", ""))
         self._images[template.snapshot_id] = image
         return image
 
-    def forget(self, template: Template, failed: TemplateImage | None = None) -> None:
+    def forget(self, template: Template, failed: BootImage | None = None) -> None:
         """Drop a template image that failed to restore; the next create rebuilds it.
         Its files go once no other restore is reading them (deleting them under
         concurrent restores failed them all, each then forgetting and booting)."""
@@ -138,7 +139,7 @@ class TemplateImages:
             self._delete(image)
 
     @contextlib.contextmanager
-    def using(self, image: TemplateImage) -> Iterator[None]:
+    def using(self, image: BootImage) -> Iterator[None]:
         """A restore reads ``image`` within this block."""
         self._users[image.snapshot_id] += 1
         try:
@@ -150,7 +151,7 @@ class TemplateImages:
                 if image.snapshot_id in self._forgotten:
                     self._delete(image)
 
-    def _delete(self, image: TemplateImage) -> None:
+    def _delete(self, image: BootImage) -> None:
         self._forgotten.discard(image.snapshot_id)
         with contextlib.suppress(SnapshotError):
             self.manager.snapshots.delete(image.snapshot_id)
@@ -168,40 +169,35 @@ class TemplateImages:
         m = self.manager
         sandbox_id, token = new_sandbox_id(), secrets.token_urlsafe(32)
         snapshot_id = new_sandbox_id()
-        slot = None
-        started = False
         t0 = time.perf_counter()
         try:
-            await m.ensure_rootfs(template)
-            slot = await m.slots.acquire(internet=True)
-            spec = m.spec_for(sandbox_id, template, template.cpu_count, template.memory_mb,
-                              slot.netns_path, hostname_of=template.template_id)
-            started = True
-            await m.runtime.start(spec)
-            await m.envd.wait_ready(slot.address)
-            await m.envd.init(slot.address, token, {})
-            await m.run_start_command(template, slot.address, token)
+            slot = await m.launcher.launch(LaunchPlan(
+                sandbox_id=sandbox_id, template=template, cpu_count=template.cpu_count,
+                memory_mb=template.memory_mb, hostname_of=template.template_id,
+                init=EnvdInit(token), start_command=True))
+        except Exception as exc:
+            log.warning("template %s: booting for its image failed: %s", template.template_id,
+                        exc)
+            return
+        try:
             staging = await asyncio.to_thread(m.snapshots.new_staging, snapshot_id)
             await m.runtime.checkpoint(sandbox_id, staging, leave_running=False)
             metadata = {
                 "kind": "template", "template_id": template.template_id,
                 "alias": template.alias, "cpu_count": template.cpu_count,
                 "memory_mb": template.memory_mb, "envd_token": token,
-                "runtime": {"kind": m.runtime.kind, "version": m.runtime.version},
-                "bundle": m._bundle.name if m._bundle else "", "created_at": time.time(),
+                **m.specs.stamp(), "created_at": time.time(),
             }
             await asyncio.to_thread(m.snapshots.commit, snapshot_id, staging, metadata, alias)
-            log.info("template %s: image %s built in %.0f ms", template.template_id, alias,
-                     (time.perf_counter() - t0) * 1000)
+            log.info("template %s: image %s built in %.0f ms", template.template_id,
+                     alias, (time.perf_counter() - t0) * 1000)
         except Exception as exc:
             log.warning("template %s: building its image failed: %s", template.template_id, exc)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(m.snapshots.discard_staging, snapshot_id)
         finally:
-            if started:
-                await asyncio.shield(m.runtime.destroy(sandbox_id))
-            if slot is not None:
-                await asyncio.shield(m.slots.release(slot))
+            await asyncio.shield(m.runtime.destroy(sandbox_id))
+            await asyncio.shield(m.slots.release(slot))
 
     # -- warm pool --------------------------------------------------------------
 
@@ -244,28 +240,29 @@ class TemplateImages:
                 return
             members.append(member)
 
-    async def _restore_member(self, template: Template, image: TemplateImage
+    async def _restore_member(self, template: Template, image: BootImage
                               ) -> PooledSandbox | None:
-        m = self.manager
+        """A sandbox restored from the image ahead of any create; envd is initialised
+        when it is handed out."""
         sandbox_id = new_sandbox_id()
-        slot = None
         try:
-            await m.ensure_rootfs(template)
-            slot = await m.slots.acquire(internet=True)
-            spec = m.spec_for(sandbox_id, template, template.cpu_count, template.memory_mb,
-                              slot.netns_path,
-                              hostname_of=image.hostname_of or template.template_id)
-            await m.runtime.restore(spec, image.path)
-            await m.envd.wait_ready(slot.address)
-            return PooledSandbox(sandbox_id, template.template_id, slot, image.envd_token)
-        except SlotPoolExhausted:
+            with self.using(image):
+                slot = await self.manager.launcher.launch(LaunchPlan(
+                    sandbox_id=sandbox_id, template=template, cpu_count=template.cpu_count,
+                    memory_mb=template.memory_mb,
+                    hostname_of=image.hostname_of or template.template_id, image=image.path))
+        except CapacityExceeded:
             return None
         except Exception as exc:
             log.warning("warm pool of %s: restore failed: %s", template.template_id, exc)
-            await asyncio.shield(m.runtime.destroy(sandbox_id))
-            if slot is not None:
-                await asyncio.shield(m.slots.release(slot))
             return None
+        return PooledSandbox(sandbox_id, template.template_id, slot, image.envd_token)
+
+    def cached_templates(self) -> list[str]:
+        """Templates whose boot image this node holds (a create of them is warm)."""
+        return sorted({alias.split(".")[1] for alias, image in list(self._images.items())
+                       if alias.startswith("tpl.") and alias.count(".") >= 2
+                       and image.path.is_dir()})
 
     def templates_in_use(self) -> set[str]:
         """Templates this pool holds sandboxes of or builds images of (aliases are

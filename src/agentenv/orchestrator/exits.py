@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .models import Conflict, SandboxRecord, SandboxState
 
 if TYPE_CHECKING:
-    from .sandboxes import SandboxManager
+    from .core import ManagerCore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def not_running(record: SandboxRecord) -> Conflict:
 class ExitHandler:
     """Turns runtime exits into ``error`` records (one task per exit, none idle)."""
 
-    def __init__(self, manager: SandboxManager) -> None:
+    def __init__(self, manager: ManagerCore) -> None:
         self.manager = manager
         self._tasks: set[asyncio.Task] = set()
 

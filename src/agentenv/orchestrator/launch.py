@@ -63,10 +63,13 @@ class LaunchPlan:
     init: EnvdInit | None = None
     # Run the template's start command and wait for its ready check (boots only).
     start_command: bool = False
+    # What the launch is for, as errors and logs name it ("resume"); by default
+    # "start" or "restore".
+    purpose: str = ""
 
     @property
     def verb(self) -> str:
-        return "restore" if self.image is not None else "start"
+        return self.purpose or ("restore" if self.image is not None else "start")
 
 
 class SlotSource(Protocol):

@@ -6,6 +6,7 @@ driver later) owns its engine's flags, files and processes.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,9 @@ class Runtime(Protocol):
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> RuntimeSandbox:
         """Start a sandbox from the state in ``image_dir``."""
 
+    async def state(self, sandbox_id: str) -> RuntimeSandbox | None:
+        """What the engine says of one sandbox now; None if it knows none by that ID."""
+
     async def pause(self, sandbox_id: str) -> None: ...
 
     async def resume(self, sandbox_id: str) -> None: ...
@@ -75,5 +79,5 @@ class Runtime(Protocol):
         """At start: wait for engine commands a previous node process left running
         (their outcome decides what each sandbox is); return how many there were."""
 
-    async def reconcile(self, keep: set[str]) -> list[str]:
+    async def reconcile(self, keep: set[str]) -> builtins.list[str]:
         """Destroy every sandbox and leftover not in ``keep``; return what was removed."""

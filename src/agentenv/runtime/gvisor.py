@@ -8,6 +8,7 @@ runsc's own state lives in ``<run_dir>/runsc``.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import ctypes
 import json
@@ -69,7 +70,7 @@ class GVisorRuntime:
             self._version = first.removeprefix("runsc version ").strip()
         return self._version
 
-    def _global_flags(self, log_file: Path | None = None) -> list[str]:
+    def _global_flags(self, log_file: Path | None = None) -> builtins.list[str]:
         flags = [
             f"--root={self.state_dir}",
             f"--platform={self.platform}",
@@ -342,7 +343,7 @@ class GVisorRuntime:
                      "(%d killed)", len(pids), len(waiting))
         return len(pids)
 
-    def _orphan_commands(self) -> list[int]:
+    def _orphan_commands(self) -> builtins.list[int]:
         """runsc CLI processes (not sandboxes or gofers, whose argv[0] differs) on our root."""
         root = f"--root={self.state_dir}".encode()
         found = []
@@ -358,7 +359,7 @@ class GVisorRuntime:
                 found.append(int(entry))
         return found
 
-    async def reconcile(self, keep: set[str]) -> list[str]:
+    async def reconcile(self, keep: set[str]) -> builtins.list[str]:
         """Remove runsc sandboxes, bundle dirs and cgroups of sandboxes not in ``keep``."""
         removed = []
         for sandbox_id, sandbox in (await self.list()).items():

@@ -129,30 +129,40 @@ class FakeSlots:
 
     capacity: int = 4
     faults: Faults = field(default_factory=Faults)
-    held: dict[int, Slot] = field(default_factory=dict)
+    holding: dict[int, Slot] = field(default_factory=dict)
     policies: dict[int, CompiledPolicy] = field(default_factory=dict)
 
     async def acquire(self, internet: bool = True) -> Slot:
         await self.faults.check("acquire")
-        free = [i for i in range(2, 2 + self.capacity) if i not in self.held]
+        free = [i for i in range(2, 2 + self.capacity) if i not in self.holding]
         if not free:
             raise SlotPoolExhausted(f"all {self.capacity} slots are in use")
         index = free[0]
         slot = Slot(index=index, address=f"10.99.{index}.2", host_ip=f"10.99.{index}.1",
                     netns=f"fake{index}", netns_path=f"/run/netns/fake{index}",
                     router_netns=f"fake{index}r", host_link=f"fakeh{index}", internet=internet)
-        self.held[index] = slot
+        self.holding[index] = slot
         return slot
 
     async def release(self, slot: Slot) -> None:
-        if self.held.get(slot.index) is not slot:
+        if self.holding.get(slot.index) is not slot:
             raise RuntimeError(f"slot {slot.index} is not held by this caller")
-        del self.held[slot.index]
+        del self.holding[slot.index]
         self.policies.pop(slot.index, None)
 
     async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None:
         await self.faults.check("egress")
         self.policies[slot.index] = compiled
+
+    async def start(self, in_use: dict[int, bool] | None = None) -> None:
+        """After a restart: the slots adopted sandboxes still hold stay held."""
+        self.holding = {i: s for i, s in self.holding.items() if i in (in_use or {})}
+
+    def held(self, index: int) -> Slot | None:
+        return self.holding.get(index)
+
+    async def close(self) -> None:
+        self.holding.clear()
 
 
 @dataclass

@@ -1,0 +1,261 @@
+"""What every part of the sandbox manager shares: the node's records, the locks, the
+slots sandboxes hold, and the few primitives that change them.
+
+The manager is split by job (``manager``: create, kill, TTL; ``pausing``: snapshot,
+pause, resume; ``forking``; ``reconcile``: restart; ``egress``), each a class over
+this core, joined in ``SandboxManager``. Only this module changes ``_records``,
+``_slots`` and states (through ``_transition``), so the rules below hold everywhere:
+
+- a record is in the store before anything is started for it, so a crash at any
+  point leaves something the next start can clean up;
+- a slot is released from ``_slots`` only (``_release_slot``), never twice;
+- every state change is checked against ``TRANSITIONS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from ..config import Config
+from ..images import DEFAULT_MOUNTPOINTS, ImageError, ImageService, LayerStore
+from ..network import Slot, SlotPool
+from ..resources import CPU, DISK, MEMORY
+from ..runtime import Runtime
+from ..snapshot import SnapshotStore
+from ..templates import Template, TemplateRegistry
+from .boot_images import BootImages
+from .envd_client import EnvdClient
+from .exits import ExitHandler, not_running
+from .launch import EnvdInit, Launcher, LaunchPlan
+from .models import (
+    TRANSITIONS,
+    CapacityExceeded,
+    Conflict,
+    NotFound,
+    OrchestratorError,
+    SandboxRecord,
+    SandboxState,
+)
+from .records import Resources
+from .requests import check_timeout
+from .specs import BUNDLE_MOUNT, SpecFactory
+from .store import SandboxStore
+
+log = logging.getLogger(__name__)
+
+
+class ManagerCore:
+    def __init__(self, config: Config, runtime: Runtime, slots: SlotPool,
+                 templates: TemplateRegistry, store: SandboxStore, snapshots: SnapshotStore,
+                 envd: EnvdClient | None = None) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.slots = slots
+        self.templates = templates
+        self.store = store
+        self.snapshots = snapshots
+        self.envd = envd or EnvdClient()
+        # Resource bounds: requests beyond are refused, values from disk clamped.
+        self.limits = config.resource_limits
+        templates.limits = self.limits
+        self.specs = SpecFactory(config, runtime, self.limits)
+        self.launcher = Launcher(runtime, slots, self.envd, self.specs, self.ensure_rootfs,
+                                 config.egress_refresh_s)
+        self._records: dict[str, SandboxRecord] = {}
+        # The network slot each sandbox holds: released from here, and only here.
+        self._slots: dict[str, Slot] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        # Creates (and fork children) under way: each runs as a task of its own.
+        self._tasks: set[asyncio.Task] = set()
+        # Commits of pause snapshots still running in the background, by snapshot ID.
+        self._commits: dict[str, asyncio.Task] = {}
+        # Paused sandboxes whose stopped runtime is still being freed.
+        self._releasing: dict[str, asyncio.Task] = {}
+        # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
+        self._exits = ExitHandler(self)
+        # Called with a sandbox ID once it is gone (the proxy drops its connections).
+        self.on_removed: list[Callable[[str], None]] = []
+        # Templates' boot images and the warm pool (None: every create boots).
+        self.boot_images = (BootImages(self, config.warm_pool_size)
+                            if config.template_snapshots else None)
+        # Pulled OCI images: their layers, and the rootfs mounts of image templates.
+        self.image_cache = ImageService(
+            LayerStore(config.images_cache_dir, config.image_cache_bytes,
+                       mountpoints=(*DEFAULT_MOUNTPOINTS, BUNDLE_MOUNT)), templates,
+            config.secrets_dir, in_use=self._templates_in_use,
+            pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
+            local_sources_dir=config.image_imports_dir)
+
+    # -- queries ------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        record = self._records.get(sandbox_id)
+        if record is None or record.state is SandboxState.KILLED:
+            raise NotFound(f"sandbox '{sandbox_id}' not found")
+        return record
+
+    def list(self) -> builtins.list[SandboxRecord]:
+        return [r for r in self._records.values() if r.state is not SandboxState.KILLED]
+
+    def active_count(self) -> int:
+        """Sandboxes holding node resources (paused ones hold none)."""
+        return sum(1 for r in self._records.values()
+                   if r.state in (SandboxState.CREATING, SandboxState.RUNNING))
+
+    def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        """Where the node reaches ``port`` inside a running sandbox."""
+        record = self.get(sandbox_id)
+        if record.state is not SandboxState.RUNNING or record.error:
+            raise not_running(record)
+        return record.slot_address, port
+
+    async def set_timeout(self, sandbox_id: str, ttl: int | None) -> SandboxRecord:
+        """The sandbox now ends ``ttl`` seconds from now (the default when None)."""
+        seconds = self._check_timeout(ttl)
+        record = self.get(sandbox_id)
+        record.end_at = time.time() + seconds
+        self.store.put(record)
+        return record
+
+    def _check_capacity(self) -> None:
+        if self.active_count() >= self.config.max_sandboxes:
+            raise CapacityExceeded(
+                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later")
+
+    def _check_timeout(self, timeout: int | None) -> int:
+        return check_timeout(timeout, self.config.default_timeout, self.config.max_timeout)
+
+    def _resources(self, cpu_count: Any, memory_mb: Any, disk_size_mb: Any) -> Resources:
+        """Resources within the node's bounds (values from disk are never trusted)."""
+        return Resources(self.limits.clamp(CPU, cpu_count, 1),
+                         self.limits.clamp(MEMORY, memory_mb, 512),
+                         self.limits.clamp(DISK, disk_size_mb, 0))
+
+    # -- templates' root filesystems ----------------------------------------------------
+
+    async def ensure_rootfs(self, template: Template) -> None:
+        """An image template's layers fetched (if evicted) and mounted. Held for as long
+        as a sandbox of the template runs or is being started (``_templates_in_use``)."""
+        if template.image is None:
+            return
+        try:
+            await asyncio.to_thread(self.image_cache.ensure, template)
+        except ImageError as exc:
+            err = OrchestratorError(f"rootfs of template '{template.template_id}': {exc}")
+            err.status = 502 if exc.status in (401, 404, 502) else exc.status
+            raise err from exc
+
+    def _templates_in_use(self) -> set[str]:
+        """Templates whose rootfs must stay: sandboxes starting, running or being resumed,
+        pooled ones and boot images being built. Called from worker threads."""
+        used = set()
+        for r in builtins.list(self._records.values()):
+            lock = self._locks.get(r.sandbox_id)
+            if r.state in (SandboxState.CREATING, SandboxState.RUNNING) or \
+                    (lock is not None and lock.locked()):
+                used.add(r.template_id)
+        if self.boot_images is not None:
+            used |= self.boot_images.templates_in_use()
+        return used
+
+    # -- launching a record -------------------------------------------------------------
+
+    def _plan(self, record: SandboxRecord, template: Template, *, hostname_of: str,
+              image=None, current_token: str = "", init: bool = True,
+              start_command: bool = False, purpose: str = "") -> LaunchPlan:
+        return LaunchPlan(
+            sandbox_id=record.sandbox_id, template=template, cpu_count=record.cpu_count,
+            memory_mb=record.memory_mb, hostname_of=hostname_of, image=image,
+            internet=record.internet, network=record.network,
+            init=self._envd_init(record, template, current_token) if init else None,
+            start_command=start_command, purpose=purpose)
+
+    @staticmethod
+    def _envd_init(record: SandboxRecord, template: Template, current_token: str = ""
+                   ) -> EnvdInit:
+        """What envd is told for this record: its token, env vars, the template's user."""
+        return EnvdInit(record.envd_token, record.env_vars,
+                        default_user=template.default_user or "user",
+                        default_workdir=template.default_workdir, current_token=current_token)
+
+    async def _bring_up(self, record: SandboxRecord, plan: LaunchPlan) -> SandboxRecord:
+        """Launch a ``creating`` record's sandbox; it holds the slot and runs after.
+        On failure the launcher has undone its part; the caller drops the record."""
+        slot = await self.launcher.launch(plan)
+        self._hold(record, slot)
+        self._transition(record, SandboxState.RUNNING)
+        return record
+
+    async def _as_task(self, record: SandboxRecord,
+                       work: Coroutine[Any, Any, SandboxRecord]) -> SandboxRecord:
+        """Run a create as a task of its own: a client that hangs up mid-create leaves
+        no half-built sandbox. Whatever the work raises, the record does not stay
+        ``creating`` (counted against capacity for ever): it is torn down."""
+
+        async def guarded() -> SandboxRecord:
+            try:
+                return await work
+            except BaseException:
+                if record.state is SandboxState.CREATING and \
+                        self._records.get(record.sandbox_id) is record:
+                    await asyncio.shield(self._teardown(record, True))
+                raise
+
+        task = asyncio.create_task(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    def _add(self, record: SandboxRecord) -> None:
+        """A new record: in the store before anything starts for it."""
+        self._records[record.sandbox_id] = record
+        self.store.put(record)
+
+    # -- records, slots and states ------------------------------------------------------
+
+    def _hold(self, record: SandboxRecord, slot: Slot) -> None:
+        self._slots[record.sandbox_id] = slot
+        record.slot_index, record.slot_address = slot.index, slot.address
+
+    async def _release_slot(self, record: SandboxRecord) -> None:
+        slot = self._slots.pop(record.sandbox_id, None)
+        record.slot_index, record.slot_address = 0, ""
+        if slot is not None:
+            try:
+                await self.slots.release(slot)
+            except Exception:
+                log.exception("release of slot %s of %s failed", slot.index, record.sandbox_id)
+
+    def _forget(self, record: SandboxRecord) -> None:
+        """Drop a record that holds nothing any more."""
+        record.state = SandboxState.KILLED
+        self.store.delete(record.sandbox_id)
+        self._records.pop(record.sandbox_id, None)
+        self._locks.pop(record.sandbox_id, None)
+
+    async def _teardown(self, record: SandboxRecord, started: bool) -> None:
+        """Stop a sandbox (if ``started``), free its slot and drop its record."""
+        record.state = SandboxState.KILLED
+        if started:
+            try:
+                await self.runtime.destroy(record.sandbox_id)
+            except Exception:
+                log.exception("destroy %s failed", record.sandbox_id)
+        await self._release_slot(record)
+        self._forget(record)
+        for listener in self.on_removed:
+            listener(record.sandbox_id)
+
+    def _transition(self, record: SandboxRecord, to: SandboxState) -> None:
+        if to not in TRANSITIONS[record.state]:
+            raise Conflict(f"sandbox '{record.sandbox_id}' cannot go from {record.state} to {to}")
+        record.state = to
+        self.store.put(record)
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())

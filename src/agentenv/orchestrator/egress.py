@@ -1,0 +1,49 @@
+"""A running sandbox's egress policy: replaced at any time, kept in its record (so
+resume, fork and a restart put it back), and domains re-resolved as they change."""
+
+from __future__ import annotations
+
+import logging
+
+from ..network import EgressPolicy
+from .core import ManagerCore
+from .models import Conflict, SandboxRecord, SandboxState
+
+log = logging.getLogger(__name__)
+
+
+class Egress(ManagerCore):
+    async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
+        """Replace a sandbox's egress policy; in force at once when it runs."""
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            if record.state is SandboxState.CREATING:
+                raise Conflict(f"sandbox '{sandbox_id}' is still being created")
+            previous = (record.network, record.internet)
+            record.network, record.internet = policy.to_json(), not policy.denies_all
+            slot = self._slots.get(sandbox_id)
+            if record.state is SandboxState.RUNNING and slot is not None:
+                try:
+                    await self.launcher.apply_egress(sandbox_id, slot, record.network,
+                                                     record.internet, force=True)
+                except BaseException:
+                    record.network, record.internet = previous
+                    raise
+            self.store.put(record)
+            return record
+
+    async def _refresh_domain_policies(self) -> None:
+        """Re-resolve the domains of running sandboxes' policies (addresses change)."""
+        for record in list(self._records.values()):
+            slot = self._slots.get(record.sandbox_id)
+            if record.state is not SandboxState.RUNNING or slot is None or not record.network:
+                continue
+            if not EgressPolicy.from_json(record.network).domains:
+                continue
+            try:
+                async with self._lock(record.sandbox_id):
+                    if self._slots.get(record.sandbox_id) is slot:
+                        await self.launcher.apply_egress(record.sandbox_id, slot,
+                                                         record.network, record.internet)
+            except Exception:
+                log.exception("refreshing the egress policy of %s failed", record.sandbox_id)

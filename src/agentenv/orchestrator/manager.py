@@ -1,0 +1,256 @@
+"""The sandbox manager of one node: create, kill, timeouts, start and stop.
+
+States move creating -> running -> (paused <-> running) -> killed, or running ->
+error when a sandbox's runtime dies; every move is checked against ``TRANSITIONS``.
+The jobs live in their own modules (pausing, forking, reconcile, egress) over the
+shared core; ``SandboxManager`` joins them into the one object the API calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import time
+
+from ..snapshot import SnapshotError, SnapshotNotFound
+from ..templates import Template, TemplateNotFound
+from .boot_images import BootImage, PooledSandbox
+from .egress import Egress
+from .forking import Forking
+from .models import (
+    CapacityExceeded,
+    Conflict,
+    NotFound,
+    OrchestratorError,
+    SandboxRecord,
+    SandboxState,
+)
+from .reconcile import Reconciling
+from .records import new_record
+from .requests import CreateRequest, check_create
+
+log = logging.getLogger(__name__)
+COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
+
+
+class SandboxManager(Reconciling, Forking, Egress):
+    # -- start / stop -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._hold_home()
+        await self.specs.prepare()
+        self.runtime.on_exit = self._exits
+        await self._reconcile()
+        # Mounts a crash left are removed, except those adopted sandboxes run on.
+        await asyncio.to_thread(self.image_cache.start, {
+            r.template_id for r in self._records.values() if r.state is SandboxState.RUNNING})
+        self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
+
+    def _hold_home(self) -> None:
+        """One node process per home: a second one would reconcile the first one's
+        sandboxes as its own (and destroy them all when it stops). The lock goes
+        with the process, however it ends."""
+        self.config.home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.config.home / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OrchestratorError(
+                f"another node process is serving {self.config.home}") from None
+        self._home_lock = fd
+
+    async def close(self, destroy: bool = True) -> None:
+        """Stop background work; with ``destroy``, kill every sandbox and free every slot."""
+        ttl_task = getattr(self, "_ttl_task", None)
+        if ttl_task is not None:
+            ttl_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ttl_task
+        for task in list(self._tasks):
+            task.cancel()
+        await self._exits.close()
+        if self.boot_images is not None:
+            await self.boot_images.close()
+        if self._releasing:
+            await asyncio.gather(*self._releasing.values(), return_exceptions=True)
+        if self._commits:
+            await asyncio.gather(*self._commits.values(), return_exceptions=True)
+        if destroy:
+            # Paused sandboxes live on in their snapshots; everything running stops.
+            await asyncio.gather(
+                *(self.kill(r.sandbox_id) for r in list(self._records.values())
+                  if r.state is not SandboxState.PAUSED),
+                return_exceptions=True,
+            )
+            await self.slots.close()
+            await self.runtime.reconcile(keep=set())
+            await asyncio.to_thread(self.image_cache.close)
+        await self.envd.close()
+
+    # -- create -------------------------------------------------------------------------
+
+    async def create(self, req: CreateRequest) -> SandboxRecord:
+        ttl = self._check_timeout(req.timeout)
+        check_create(req, self.limits)
+        try:
+            template = self.templates.get(req.template)
+        except TemplateNotFound as exc:
+            manifest = await self._resolve(req.template, f"template or snapshot "
+                                           f"'{req.template}' not found", exc)
+            return await self._create_from_snapshot(req, manifest, ttl)
+        pool = self.boot_images
+        if template.snapshot_id and not (pool and pool.pool_size > 0):
+            # A built template: restore its snapshot (with a warm pool, the path
+            # below hands out pooled sandboxes restored from it).
+            manifest = await self._resolve(template.snapshot_id, f"snapshot of template "
+                                           f"'{req.template}' is gone")
+            return await self._create_from_snapshot(req, manifest, ttl, template)
+        self._check_capacity()
+        # A built template's resources are its snapshot's: only a boot takes others.
+        custom = req.custom_resources and not template.snapshot_id
+        member = pool.take(template) if pool and not custom else None
+        record = new_record(
+            sandbox_id=member.sandbox_id if member else "", node_id=self.config.node_id,
+            template_id=template.template_id, alias=template.alias,
+            resources=self._resources(
+                (custom and req.cpu_count) or template.cpu_count or self.config.default_cpu_count,
+                (custom and req.memory_mb) or template.memory_mb
+                or self.config.default_memory_mb,
+                template.disk_size_mb or self.config.default_disk_mb),
+            ttl=ttl, auto_pause=req.auto_pause, internet=req.internet,
+            network=req.network.to_json() if req.network else {},
+            private_ports=not req.public_traffic, metadata=req.metadata,
+            env_vars={**dict(template.envs), **req.env_vars})
+        self._add(record)
+        if member is not None:
+            return await self._as_task(record, self._hand_out(record, member, template))
+        image = await pool.image(template) if pool and not custom else None
+        work = (self._restore_or_boot(record, template, image) if image
+                else self._boot(record, template))
+        return await self._as_task(record, work)
+
+    async def _resolve(self, name: str, missing: str, cause: BaseException | None = None):
+        try:
+            return await asyncio.to_thread(self.snapshots.resolve, name)
+        except SnapshotNotFound as exc:
+            raise NotFound(missing) from (cause or exc)
+        except SnapshotError as exc:
+            raise OrchestratorError(f"snapshot repository: {exc}") from exc
+
+    async def _hand_out(self, record: SandboxRecord, member: PooledSandbox,
+                        template: Template) -> SandboxRecord:
+        """A sandbox the warm pool launched ahead of time becomes this record's: its
+        egress policy and envd's token and env vars are set, nothing else."""
+        t0 = time.perf_counter()
+        self._hold(record, member.slot)
+        self.store.put(record)
+        try:
+            await self.launcher.apply_egress(record.sandbox_id, member.slot, record.network,
+                                             record.internet)
+            init = self._envd_init(record, template, member.envd_token)
+            await self.envd.init(member.slot.address, init.token, dict(init.env_vars),
+                                 default_user=init.default_user,
+                                 default_workdir=init.default_workdir,
+                                 current_token=init.current_token)
+            self._transition(record, SandboxState.RUNNING)
+        except Exception as exc:
+            log.warning("handing out pooled sandbox %s failed: %s", record.sandbox_id, exc)
+            raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
+        log.info("created %s in %.0f ms (from the warm pool)", record.sandbox_id,
+                 (time.perf_counter() - t0) * 1000)
+        return record
+
+    async def _restore_or_boot(self, record: SandboxRecord, template: Template,
+                               image: BootImage) -> SandboxRecord:
+        """Restore the template's boot image; should that fail, boot as if there were none."""
+        t0 = time.perf_counter()
+        assert self.boot_images is not None
+        try:
+            with self.boot_images.using(image):
+                await self._bring_up(record, self._plan(
+                    record, template, image=image.path, current_token=image.envd_token,
+                    hostname_of=image.hostname_of or template.template_id))
+        except CapacityExceeded:
+            raise
+        except OrchestratorError as exc:
+            if template.snapshot_id:  # a built template has nothing to boot
+                raise
+            log.warning("template %s: restoring its boot image failed (%s); booting instead",
+                        template.template_id, exc)
+            self.boot_images.forget(template, image)
+            return await self._boot(record, template)
+        log.info("created %s in %.0f ms (from the template image)", record.sandbox_id,
+                 (time.perf_counter() - t0) * 1000)
+        return record
+
+    async def _boot(self, record: SandboxRecord, template: Template) -> SandboxRecord:
+        if template.snapshot_id:  # its files and processes are only in its snapshot
+            raise NotFound(f"snapshot of template '{template.template_id}' is not available")
+        t0 = time.perf_counter()
+        await self._bring_up(record, self._plan(record, template, hostname_of=record.sandbox_id,
+                                                start_command=True))
+        log.info("created %s in %.0f ms (booted)", record.sandbox_id,
+                 (time.perf_counter() - t0) * 1000)
+        return record
+
+    async def run_start_command(self, template: Template, address: str, token: str) -> None:
+        """The template's start command and ready check (template builds run them too)."""
+        await self.launcher.run_start_command(template, address, token)
+
+    # -- kill and timeouts --------------------------------------------------------------
+
+    async def kill(self, sandbox_id: str) -> None:
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            if record.state is SandboxState.CREATING:
+                raise Conflict(f"sandbox '{sandbox_id}' is still being created")
+            if record.state is SandboxState.PAUSED:
+                await self._forget_paused(record)
+                return
+            # (an ERROR sandbox's runtime is gone already)
+            await asyncio.shield(self._teardown(record, record.state is SandboxState.RUNNING))
+            if record.snapshot_id:  # its last pause snapshot is of no further use
+                with contextlib.suppress(SnapshotError):
+                    await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
+
+    async def _ttl_loop(self) -> None:
+        ticks = 0
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.runtime.housekeeping()
+            except Exception:
+                log.exception("runtime housekeeping failed")
+            ticks += 1
+            if ticks % COMMIT_RETRY_TICKS == 0:
+                self._retry_failed_commits()
+            if ticks % max(1, int(self.config.egress_refresh_s)) == 0:
+                await self._refresh_domain_policies()
+            now = time.time()
+            for record in list(self._records.values()):
+                if record.state is SandboxState.RUNNING and record.expired(now):
+                    log.info("sandbox %s reached its timeout: %s", record.sandbox_id,
+                             "pausing" if record.auto_pause else "killing")
+                    await self._expire(record)
+                elif record.state is SandboxState.ERROR and record.expired(now):
+                    with contextlib.suppress(NotFound, Conflict):
+                        await self.kill(record.sandbox_id)
+
+    async def _expire(self, record: SandboxRecord) -> None:
+        """Pause (or kill) an expired sandbox; a pause that fails kills it, so an
+        expired sandbox never goes on holding the node's resources."""
+        if record.auto_pause:
+            try:
+                await self.pause(record.sandbox_id)
+                return
+            except NotFound:
+                return
+            except Exception as exc:
+                log.error("pause of expired sandbox %s failed (%s); killing it",
+                          record.sandbox_id, exc)
+        with contextlib.suppress(NotFound, Conflict):
+            await self.kill(record.sandbox_id)

@@ -1,0 +1,97 @@
+"""After a restart (a crash included): adopt the sandboxes that survived, remove the rest.
+
+Running sandboxes whose runtime still runs and whose envd answers are adopted with
+their slots; paused ones and ones in ``error`` keep their records (a pause whose
+commit did not finish is committed again); anything else a crash left behind (runtime
+sandboxes, slots, fork images, interrupted captures) is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+
+from .envd_client import EnvdUnavailable
+from .models import SandboxRecord, SandboxState
+from .pausing import Pausing
+
+log = logging.getLogger(__name__)
+
+
+class Reconciling(Pausing):
+    """Over pausing: a pause whose commit a crash interrupted is committed again."""
+
+    async def _reconcile(self) -> None:
+        # What a killed predecessor left the runtime doing finishes first: a
+        # half-done pause capture stops its sandbox when it completes.
+        await self.runtime.settle(120)
+        alive = await self.runtime.list()
+        keep: dict[str, SandboxRecord] = {}
+        for record in self.store.all():
+            running = alive.get(record.sandbox_id)
+            if record.metadata.get("aenv.build"):  # no use without the build that died too
+                log.info("reconcile: dropping template build sandbox %s", record.sandbox_id)
+                self.store.delete(record.sandbox_id)
+            elif record.state is SandboxState.RUNNING and running and running.state == "running":
+                keep[record.sandbox_id] = record
+            elif record.state in (SandboxState.PAUSED, SandboxState.ERROR):
+                keep[record.sandbox_id] = record
+            else:
+                log.info("reconcile: dropping sandbox %s (%s)", record.sandbox_id, record.state)
+                self.store.delete(record.sandbox_id)
+        removed = await self.runtime.reconcile(
+            {sid for sid, r in keep.items() if r.state is SandboxState.RUNNING})
+        if removed:
+            log.info("reconcile: removed %d orphaned runtime sandboxes", len(removed))
+        await self.slots.start({r.slot_index: r.internet for r in keep.values()
+                                if r.state is SandboxState.RUNNING})
+        self._records = keep
+        await asyncio.to_thread(self._remove_stale_captures, keep)
+        for record in keep.values():
+            held = self.slots.held(record.slot_index) if record.slot_index else None
+            if held is not None:
+                self._slots[record.sandbox_id] = held
+                if record.network:  # the rules are rebuilt from the record
+                    try:
+                        await self.launcher.apply_egress(record.sandbox_id, held,
+                                                         record.network, record.internet)
+                    except Exception:
+                        log.exception("reconcile: egress policy of %s", record.sandbox_id)
+            log.info("reconcile: adopted %s sandbox %s", record.state, record.sandbox_id)
+            if record.state is SandboxState.PAUSED:
+                self._recommit_if_staged(record)
+        await self._drop_unanswering()
+
+    async def _drop_unanswering(self) -> None:
+        """A running sandbox is adopted only if its envd answers: one a killed node
+        was pausing can still show as running while its capture stops it."""
+        running = [r for r in self._records.values() if r.state is SandboxState.RUNNING]
+
+        async def answers(record: SandboxRecord) -> bool:
+            try:
+                await self.envd.wait_ready(record.slot_address, deadline_s=10)
+                return True
+            except EnvdUnavailable:
+                return False
+
+        for record, ok in zip(running, await asyncio.gather(*map(answers, running)),
+                              strict=True):
+            if not ok:
+                log.warning("reconcile: sandbox %s does not answer; removing it",
+                            record.sandbox_id)
+                await self._teardown(record, True)
+
+    def _remove_stale_captures(self, keep: dict[str, SandboxRecord]) -> None:
+        """Captures a crash interrupted: fork images, and staged snapshots that no
+        paused sandbox's pending commit needs (a snapshot or pause whose capture or
+        commit died with the node; the repository's collector takes their chunks)."""
+        images = self.config.run_dir / "images"
+        if images.is_dir():
+            for leftover in images.iterdir():
+                log.info("reconcile: removing fork image %s", leftover.name)
+                shutil.rmtree(leftover, ignore_errors=True)
+        pending = {r.snapshot_id for r in keep.values()
+                   if r.state is SandboxState.PAUSED and r.snapshot_id}
+        for name in self.snapshots.staging.remove_leftovers(pending):
+            log.info("reconcile: removed interrupted capture %s", name)

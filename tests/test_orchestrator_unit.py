@@ -1,0 +1,209 @@
+"""The sandbox manager's own logic, in seconds, without runsc: state transitions,
+capacity, rollback of every failed launch, pause/resume, fork, exits and a restart.
+
+The runtime, the slot pool and envd are the in-memory fakes of agentenv.testing
+(tested for real elsewhere); the record store, the snapshot store (a posix_fs
+repository) and the template registry are the real ones, on a temporary directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from agentenv.config import Config
+from agentenv.orchestrator import (
+    CapacityExceeded,
+    Conflict,
+    CreateRequest,
+    NotFound,
+    OrchestratorError,
+    SandboxManager,
+    SandboxState,
+    SandboxStore,
+)
+from agentenv.orchestrator import specs as specs_module
+from agentenv.runtime import RuntimeFailure
+from agentenv.snapshot import SnapshotNotFound, SnapshotStore, open_repository
+from agentenv.templates import TemplateRegistry
+from agentenv.testing.fakes import FakeEnvd, FakeRuntime, FakeSlots
+
+
+class Node:
+    """A manager over fakes; ``restart()`` makes a new one on the same home and runtime."""
+
+    def __init__(self, root: Path, capacity: int, slots: int) -> None:
+        self.root = root
+        templates = root / "images" / "templates" / "base"
+        (templates / "rootfs").mkdir(parents=True, exist_ok=True)
+        (templates / "template.json").write_text(json.dumps(
+            {"templateID": "base", "aliases": ["base"], "cpuCount": 64, "memoryMB": 256}))
+        self.config = Config(home=root / "home", images_dir=root / "images",
+                             max_sandboxes=capacity, template_snapshots=False,
+                             max_cpu_count=2, max_memory_mb=1024, node_id="unit")
+        self.runtime = FakeRuntime()
+        self.slots = FakeSlots(slots)
+        self.envd = FakeEnvd()
+        self.manager = self._manager()
+
+    def _manager(self) -> SandboxManager:
+        cfg = self.config
+        snapshots = SnapshotStore(open_repository(cfg.snapshot_repository()),
+                                  cache_dir=cfg.home / "cache" / "snapshots",
+                                  staging_dir=cfg.home / "snapshots-staging")
+        return SandboxManager(cfg, self.runtime, self.slots,  # type: ignore[arg-type]
+                              TemplateRegistry(cfg.templates_dir, cfg.local_templates_dir,
+                                               cfg.rootfs_mounts_dir),
+                              SandboxStore(cfg.db_path), snapshots,
+                              envd=self.envd)  # type: ignore[arg-type]
+
+    async def restart(self) -> SandboxManager:
+        await self.manager.close(destroy=False)
+        self.manager.store.close()
+        import os
+        os.close(self.manager._home_lock)  # the process would end here
+        self.manager = self._manager()
+        await self.manager.start()
+        return self.manager
+
+    def clean(self) -> bool:
+        return not self.slots.holding and not self.runtime.sandboxes
+
+
+@pytest.fixture
+async def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Node]:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    # envd's real bundle is built (and tested) by the node tests; here only its name counts.
+    monkeypatch.setattr(specs_module, "build_bundle", lambda _dir: bundle)
+    n = Node(tmp_path, capacity=3, slots=4)
+    await n.manager.start()
+    yield n
+    await n.manager.close(destroy=True)
+    n.manager.store.close()
+
+
+async def test_create_runs_with_bounded_resources_and_its_env(node: Node) -> None:
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base", env_vars={"A": "1"}, metadata={"k": "v"}))
+    assert record.state is SandboxState.RUNNING
+    stored = {r.sandbox_id: r.state for r in mgr.store.all()}
+    assert stored == {record.sandbox_id: SandboxState.RUNNING}
+    # template.json asked for 64 CPUs: clamped to the node's maximum, in record and spec.
+    assert record.cpu_count == 2 and node.runtime.specs[record.sandbox_id].cpu_count == 2
+    assert node.envd.inits[record.slot_address]["env"] == {"A": "1"}
+    assert node.slots.holding[record.slot_index].address == record.slot_address
+    assert mgr.endpoint(record.sandbox_id, 8080) == (record.slot_address, 8080)
+
+
+async def test_capacity_is_a_clear_error_and_takes_nothing(node: Node) -> None:
+    mgr = node.manager
+    for _ in range(3):
+        await mgr.create(CreateRequest("base"))
+    with pytest.raises(CapacityExceeded):
+        await mgr.create(CreateRequest("base"))
+    assert len(mgr.list()) == 3 and len(node.runtime.sandboxes) == 3
+
+
+@pytest.mark.parametrize("step", ["acquire", "start", "envd", "init"])
+async def test_a_failed_create_leaves_no_record_and_nothing_held(node: Node, step: str) -> None:
+    mgr = node.manager
+    faults = {"acquire": node.slots.faults, "start": node.runtime.faults,
+              "envd": node.envd.faults, "init": node.envd.faults}[step]
+    faults.fail(step, RuntimeFailure("boom") if step == "start" else None)
+    with pytest.raises((OrchestratorError, RuntimeError)):
+        await mgr.create(CreateRequest("base"))
+    assert mgr.list() == [] and mgr.store.all() == [] and node.clean()
+    assert (await mgr.create(CreateRequest("base"))).state is SandboxState.RUNNING
+
+
+async def test_a_client_hanging_up_mid_create_leaves_no_half_sandbox(node: Node) -> None:
+    mgr = node.manager
+    node.runtime.faults.delay("start", 0.3)
+    caller = asyncio.create_task(mgr.create(CreateRequest("base")))
+    await asyncio.sleep(0.05)
+    (creating,) = mgr.list()
+    assert creating.state is SandboxState.CREATING
+    with pytest.raises(Conflict):  # no kill while it is being created
+        await mgr.kill(creating.sandbox_id)
+    caller.cancel()
+    await asyncio.sleep(0.5)
+    assert mgr.get(creating.sandbox_id).state is SandboxState.RUNNING  # it finished
+
+
+async def test_pause_resume_kill(node: Node) -> None:
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid = record.sandbox_id
+    await mgr.pause(sid)
+    assert record.state is SandboxState.PAUSED and record.slot_index == 0
+    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    assert node.clean()  # a paused sandbox holds nothing on the node
+    assert mgr.snapshots.get(record.snapshot_id).metadata["kind"] == "pause"
+    with pytest.raises(Conflict):
+        await mgr.pause(sid)
+
+    node.runtime.faults.fail("restore", RuntimeFailure("restore broke"))
+    with pytest.raises(OrchestratorError, match="sandbox failed to resume"):
+        await mgr.resume(sid)
+    assert record.state is SandboxState.PAUSED and node.clean()
+
+    await mgr.resume(sid, ttl=60)
+    assert record.state is SandboxState.RUNNING and node.slots.holding
+    snapshot = record.snapshot_id
+    await mgr.pause(sid)
+    await mgr.kill(sid)
+    with pytest.raises(NotFound):
+        mgr.get(sid)
+    with pytest.raises(SnapshotNotFound):
+        mgr.snapshots.get(snapshot)
+    assert node.clean() and mgr.store.all() == []
+
+
+async def test_fork_children_run_with_their_own_tokens_within_capacity(node: Node) -> None:
+    mgr = node.manager
+    source = await mgr.create(CreateRequest("base"))
+    results = await mgr.fork(source.sandbox_id, 3)
+    children = [r for r in results if not isinstance(r, Exception)]
+    errors = [r for r in results if isinstance(r, Exception)]
+    # Capacity 3: the source and two children.
+    assert len(children) == 2 and len(errors) == 1 and isinstance(errors[0], CapacityExceeded)
+    tokens = {source.envd_token, *(c.envd_token for c in children)}
+    assert len(tokens) == 3 and source.state is SandboxState.RUNNING
+    assert all(node.envd.inits[c.slot_address]["current"] == source.envd_token
+               for c in children)  # each child's envd rotated the source's token
+    assert not list((node.config.run_dir / "images").iterdir())  # the capture is gone
+
+
+async def test_a_runtime_that_dies_makes_an_error_record_at_once(node: Node) -> None:
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    node.runtime.crash(record.sandbox_id, "was killed: out of memory")
+    await asyncio.sleep(0.05)
+    assert record.state is SandboxState.ERROR and "out of memory" in record.error
+    assert not node.slots.holding
+    with pytest.raises(Conflict, match="out of memory"):
+        mgr.endpoint(record.sandbox_id, 49983)
+    await mgr.kill(record.sandbox_id)
+    assert mgr.list() == []
+
+
+async def test_a_restart_adopts_running_and_paused_sandboxes(node: Node) -> None:
+    mgr = node.manager
+    running = await mgr.create(CreateRequest("base"))
+    paused = await mgr.create(CreateRequest("base"))
+    await mgr.pause(paused.sandbox_id)
+    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    node.runtime.sandboxes["orphan"] = node.runtime.sandboxes[running.sandbox_id]
+    mgr = await node.restart()
+    states = {r.sandbox_id: r.state for r in mgr.list()}
+    assert states == {running.sandbox_id: SandboxState.RUNNING,
+                      paused.sandbox_id: SandboxState.PAUSED}
+    assert "orphan" not in node.runtime.sandboxes  # what no record claims is removed
+    assert mgr.endpoint(running.sandbox_id, 1)[0] == running.slot_address
+    await mgr.resume(paused.sandbox_id)
+    assert mgr.get(paused.sandbox_id).state is SandboxState.RUNNING
