@@ -66,9 +66,18 @@ class Envd:
         env["PYTHONPATH"] = str(ROOT / "src")
         if token:
             env["AENV_ENVD_ACCESS_TOKEN"] = token
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port",
-             str(self.port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        argv = [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port",
+                str(self.port)]
+        if os.geteuid() == 0 and shutil.which("unshare"):
+            # Commands run as `bash -l`. Root's .bashrc on these hosts runs `pyenv init`,
+            # whose rehash lock a login shell killed mid-rehash leaves behind, and every
+            # later login shell then waits 60 s for it. A sandbox's root has no such rc:
+            # hide the host's from envd's shells (in a mount namespace of their own).
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind /dev/null "$HOME/.bashrc" 2>/dev/null; exec "$@"', "sh",
+                    *argv]
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
