@@ -39,8 +39,7 @@ run: setup
 run-cluster: setup
 	@bash deploy/run-cluster.sh
 
-test: setup js
-	$(VENV)/bin/ruff check src tests bench
+test: setup js lint
 	$(VENV)/bin/pytest
 
 bench: setup
@@ -50,5 +49,8 @@ bench: setup
 soak: setup
 	cd bench && ../$(PY) soak.py
 
+# Style, types, and the one-way rule between packages (docs/architecture.md).
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports

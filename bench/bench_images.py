@@ -29,7 +29,7 @@ import zstandard
 from agentenv.images import ImageService, LayerStore
 from agentenv.templates import TemplateRegistry
 from agentenv.testing import SHARED_HOME, Node, leaks
-from agentenv.testing.registry import Entry, RegistryServer, build_image, tar_layer, tar_tree
+from agentenv.testing.oci_registry import Entry, RegistryServer, build_image, tar_layer, tar_tree
 from common import summary, table, write
 
 BASE = SHARED_HOME / "images" / "templates" / "base" / "rootfs"

@@ -18,7 +18,7 @@ import pytest
 from agentenv.images import BadReference, HostileInput, ImageService, LayerStore
 from agentenv.templates import TemplateRegistry
 from agentenv.testing import free_port
-from agentenv.testing.registry import (
+from agentenv.testing.oci_registry import (
     Blob,
     Entry,
     build_image,

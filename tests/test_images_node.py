@@ -17,7 +17,7 @@ from e2b import Sandbox
 
 from agentenv.testing import SHARED_HOME, Node, leaks, sdk_env
 from agentenv.testing.nodes import AENV
-from agentenv.testing.registry import (
+from agentenv.testing.oci_registry import (
     DEFAULT_PATH,
     Entry,
     RegistryServer,

@@ -22,7 +22,7 @@ from agentenv.images import (
     mounted_under,
 )
 from agentenv.templates import TemplateRegistry
-from agentenv.testing.registry import (
+from agentenv.testing.oci_registry import (
     Entry,
     RegistryServer,
     build_image,
@@ -181,7 +181,7 @@ def test_oci_layout_and_docker_archive(tmp_path: Path, svc: ImageService) -> Non
         svc.pull(f"oci-layout:{layout}:v4", "layout4")
     index_layout = write_oci_layout(
         tmp_path / "index-layout", image, index=__import__(
-            "agentenv.testing.registry", fromlist=["build_index"]).build_index(
+            "agentenv.testing.oci_registry", fromlist=["build_index"]).build_index(
                 {"amd64": image}))
     svc.pull(f"oci-layout:{index_layout}", "layout-index")
     archive = write_docker_archive(tmp_path / "saved.tar", [BOTTOM, TOP])

@@ -26,6 +26,9 @@ import httpx
 import pytest
 from e2b import Template
 
+from agentenv.builds.builder import MAX_WAITING_BUILDS
+from agentenv.builds.steps import CONTINUED
+from agentenv.builds.store import MAX_MESSAGE, TRUNCATED
 from agentenv.resources import (
     CPU,
     DISK,
@@ -36,9 +39,6 @@ from agentenv.resources import (
     host_limits,
 )
 from agentenv.runtime.oci import host_memory_limit, nproc_limit
-from agentenv.templates.builder import MAX_WAITING_BUILDS
-from agentenv.templates.builds import MAX_MESSAGE, TRUNCATED
-from agentenv.templates.steps import CONTINUED
 from agentenv.testing import SHARED_HOME, Node
 
 MAX_CPU, MAX_MEMORY_MB, MAX_DISK_MB = host_limits()  # the session node's defaults

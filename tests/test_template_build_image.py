@@ -17,7 +17,7 @@ import pytest
 from e2b import Sandbox, Template
 
 from agentenv.testing import SHARED_HOME, Node
-from agentenv.testing.registry import DEFAULT_PATH, RegistryServer, build_image
+from agentenv.testing.oci_registry import DEFAULT_PATH, RegistryServer, build_image
 
 BASE = SHARED_HOME / "images" / "templates" / "base" / "rootfs"
 # What RUN and COPY need in an image: bash and the tools the COPY step uses.

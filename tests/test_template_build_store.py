@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.templates import builds
-from agentenv.templates.steps import expand
+from agentenv.builds import store as builds
+from agentenv.builds.steps import expand
 
 
 def test_records_and_logs_survive_a_reload(tmp_path: Path) -> None:

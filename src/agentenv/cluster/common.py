@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..orchestrator import OrchestratorError
+from ..errors import AgentenvError
 
 
-class ClusterError(OrchestratorError):
-    """An error answered as ``{"code": status, "message": ...}`` (api.errors does that)."""
+class ClusterError(AgentenvError):
+    """An error answered as ``{"code": status, "message": ...}`` (web.errors does that)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

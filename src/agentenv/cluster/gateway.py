@@ -13,6 +13,9 @@
 - Fork keeps children on the source node while it has room (a local fork is the
   fast path); otherwise the source is snapshotted and children are created from
   that snapshot on the nodes the scheduler picks.
+
+This module is the gateway's API app; ``routing`` finds and talks to the nodes,
+``gateway_proxy`` relays sandbox traffic.
 """
 
 from __future__ import annotations
@@ -23,189 +26,27 @@ import binascii
 import contextlib
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
-from urllib.parse import parse_qsl
 
 import httpx
-import websockets
 from fastapi import Depends, FastAPI, Request, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
-from websockets.asyncio.client import connect as ws_connect
+from starlette.types import ASGIApp
 
 from .. import __version__
-from ..api.errors import error_response, install_error_handlers
-from ..envd.protocol import ENVD_PORT
 from ..orchestrator import NotFound
-from ..web import (
-    SANDBOX_ID_HEADER,
-    SANDBOX_PORT_HEADER,
-    BadTarget,
-    forwarded_headers,
-    relay_client,
-    relay_http,
-    relay_websocket,
-    send_error,
-    upstream_url,
-)
+from ..web.errors import error_response, install_error_handlers
 from ..web.keys import require_api_key
-from ..web.routing import SandboxRouting
 from .common import ClusterError
-from .registry import NodeStatus, Registry
+from .gateway_proxy import GatewayProxy
+from .node_registry import NodeStatus, Registry
+from .routing import Gateway, error_message
 
 log = logging.getLogger(__name__)
 MAX_PAGE = 100
-# What a sandbox ID can be (new_sandbox_id); anything else is never asked of nodes.
-SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")
-# Headers that belong to one hop, or that httpx sets itself.
-_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
-        "te", "trailer"}
 
-
-class Gateway:
-    def __init__(self, registry: Registry, scheduler_url: str, api_key: str) -> None:
-        self.registry = registry
-        self.scheduler = scheduler_url.rstrip("/")
-        self.api_key = api_key
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=3.0, read=600.0, write=60.0, pool=10.0),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
-            trust_env=False,
-        )
-
-    async def close(self) -> None:
-        await self.http.aclose()
-
-    # -- the scheduler ------------------------------------------------------------
-
-    async def place(self, *, template: str = "", snapshot: str = "", count: int = 1,
-                    exclude: list[str] | None = None, runtime: tuple[str, str] = ("", "")
-                    ) -> list[dict[str, str]]:
-        body = {"template": template, "snapshot": snapshot, "count": count,
-                "exclude": exclude or [], "runtimeKind": runtime[0],
-                "runtimeVersion": runtime[1]}
-        try:
-            r = await self.http.post(f"{self.scheduler}/placements", json=body,
-                                     headers={"X-API-Key": self.api_key})
-        except httpx.HTTPError as exc:
-            raise ClusterError(503, f"scheduler unreachable: {exc}") from exc
-        if r.status_code != 200:
-            raise ClusterError(r.status_code, _message(r))
-        return r.json()["nodes"]
-
-    async def up_nodes(self) -> list[NodeStatus]:
-        return [n for n in await self.registry.nodes() if n.state == "up"]
-
-    # -- forwarding ---------------------------------------------------------------
-
-    async def forward(self, request: Request, node_url: str, body: bytes | None = None,
-                      path: str | None = None, params: Any = None) -> httpx.Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        headers["x-api-key"] = self.api_key
-        content = body if body is not None else await request.body()
-        # The node's URL is the scheduler's; the path is the client's, as it sent it
-        # (raw: decoding first would let %2F or %3F change which route it names).
-        raw_path = path.encode() if path is not None else request.scope["raw_path"]
-        try:
-            url = httpx.URL(node_url).copy_with(raw_path=raw_path)
-        except httpx.InvalidURL as exc:
-            raise ClusterError(400, f"invalid request path: {exc}") from None
-        return await self.http.request(
-            request.method, url,
-            params=params if params is not None else request.query_params,
-            headers=headers, content=content or None,
-        )
-
-    async def owner(self, sandbox_id: str) -> tuple[dict[str, str], NodeStatus]:
-        """The sandbox's entry and its node; a paused sandbox of a down node is first
-        adopted by another node; a running one there is reported lost (410)."""
-        found = await self.registry.route(sandbox_id) or await self._find(sandbox_id)
-        if found is None:
-            raise NotFound(f"sandbox '{sandbox_id}' not found")
-        entry, node = found
-        if node is not None and node.state == "up":
-            return entry, node
-        if entry.get("state") == "paused" and entry.get("committed") == "1":
-            return await self._adopt(sandbox_id, entry, node)
-        hint = (f"; its last committed snapshot {entry['snapshot']} can be started with "
-                f"templateID={entry['snapshot']}" if entry.get("snapshot") else "")
-        raise ClusterError(410, f"sandbox '{sandbox_id}' was {entry.get('state', 'running')} on "
-                                f"node {entry['node']}, which is down: its running state is "
-                                f"lost{hint}")
-
-    async def _find(self, sandbox_id: str
-                    ) -> tuple[dict[str, str], NodeStatus | None] | None:
-        """A sandbox no heartbeat told of yet (made on a node directly, or just
-        after a node restarted): every up node is asked, and the owner recorded."""
-        if not SANDBOX_ID.fullmatch(sandbox_id):
-            return None
-
-        async def ask(node: NodeStatus) -> str | None:
-            try:
-                r = await self.http.get(f"{node.url}/sandboxes/{sandbox_id}",
-                                        headers={"X-API-Key": self.api_key})
-            except httpx.HTTPError:
-                return None
-            return r.json().get("state") if r.status_code == 200 else None
-
-        nodes = await self.up_nodes()
-        for node, state in zip(nodes, await asyncio.gather(*(ask(n) for n in nodes)),
-                               strict=True):
-            if state:
-                await self.registry.set_sandbox(sandbox_id, node.node_id, state)
-                return await self.registry.route(sandbox_id)
-        return None
-
-    async def signer(self, query: str) -> str | None:
-        """The sandbox that signed a ``/files`` URL: every up node is asked (each
-        knows only its own sandboxes' envd tokens)."""
-        params = dict(parse_qsl(query, keep_blank_values=True))
-        params["operation"] = params.pop("_operation", "read")
-
-        async def ask(node: NodeStatus) -> str | None:
-            try:
-                r = await self.http.get(f"{node.url}/cluster/signers", params=params,
-                                        headers={"X-API-Key": self.api_key})
-            except httpx.HTTPError:
-                return None
-            return r.json().get("sandboxID") if r.status_code == 200 else None
-
-        found = await asyncio.gather(*(ask(n) for n in await self.up_nodes()))
-        return next((sid for sid in found if sid), None)
-
-    async def _adopt(self, sandbox_id: str, entry: dict[str, str], dead: NodeStatus | None
-                     ) -> tuple[dict[str, str], NodeStatus]:
-        runtime = (dead.runtime_kind, dead.runtime_version) if dead else ("", "")
-        exclude = [entry["node"]]
-        for _ in range(3):
-            pick = (await self.place(snapshot=entry["snapshot"], exclude=exclude,
-                                     runtime=runtime))[0]
-            try:
-                r = await self.http.post(
-                    f"{pick['url']}/cluster/sandboxes/{sandbox_id}/adopt",
-                    json={"snapshotID": entry["snapshot"]}, headers={"X-API-Key": self.api_key})
-            except httpx.HTTPError:
-                exclude.append(pick["nodeID"])
-                continue
-            if r.status_code != 201:
-                raise ClusterError(r.status_code, _message(r))
-            log.info("sandbox %s (paused on down node %s) adopted by node %s", sandbox_id,
-                     entry["node"], pick["nodeID"])
-            await self.registry.set_sandbox(sandbox_id, pick["nodeID"], "paused",
-                                            entry["snapshot"], True)
-            node = await self.registry.node(pick["nodeID"])
-            assert node is not None
-            return await self.registry.sandbox(sandbox_id) or entry, node
-        raise ClusterError(503, f"no node could take over paused sandbox '{sandbox_id}'")
-
-
-def _message(r: httpx.Response) -> str:
-    try:
-        return str(r.json().get("message") or r.text)
-    except ValueError:
-        return r.text or f"HTTP {r.status_code}"
+__all__ = ["Gateway", "GatewayProxy", "create_gateway_app"]
 
 
 def _relay(r: httpx.Response) -> Response:
@@ -230,95 +71,6 @@ def _decode_cursor(token: str) -> tuple[datetime, str]:
         return _started({"startedAt": started}), str(sid)
     except (ValueError, TypeError, binascii.Error):
         raise ClusterError(400, "invalid nextToken") from None
-
-
-class GatewayProxy:
-    """Sandbox traffic (HTTP streams and WebSockets) relayed to the node that owns the
-    sandbox, as ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers (a Host-routed
-    request is rewritten to them); the node's own proxy takes it from there, so
-    every header it checks (access and traffic tokens) goes through untouched."""
-
-    def __init__(self, app: ASGIApp, gateway: Gateway, domain: str) -> None:
-        self.app = app
-        self.gateway = gateway
-        self.routing = SandboxRouting(domain)
-        self._http = relay_client(
-            httpx.Limits(max_connections=1024, max_keepalive_connections=256))
-
-    async def close(self) -> None:
-        await self._http.aclose()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            target = (self.routing.target(scope) if scope["type"] in ("http", "websocket")
-                      else None)
-        except BadTarget as exc:
-            await send_error(scope, send, 400, str(exc))
-            return
-        if target is None and scope["type"] == "http" and scope["path"] == "/files":
-            query = (scope.get("query_string") or b"").decode("latin-1")
-            if "signature=" in query:  # a signed URL names its sandbox by signature only
-                operation = "read" if scope["method"] == "GET" else "write"
-                sid = await self.gateway.signer(f"{query}&_operation={operation}")
-                if sid is None:
-                    await send_error(scope, send, 401, "the file URL's signature matches no "
-                                     "running sandbox (or it is for the other operation)")
-                    return
-                target = (sid, ENVD_PORT)
-        if target is None:
-            await self.app(scope, receive, send)
-            return
-        sandbox_id, port = target
-        scheme = "ws" if scope["type"] == "websocket" else "http"
-        try:
-            # Checked before the owner is looked up: a bad target costs no Redis call.
-            upstream_url(scheme, "node", None, scope)
-            _, node = await self.gateway.owner(sandbox_id)
-        except BadTarget as exc:
-            await send_error(scope, send, 400, str(exc))
-            return
-        except NotFound:
-            await send_error(scope, send, 502, f"The sandbox {sandbox_id} was not found")
-            return
-        except ClusterError as exc:
-            await send_error(scope, send, 502, str(exc))
-            return
-        headers = forwarded_headers(scope)
-        headers += [(SANDBOX_ID_HEADER.encode(), sandbox_id.encode()),
-                    (SANDBOX_PORT_HEADER.encode(), str(port).encode())]
-        node_url = httpx.URL(node.url)
-        url = upstream_url(scheme, node_url.host, node_url.port, scope)
-        if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send, url, headers)
-            return
-        try:
-            await relay_http(self._http, scope, receive, send, url, headers)
-        except httpx.HTTPError as exc:
-            await send_error(scope, send, 502, f"node {node.node_id} did not answer: {exc}")
-
-    async def _websocket(self, scope: Scope, receive: Receive, send: Send, url: httpx.URL,
-                         headers: list[tuple[bytes, bytes]]) -> None:
-        first = await receive()
-        if first["type"] != "websocket.connect":
-            return
-        skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
-                "sec-websocket-protocol"}
-        extra = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
-                 if k.decode("latin-1").lower() not in skip]
-        try:
-            upstream = await ws_connect(str(url), additional_headers=extra,
-                                        subprotocols=scope.get("subprotocols") or None,
-                                        open_timeout=10, max_size=None, proxy=None)
-        except websockets.InvalidStatus as exc:
-            await send({"type": "websocket.close", "code": 1011,
-                        "reason": f"node refused: HTTP {exc.response.status_code}"})
-            return
-        except (OSError, websockets.InvalidHandshake, TimeoutError) as exc:
-            await send({"type": "websocket.close", "code": 1011, "reason": str(exc)[:120]})
-            return
-        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-
-        await relay_websocket(receive, send, upstream)
 
 
 def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
@@ -398,7 +150,7 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
                     log.warning("listing node %s failed: %s", node.node_id, exc)
                     return out
                 if r.status_code != 200:
-                    raise ClusterError(r.status_code, _message(r))
+                    raise ClusterError(r.status_code, error_message(r))
                 out += r.json()
                 token = r.headers.get("x-next-token")
                 if not token:
@@ -494,7 +246,7 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
             except httpx.HTTPError as exc:
                 return {"error": {"code": 502, "message": f"node {pick['nodeID']}: {exc}"}}
             if c.status_code != 201:
-                return {"error": {"code": c.status_code, "message": _message(c)}}
+                return {"error": {"code": c.status_code, "message": error_message(c)}}
             created = c.json()
             await registry.set_sandbox(created["sandboxID"], pick["nodeID"], "running")
             return {"sandbox": created}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .registry import NodeStatus
+from .node_registry import NodeStatus
 
 # A node with less free memory than this takes no new sandbox.
 MIN_FREE_MEMORY_MB = 256

@@ -17,11 +17,11 @@ from fastapi import Depends, FastAPI, Request, Response
 from pydantic import BaseModel, Field
 
 from .. import __version__
-from ..api.errors import install_error_handlers, serve_openapi
+from ..web.errors import install_error_handlers, serve_openapi
 from ..web.keys import require_api_key
 from .common import ClusterError
+from .node_registry import NodeStatus, Registry
 from .placement import PlacementRequest, place
-from .registry import NodeStatus, Registry
 
 log = logging.getLogger(__name__)
 

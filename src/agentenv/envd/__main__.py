@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     listener = _listen(args.host, args.port)
     if os.geteuid() == 0:
         # File operations run in per-user workers forked from this small process
-        # (see userfs), forked now, before the heavy imports make envd big.
-        from .userfs import start_zygote
+        # (see userfs_fork), forked now, before the heavy imports make envd big.
+        from .userfs_fork import start_zygote
 
         start_zygote()
     from .protos import ensure_importable

@@ -19,15 +19,8 @@ from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
 from .state import PathError, State, User, UserError, resolve_path
-from .userfs import (
-    MAX_LIST_DEPTH,
-    MAX_LIST_ENTRIES,
-    MAX_WATCH_DIRS,
-    Refused,
-    UserFS,
-    WorkerGone,
-    user_key,
-)
+from .userfs import UserFS, user_key
+from .userfs_protocol import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, MAX_WATCH_DIRS, Refused, WorkerGone
 
 if TYPE_CHECKING:
     from connectrpc.request import RequestContext
@@ -47,7 +40,7 @@ def _file_type(kind: str) -> int:
 
 
 def entry_pb(d: dict) -> pb.EntryInfo:
-    """EntryInfo from a worker's entry (see userfs._entry)."""
+    """EntryInfo from a worker's entry (see userfs_ops._entry)."""
     from protobuf.wkt import Timestamp
 
     mtime = int(d["mtime"])
@@ -151,7 +144,7 @@ class Watcher:
     async def _readable(self) -> None:
         fd = self.fd
         fut = self._loop.create_future()
-        self._loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+        self._loop.add_reader(fd, _resolve, fut)
         try:
             await fut
         finally:
@@ -368,7 +361,7 @@ class FilesystemService:
         self.streams += 1
         try:
             q: asyncio.Queue = asyncio.Queue()
-            overflow = []
+            overflow: list = []
 
             def on_event(ev) -> None:
                 if q.qsize() < MAX_WATCHER_EVENTS:
@@ -442,3 +435,9 @@ class FilesystemService:
 
 
 __all__ = ["MAX_WATCHERS", "FilesystemService", "entry_pb", "user_key"]
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    """A descriptor is ready: wake whoever awaits ``fut`` (once)."""
+    if not fut.done():
+        fut.set_result(None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ..errors import AgentenvError
 
-class ImageError(Exception):
+
+class ImageError(AgentenvError):
     status = 500
 
 

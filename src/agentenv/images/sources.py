@@ -32,7 +32,7 @@ from .manifest import (
     verify,
 )
 from .reference import ArchiveRef, ImageRef, LayoutRef, RegistryRef, parse_reference
-from .registry import RegistryClient
+from .registry_client import RegistryClient
 
 CHUNK = 1 << 20
 REF_NAME = "org.opencontainers.image.ref.name"

@@ -10,22 +10,22 @@ from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp
 
 from .. import __version__
-from ..api.errors import document_errors, install_error_handlers, serve_openapi
-from ..api.image_routes import router as image_router
 from ..api.limits import BodyLimitMiddleware
 from ..api.proxy import SandboxProxy
-from ..api.routes import public, router
-from ..api.routes_lifecycle import router as lifecycle_router
+from ..api.routes.images import router as image_router
+from ..api.routes.lifecycle import router as lifecycle_router
+from ..api.routes.sandboxes import public, router
+from ..api.routes.templates import unlimited_uploads
+from ..api.routes.templates import uploads as template_uploads
 from ..api.signed_files import SignedFileRouter
-from ..api.template_routes import unlimited_uploads
-from ..api.template_routes import uploads as template_uploads
+from ..builds import TemplateBuilder
 from ..config import Config
 from ..network import SlotPool
 from ..orchestrator import SandboxManager, SandboxStore
 from ..runtime import GVisorRuntime
 from ..snapshot import SnapshotStore, open_repository
 from ..templates import TemplateRegistry
-from ..templates.builder import TemplateBuilder
+from ..web.errors import document_errors, install_error_handlers, serve_openapi
 from ..web.keys import ApiKeys, load_or_create_api_key, require_api_key
 from .cluster_routes import router as cluster_router
 

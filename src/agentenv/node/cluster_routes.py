@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
 from ..api import models
-from ..api.routes_lifecycle import snapshot_call
+from ..api.routes.lifecycle import snapshot_call
 from ..envd.protocol import file_signature
 from ..orchestrator import NotFound, SandboxManager, SandboxState
 from .heartbeat import node_status

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from ..cluster.registry import NodeStatus, SandboxEntry
+from ..cluster.node_registry import NodeStatus, SandboxEntry
 from ..orchestrator import SandboxState
 from ..snapshot import SnapshotError, SnapshotNotFound
 

@@ -24,16 +24,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ..config import Config
 from ..network import Slot
-from ..snapshot import SnapshotError, SnapshotNotFound
+from ..runtime import Runtime
+from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template
-from .launch import EnvdInit, LaunchPlan
+from .launch import EnvdInit, Launcher, LaunchPlan, SlotSource
 from .models import CapacityExceeded, OrchestratorError, new_sandbox_id
-
-if TYPE_CHECKING:
-    from .core import ManagerCore
+from .specs import SpecFactory
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,27 @@ class PooledSandbox:
     envd_token: str
 
 
+class Host(Protocol):
+    """What boot images need of the sandbox manager that keeps them."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def runtime(self) -> Runtime: ...
+    @property
+    def slots(self) -> SlotSource: ...
+    @property
+    def snapshots(self) -> SnapshotStore: ...
+    @property
+    def specs(self) -> SpecFactory: ...
+    @property
+    def launcher(self) -> Launcher: ...
+
+    def active_count(self) -> int: ...
+
+
 class BootImages:
-    def __init__(self, manager: ManagerCore, pool_size: int = 0):
+    def __init__(self, manager: Host, pool_size: int = 0):
         self.manager = manager
         self.pool_size = pool_size
         self._images: dict[str, BootImage] = {}

@@ -30,7 +30,7 @@ from ..snapshot import SnapshotStore
 from ..templates import Template, TemplateRegistry
 from .boot_images import BootImages
 from .envd_client import EnvdClient
-from .exits import ExitHandler, not_running
+from .exits import ExitHandler
 from .launch import EnvdInit, Launcher, LaunchPlan
 from .models import (
     TRANSITIONS,
@@ -40,6 +40,7 @@ from .models import (
     OrchestratorError,
     SandboxRecord,
     SandboxState,
+    not_running,
 )
 from .records import Resources
 from .requests import check_timeout
@@ -77,7 +78,7 @@ class ManagerCore:
         # Paused sandboxes whose stopped runtime is still being freed.
         self._releasing: dict[str, asyncio.Task] = {}
         # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
-        self._exits = ExitHandler(self)
+        self._exits = ExitHandler(self._runtime_exited)
         # Called with a sandbox ID once it is gone (the proxy drops its connections).
         self.on_removed: list[Callable[[str], None]] = []
         # Templates' boot images and the warm pool (None: every create boots).
@@ -259,3 +260,27 @@ class ManagerCore:
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    async def _runtime_exited(self, sandbox_id: str, reason: str) -> None:
+        """A running sandbox's runtime ended unasked: the record goes to ``error``
+        with the reason, and what the sandbox held is freed (exits.py)."""
+        record = self._records.get(sandbox_id)
+        if record is None or record.state is not SandboxState.RUNNING:
+            return  # being created (its start fails on its own), paused, or gone
+        # Calls to it fail fast from now on, even while a pause, snapshot or fork
+        # holding its lock finds out for itself.
+        record.error = reason
+        async with self._lock(sandbox_id):
+            if self._records.get(sandbox_id) is not record or \
+                    record.state is not SandboxState.RUNNING:
+                return
+            log.error("sandbox %s %s; it is now in state error", sandbox_id, reason)
+            self._transition(record, SandboxState.ERROR)
+            for listener in self.on_removed:  # e.g. the proxy drops its connections
+                listener(sandbox_id)
+            try:
+                await self.runtime.destroy(sandbox_id)
+            except Exception:
+                log.exception("removing the ended runtime of %s failed", sandbox_id)
+            await self._release_slot(record)
+            self.store.put(record)

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import AgentenvError
+
 
 class SandboxState(enum.StrEnum):
     CREATING = "creating"
@@ -30,7 +32,9 @@ TRANSITIONS: dict[SandboxState, set[SandboxState]] = {
 }
 
 
-class OrchestratorError(Exception):
+class OrchestratorError(AgentenvError):
+    """An error of the sandbox lifecycle (its subclasses say which status)."""
+
     status = 500
 
 
@@ -96,3 +100,11 @@ class SandboxRecord:
 
     def public_metadata(self) -> dict[str, Any]:
         return dict(self.metadata)
+
+
+def not_running(record: SandboxRecord) -> Conflict:
+    """The error for a call that needs the sandbox running (the proxy answers it
+    as a 502 "The sandbox X is not running: ...")."""
+    if record.state is SandboxState.ERROR or record.error:
+        return Conflict(f"sandbox '{record.sandbox_id}' {record.error or 'ended'}")
+    return Conflict(f"sandbox '{record.sandbox_id}' is {record.state}")

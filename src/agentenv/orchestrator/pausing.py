@@ -20,7 +20,6 @@ from ..runtime import RuntimeFailure
 from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
 from ..templates import TemplateNotFound
 from .core import ManagerCore
-from .exits import not_running
 from .models import (
     BadRequest,
     Conflict,
@@ -30,6 +29,7 @@ from .models import (
     SandboxState,
     StorageFull,
     new_sandbox_id,
+    not_running,
 )
 from .records import new_record
 

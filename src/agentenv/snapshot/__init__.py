@@ -16,6 +16,7 @@ Metadata keys the store itself reads: ``source_sandbox_id`` and ``template_id``
 re-checked or re-downloaded). Everything else is carried as given.
 """
 
+from agentenv.snapshot.backends import open_repository
 from agentenv.snapshot.chunking import Chunking
 from agentenv.snapshot.errors import (
     CorruptSnapshot,
@@ -27,12 +28,7 @@ from agentenv.snapshot.errors import (
     StorageFull,
 )
 from agentenv.snapshot.manifest import FileEntry, Manifest
-from agentenv.snapshot.repository import (
-    ChunkSource,
-    Repository,
-    RepositoryConfig,
-    open_repository,
-)
+from agentenv.snapshot.repository import ChunkSource, Repository, RepositoryConfig
 from agentenv.snapshot.store import SnapshotStore
 
 __all__ = [

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import errno
 
+from ..errors import AgentenvError
 
-class SnapshotError(Exception):
+
+class SnapshotError(AgentenvError):
     """Base class of every snapshot error."""
 
 
 class SnapshotNotFound(SnapshotError, KeyError):
     """No committed snapshot has this ID or alias."""
+
+    status = 404
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else "snapshot not found"
@@ -18,6 +22,8 @@ class SnapshotNotFound(SnapshotError, KeyError):
 
 class SnapshotExists(SnapshotError):
     """A snapshot with this ID is already committed (snapshots are immutable)."""
+
+    status = 409
 
 
 class SnapshotConfigError(SnapshotError, ValueError):
@@ -27,9 +33,13 @@ class SnapshotConfigError(SnapshotError, ValueError):
 class RepositoryUnavailable(SnapshotError):
     """The repository cannot be reached or refused the request (network, credentials, bucket)."""
 
+    status = 503
+
 
 class StorageFull(SnapshotError, OSError):
     """A disk ran out of space (ENOSPC / EDQUOT) while writing snapshot data."""
+
+    status = 507
 
 
 class CorruptSnapshot(SnapshotError):

@@ -148,20 +148,3 @@ class RepositoryConfig:
                 raise SnapshotConfigError(f"repository config {key}: bad value") from exc
             setattr(out, key, value)
         return out
-
-
-def open_repository(config: dict[str, Any] | RepositoryConfig) -> Repository:
-    """Open the configured backend: ``posix_fs`` (default) or ``oss`` (S3-compatible)."""
-    cfg = RepositoryConfig.from_dict(config)
-    if cfg.backend == "posix_fs":
-        from agentenv.snapshot.posix import PosixRepository
-
-        if cfg.path is None:
-            raise SnapshotConfigError("posix_fs repository needs a 'path'")
-        return PosixRepository(cfg.path, fsync=cfg.fsync)
-    if cfg.backend == "oss":
-        from agentenv.snapshot.oss import S3Repository
-
-        return S3Repository(cfg)
-    raise SnapshotConfigError(f"unknown repository backend {cfg.backend!r} "
-                              "(expected 'posix_fs' or 'oss')")

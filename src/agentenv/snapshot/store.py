@@ -14,29 +14,28 @@ The collector takes ``locks/gc``, waits until no live lease remains, and only
 then deletes chunks that no manifest references. Each side writes its own
 object before reading the other's, so at least one of them sees the other: a
 commit never relies on a chunk the collector is deleting.
+
+The parts live in their own modules: ``lease`` (the handshake), ``upload``
+(storing chunks), ``cache`` (the node cache's layout), ``fetch`` (materialize's
+download) and ``gc`` (the collector); this class ties them together.
 """
 
 from __future__ import annotations
 
 import builtins
 import collections
-import contextlib
-import errno
 import json
 import logging
-import os
 import shutil
-import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from agentenv.snapshot import chunking
+from agentenv.snapshot.cache import NodeCache
 from agentenv.snapshot.chunking import Chunking
+from agentenv.snapshot.collector import collect_garbage
 from agentenv.snapshot.errors import (
     CorruptSnapshot,
     ObjectMissing,
@@ -46,81 +45,14 @@ from agentenv.snapshot.errors import (
     is_no_space,
     storage_full,
 )
-from agentenv.snapshot.manifest import (
-    ZERO,
-    FileEntry,
-    Manifest,
-    check_name,
-    valid_name,
-)
+from agentenv.snapshot.fetch import fetch_files, local_chunks
+from agentenv.snapshot.lease import begin_commit
+from agentenv.snapshot.manifest import Manifest, check_name, valid_name
 from agentenv.snapshot.repository import Repository
 from agentenv.snapshot.staging import Staging
+from agentenv.snapshot.upload import store_files
 
 log = logging.getLogger("agentenv.snapshot")
-
-GC_LOCK = "locks/gc"
-
-
-def _now() -> float:
-    return time.time()
-
-
-class _Lease:
-    """A repository object that says "I am working"; a heartbeat keeps it alive."""
-
-    def __init__(self, repo: Repository, key: str, ttl: float) -> None:
-        self.repo = repo
-        self.key = key
-        self.ttl = ttl
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._last_ok = 0.0
-
-    def _body(self) -> bytes:
-        now = _now()
-        return json.dumps({"owner": self.owner, "written": now, "expires": now + self.ttl}).encode()
-
-    def acquire(self, *, exclusive: bool = False) -> None:
-        t = _now()
-        self.repo.put_object(self.key, self._body(), exclusive=exclusive)
-        self._last_ok = t
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name=f"lease {self.key}", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.ttl / 4):
-            t = _now()
-            try:
-                self.repo.put_object(self.key, self._body())
-                self._last_ok = t
-            except SnapshotError as exc:
-                log.warning("cannot refresh %s: %s", self.key, exc)
-
-    def valid(self) -> bool:
-        """True while no one else can have seen this lease expire (with a safety margin)."""
-        return _now() < self._last_ok + self.ttl * 0.75
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        with contextlib.suppress(SnapshotError):
-            if self.key.startswith("locks/"):
-                # Delete a lock only while it is still ours (a stale one may be taken over).
-                body = json.loads(self.repo.get_object(self.key))
-                if body.get("owner") != self.owner:
-                    return
-            self.repo.delete_object(self.key)
-
-
-def _expired(body: bytes, now: float) -> bool:
-    try:
-        return float(json.loads(body)["expires"]) < now
-    except (ValueError, KeyError, TypeError):
-        return True
 
 
 class SnapshotStore:
@@ -144,28 +76,8 @@ class SnapshotStore:
         self._locks_guard = threading.Lock()
         # source sandbox -> the last snapshot this store committed from it
         self._recent: dict[str, str] = {}
-        for d in (self.cache_dir, self._meta_dir, self._tmp_dir, self._manifest_cache):
-            d.mkdir(parents=True, exist_ok=True)
+        self.cache = NodeCache(self.cache_dir)
         self.staging = Staging(self.staging_dir)
-
-    # -- paths ------------------------------------------------------------------
-    @property
-    def _meta_dir(self) -> Path:
-        return self.cache_dir / ".complete"
-
-    @property
-    def _tmp_dir(self) -> Path:
-        return self.cache_dir / ".tmp"
-
-    @property
-    def _manifest_cache(self) -> Path:
-        return self.cache_dir / ".manifests"
-
-    def _cache_path(self, snapshot_id: str) -> Path:
-        return self.cache_dir / snapshot_id
-
-    def _marker(self, snapshot_id: str) -> Path:
-        return self._meta_dir / f"{snapshot_id}.json"
 
     def _lock(self, snapshot_id: str) -> threading.Lock:
         with self._locks_guard:
@@ -200,10 +112,12 @@ class SnapshotStore:
                 raise SnapshotExists(f"snapshot {snapshot_id} already exists")
             files = Staging.files(staging)
             t0 = time.perf_counter()
-            lease = self._begin_commit(snapshot_id)
+            lease = begin_commit(self.repo, snapshot_id, self.lease_ttl, self.commit_wait)
             try:
                 known = self._known_chunks(metadata)
-                entries, stored, written = self._store_files(files, known)
+                entries, stored, written = store_files(
+                    self.repo, self.chunker, files, known,
+                    threads=self.threads, zstd_level=self.zstd_level)
                 if not lease.valid():
                     raise SnapshotError(
                         f"commit of {snapshot_id} took longer than its lease ({self.lease_ttl}s) "
@@ -212,7 +126,7 @@ class SnapshotStore:
                 if sync is not None:
                     sync(written)
                 manifest = Manifest(
-                    snapshot_id=snapshot_id, alias=alias, created_at=_now(),
+                    snapshot_id=snapshot_id, alias=alias, created_at=time.time(),
                     metadata=metadata, files=entries,
                     total_bytes=sum(e.size for e in entries.values()),
                     stored_bytes=stored, chunking=self.chunker.describe())
@@ -222,40 +136,15 @@ class SnapshotStore:
                 lease.release()
             log.info("committed snapshot %s: %d bytes, %d new bytes stored, %.2fs",
                      snapshot_id, manifest.total_bytes, stored, time.perf_counter() - t0)
-            self._remember(manifest)
+            self.cache.remember(manifest)
             if alias is not None:
                 self.repo.put_object(f"aliases/{alias}", snapshot_id.encode())
             source = metadata.get("source_sandbox_id")
             if source:
                 self._recent[str(source)] = snapshot_id
             if self.adopt_staging:
-                self._adopt(manifest, staging)
+                self.cache.adopt(manifest, staging)
             return manifest
-
-    def _begin_commit(self, snapshot_id: str) -> _Lease:
-        deadline = time.monotonic() + self.commit_wait
-        while True:
-            lease = _Lease(self.repo, f"leases/{snapshot_id}.{uuid.uuid4().hex[:12]}",
-                           self.lease_ttl)
-            lease.acquire()
-            try:
-                body = self.repo.get_object(GC_LOCK)
-            except ObjectMissing:
-                return lease
-            except BaseException:
-                lease.release()
-                raise
-            lease.release()
-            if _expired(body, _now()):
-                # A collector died holding the lock: it is stale, take it away.
-                with contextlib.suppress(SnapshotError):
-                    if self.repo.get_object(GC_LOCK) == body:
-                        self.repo.delete_object(GC_LOCK)
-                continue
-            if time.monotonic() > deadline:
-                raise SnapshotError("garbage collection has held the repository for "
-                                    f"{self.commit_wait}s; commit of {snapshot_id} not started")
-            time.sleep(0.2)
 
     def _known_chunks(self, metadata: dict) -> set[str]:
         """Chunks surely present: those of committed snapshots this one probably shares.
@@ -271,83 +160,6 @@ class SnapshotStore:
             except (SnapshotNotFound, CorruptSnapshot):
                 continue
         return known
-
-    def _store_files(self, files, known: set[str]):
-        claimed = set(known)
-        claim_lock = threading.Lock()
-        written: list[str] = []
-
-        def work(data: bytes) -> tuple[str, int, int]:
-            d = chunking.digest(data)
-            if d == ZERO:
-                return d, len(data), 0
-            with claim_lock:
-                if d in claimed:
-                    return d, len(data), 0
-                claimed.add(d)
-            if self.repo.has_chunk(d):
-                return d, len(data), 0
-            blob = chunking.compress(data, self.zstd_level)
-            self.repo.put_chunk(d, blob)
-            with claim_lock:
-                written.append(d)
-            return d, len(data), len(blob)
-
-        entries: dict[str, FileEntry] = {}
-        stored = 0
-        limit = self.threads * 4
-        pending: collections.deque[Future] = collections.deque()
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="snap-commit") as pool:
-            try:
-                for rel, path, size, mode in files:
-                    chunks: list[tuple[str, int]] = []
-                    seen = 0
-                    try:
-                        for data in self.chunker.split(path):
-                            seen += len(data)
-                            pending.append(pool.submit(work, data))
-                            while len(pending) >= limit:
-                                stored += self._collect(pending.popleft(), chunks)
-                    except SnapshotError:
-                        raise
-                    except OSError as exc:
-                        raise SnapshotError(f"cannot read staged file {path}: {exc}") from exc
-                    while pending:
-                        stored += self._collect(pending.popleft(), chunks)
-                    if seen != size:
-                        raise SnapshotError(f"staged file {rel} changed size during commit "
-                                            f"({size} -> {seen} bytes)")
-                    entries[rel] = FileEntry(size=size, mode=mode, chunks=tuple(chunks))
-            except BaseException:
-                for fut in pending:
-                    fut.cancel()
-                raise
-        return entries, stored, written
-
-    @staticmethod
-    def _collect(fut: Future, chunks: list[tuple[str, int]]) -> int:
-        d, n, new = fut.result()
-        chunks.append((d, n))
-        return new
-
-    def _adopt(self, manifest: Manifest, staging: Path) -> None:
-        """Turn the staged files into the cache entry of the committed snapshot."""
-        sid = manifest.snapshot_id
-        target = self._cache_path(sid)
-        try:
-            if self._marker(sid).exists() or target.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-                return
-            for rel in manifest.files:
-                _fsync_file(staging / rel)
-            os.rename(staging, target)
-            _atomic_write(self._marker(sid), manifest.to_json())
-        except OSError as exc:
-            # The snapshot is committed; only the local shortcut is lost.
-            log.warning("snapshot %s committed, but its staging was not kept as cache: %s",
-                        sid, exc)
-            if exc.errno == errno.EXDEV:
-                shutil.rmtree(staging, ignore_errors=True)
 
     # -- reading ----------------------------------------------------------------
     def _manifest_exists(self, snapshot_id: str) -> bool:
@@ -366,20 +178,8 @@ class SnapshotStore:
         except ObjectMissing:
             raise SnapshotNotFound(f"snapshot {snapshot_id} not found") from None
         manifest = Manifest.from_json(data)
-        self._remember(manifest, data)
+        self.cache.remember(manifest, data)
         return manifest
-
-    def _remember(self, manifest: Manifest, data: bytes | None = None) -> None:
-        with contextlib.suppress(OSError):
-            path = self._manifest_cache / f"{manifest.snapshot_id}.json"
-            if not path.exists():
-                _atomic_write(path, data or manifest.to_json(), sync=False)
-
-    def _cached_manifest(self, snapshot_id: str) -> Manifest | None:
-        try:
-            return Manifest.from_json((self._manifest_cache / f"{snapshot_id}.json").read_bytes())
-        except (OSError, CorruptSnapshot):
-            return None
 
     def _alias_target(self, alias: str) -> str | None:
         try:
@@ -424,7 +224,7 @@ class SnapshotStore:
         manifests: list[Manifest] = []
         missing = []
         for sid in ids:
-            m = self._cached_manifest(sid)
+            m = self.cache.manifest(sid)
             if m is None:
                 missing.append(sid)
             else:
@@ -438,7 +238,7 @@ class SnapshotStore:
             for key, target in targets:
                 if target:
                     aliases[target].add(key.removeprefix("aliases/"))
-        self._prune_manifest_cache(set(ids))
+        self.cache.prune_manifests(set(ids))
         out = []
         for m in manifests:
             md = m.metadata
@@ -458,14 +258,6 @@ class SnapshotStore:
         except SnapshotNotFound:
             return None
 
-    def _prune_manifest_cache(self, live: set[str]) -> None:
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(self._manifest_cache):
-                sid = entry.name.removesuffix(".json")
-                if entry.name.endswith(".json") and sid not in live:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-
     # -- delete -----------------------------------------------------------------
     def delete(self, snapshot_id: str) -> None:
         """Delete the manifest (the snapshot is gone from then on), its alias and cache.
@@ -478,9 +270,8 @@ class SnapshotStore:
             for alias in {a for a in (manifest.alias, *self._aliases_to(snapshot_id)) if a}:
                 if self._alias_target(alias) == snapshot_id:
                     self.repo.delete_object(f"aliases/{alias}")
-            with contextlib.suppress(OSError):
-                (self._manifest_cache / f"{snapshot_id}.json").unlink(missing_ok=True)
-            self._evict(snapshot_id)
+            self.cache.forget(snapshot_id)
+            self.cache.evict(snapshot_id)
             for src, sid in list(self._recent.items()):
                 if sid == snapshot_id:
                     self._recent.pop(src, None)
@@ -495,24 +286,13 @@ class SnapshotStore:
 
     # -- node-local cache ---------------------------------------------------------
     def is_cached(self, snapshot_id: str) -> bool:
-        return valid_name(snapshot_id) and self._marker(snapshot_id).exists() \
-            and self._cache_path(snapshot_id).is_dir()
+        return self.cache.is_cached(snapshot_id)
 
     def evict(self, snapshot_id: str) -> None:
         """Drop the node-local copy (the repository keeps the snapshot)."""
         check_name("snapshot id", snapshot_id)
         with self._lock(snapshot_id):
-            self._evict(snapshot_id)
-
-    def _evict(self, snapshot_id: str) -> None:
-        self._marker(snapshot_id).unlink(missing_ok=True)
-        path = self._cache_path(snapshot_id)
-        if path.exists():
-            trash = self._tmp_dir / f"evict-{snapshot_id}.{uuid.uuid4().hex[:8]}"
-            with contextlib.suppress(OSError):
-                os.rename(path, trash)
-                path = trash
-            shutil.rmtree(path, ignore_errors=True)
+            self.cache.evict(snapshot_id)
 
     def materialize(self, snapshot_id: str) -> Path:
         """The node-local directory holding the snapshot's files, fetched if needed.
@@ -521,21 +301,18 @@ class SnapshotStore:
         corrupt chunk raises CorruptSnapshot and leaves no cache entry.
         """
         if self.is_cached(snapshot_id):
-            return self._cache_path(snapshot_id)
+            return self.cache.path(snapshot_id)
         with self._lock(snapshot_id):
             if self.is_cached(snapshot_id):
-                return self._cache_path(snapshot_id)
+                return self.cache.path(snapshot_id)
             manifest = self._fetch_manifest(snapshot_id)
-            target = self._cache_path(snapshot_id)
-            tmp = self._tmp_dir / f"{snapshot_id}.{uuid.uuid4().hex[:8]}"
+            tmp = self.cache.new_tmp(snapshot_id)
             t0 = time.perf_counter()
             try:
                 tmp.mkdir(parents=True)
-                fetched = self._fetch_files(manifest, tmp)
-                if target.exists():  # an incomplete entry from an interrupted run
-                    self._evict(snapshot_id)
-                os.rename(tmp, target)
-                _atomic_write(self._marker(snapshot_id), manifest.to_json())
+                local = local_chunks(self.cache, self._related(manifest))
+                fetched = fetch_files(manifest, tmp, self.repo, local, self.threads)
+                target = self.cache.install(manifest, tmp)
             except OSError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if is_no_space(exc):
@@ -550,8 +327,9 @@ class SnapshotStore:
                      snapshot_id, manifest.total_bytes, fetched, time.perf_counter() - t0)
             return target
 
-    def _local_sources(self, manifest: Manifest) -> dict[str, tuple[Path, int, int]]:
-        """Chunks of related snapshots in this node's cache: digest -> (file, offset, size)."""
+    def _related(self, manifest: Manifest) -> builtins.list[str]:
+        """Snapshots likely to share chunks with this one: its parent, and the last
+        one this store committed from the same sandbox."""
         md = manifest.metadata
         related: builtins.list[str] = []
         parent = md.get("parent_snapshot_id")
@@ -561,74 +339,7 @@ class SnapshotStore:
         recent = self._recent.get(str(source)) if source else None
         if recent:
             related.append(recent)
-        index: dict[str, tuple[Path, int, int]] = {}
-        for sid in dict.fromkeys(r for r in related if r and valid_name(r)):
-            if not self.is_cached(sid):
-                continue
-            try:
-                other = Manifest.from_json(self._marker(sid).read_bytes())
-            except (OSError, CorruptSnapshot):
-                continue
-            base = self._cache_path(sid)
-            for rel, entry in other.files.items():
-                off = 0
-                for d, n in entry.chunks:
-                    if d != ZERO:
-                        index.setdefault(d, (base / rel, off, n))
-                    off += n
-        return index
-
-    def _fetch_files(self, manifest: Manifest, dest: Path) -> int:
-        local = self._local_sources(manifest)
-        where: dict[str, builtins.list[tuple[int, int, int]]] = collections.defaultdict(list)
-        sizes: dict[str, int] = {}
-        fds: dict[str, int] = {}
-        try:
-            for rel, entry in manifest.files.items():
-                path = dest / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, entry.mode or 0o644)
-                fds[rel] = fd
-                os.ftruncate(fd, entry.size)  # zero chunks stay holes
-                off = 0
-                for d, n in entry.chunks:
-                    if d != ZERO:
-                        where[d].append((fds[rel], off, n))
-                        sizes[d] = n
-                    off += n
-                if off != entry.size:
-                    raise CorruptSnapshot(f"manifest of {manifest.snapshot_id}: chunks of {rel} "
-                                          f"add up to {off} bytes, not {entry.size}")
-
-            def fetch(d: str) -> int:
-                data = None
-                n = sizes[d]
-                if d in local:
-                    data = _read_local(*local[d])
-                    if data is not None and not chunking.verify_raw(data, d, n):
-                        data = None
-                fetched = 0
-                if data is None:
-                    try:
-                        blob = self.repo.get_chunk(d)
-                    except ObjectMissing:
-                        raise CorruptSnapshot(
-                            f"snapshot {manifest.snapshot_id}: chunk {d} is missing from "
-                            f"{self.repo.description}") from None
-                    data = chunking.decompress_verified(
-                        blob, d, n, f"snapshot {manifest.snapshot_id}")
-                    fetched = len(blob)
-                for fd, off, _ in where[d]:
-                    _pwrite_all(fd, data, off)
-                return fetched
-
-            total = _run_bounded(fetch, list(where), self.threads)
-            for fd in fds.values():
-                os.fsync(fd)
-            return total
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        return related
 
     # -- garbage collection -------------------------------------------------------
     def gc(self, wait: float | None = None) -> dict:
@@ -638,156 +349,9 @@ class SnapshotStore:
         commits keep the repository busy for longer than ``wait`` seconds, it
         deletes nothing and says so in ``skipped``.
         """
-        t0 = time.perf_counter()
-        wait = self.gc_wait if wait is None else wait
-        stats: dict[str, Any] = {"manifests": 0, "chunks": 0, "referenced": 0,
-                                 "deleted_chunks": 0, "deleted_bytes": 0,
-                                 "expired_leases": 0, "skipped": None}
-        # Mark without the lock: what exists and what the manifests reference now.
-        referenced: set[str] = set()
-        seen: set[str] = set()
-        self._gc_reference(seen, referenced)
-        chunks = dict(self.repo.list_chunks())
-        candidates = set(chunks) - referenced
-        stats["chunks"] = len(chunks)
-        lock = _Lease(self.repo, GC_LOCK, self.lease_ttl)
-        if not self._take_gc_lock(lock):
-            stats["skipped"] = "another garbage collection is running"
-            return stats
-        try:
-            deadline = time.monotonic() + wait
-            while True:
-                live, expired = self._leases()
-                for key in expired:
-                    self.repo.delete_object(key)
-                    stats["expired_leases"] += 1
-                if not live:
-                    break
-                if time.monotonic() > deadline:
-                    stats["skipped"] = f"{len(live)} commit(s) still in progress after {wait}s"
-                    return stats
-                time.sleep(0.1)
-            # No commit runs now and none can start: manifests written since the mark
-            # may reference candidates.
-            self._gc_reference(seen, referenced)
-            doomed = sorted(candidates - referenced)
-            self.repo.delete_chunks(doomed)
-            stats["deleted_chunks"] = len(doomed)
-            stats["deleted_bytes"] = sum(chunks[d] for d in doomed)
-            clean = getattr(self.repo, "clean_tmp", None)
-            if clean is not None:
-                stats["removed_tmp"] = clean(self.lease_ttl)
-        finally:
-            lock.release()
-        stats["manifests"] = len(seen)
-        stats["referenced"] = len(referenced & set(chunks))
-        stats["seconds"] = round(time.perf_counter() - t0, 3)
-        log.info("snapshot gc: %s", stats)
-        return stats
-
-    def _gc_reference(self, seen: set[str], referenced: set[str]) -> None:
-        ids = [k.removeprefix("manifests/").removesuffix(".json")
-               for k in self.repo.list_objects("manifests/") if k.endswith(".json")]
-        new = [sid for sid in ids if sid not in seen]
-        for sid in new:
-            m = self._cached_manifest(sid)
-            if m is None:
-                try:
-                    data = self.repo.get_object(f"manifests/{sid}.json")
-                except ObjectMissing:
-                    continue
-                # An unreadable manifest must stop the collector, not free its chunks.
-                m = Manifest.from_json(data)
-            referenced |= m.digests()
-            seen.add(sid)
-
-    def _take_gc_lock(self, lock: _Lease) -> bool:
-        for _ in range(2):
-            try:
-                lock.acquire(exclusive=True)
-                return True
-            except SnapshotExists:
-                try:
-                    body = self.repo.get_object(GC_LOCK)
-                except ObjectMissing:
-                    continue
-                if not _expired(body, _now()):
-                    return False
-                with contextlib.suppress(SnapshotError):
-                    self.repo.delete_object(GC_LOCK)
-        return False
-
-    def _leases(self) -> tuple[builtins.list[str], builtins.list[str]]:
-        live: builtins.list[str] = []
-        expired: builtins.list[str] = []
-        now = _now()
-        for key in self.repo.list_objects("leases/"):
-            try:
-                body = self.repo.get_object(key)
-            except ObjectMissing:
-                continue
-            (expired if _expired(body, now) else live).append(key)
-        return live, expired
-
-
-# -- helpers --------------------------------------------------------------------
-def _run_bounded(fn: Callable[[Any], int], items: Iterable, threads: int) -> int:
-    """Run fn over items on a thread pool with a bounded number in flight; sum the results."""
-    total = 0
-    pending: collections.deque[Future] = collections.deque()
-    with ThreadPoolExecutor(threads, thread_name_prefix="snap-io") as pool:
-        try:
-            for item in items:
-                pending.append(pool.submit(fn, item))
-                while len(pending) >= threads * 4:
-                    total += pending.popleft().result()
-            while pending:
-                total += pending.popleft().result()
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
-    return total
-
-
-def _read_local(path: Path, offset: int, size: int) -> bytes | None:
-    try:
-        with open(path, "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), size, offset)
-        return data if len(data) == size else None
-    except OSError:
-        return None
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes, *, sync: bool = True) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+        return collect_garbage(self.repo, lease_ttl=self.lease_ttl,
+                               wait=self.gc_wait if wait is None else wait,
+                               cached_manifest=self.cache.manifest)
 
 
 __all__ = ["SnapshotStore"]

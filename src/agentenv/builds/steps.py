@@ -9,7 +9,7 @@ import re
 import shlex
 from collections.abc import Callable
 
-from .builds import MAX_MESSAGE, REASON_LOG_LINES
+from .store import MAX_MESSAGE, REASON_LOG_LINES
 
 # Marks where an overlong line was cut: the end of a piece continued in the next
 # entry, and the start of that next piece.

@@ -1,5 +1,8 @@
 """Template builds: steps run in a sandbox, which is then snapshotted with its start
-command running and published as a template.
+command running and published as a template. TemplateBuilder takes the requests
+(build, upload, start, cancel, delete), keeps the builds' lifecycle and publishes
+the result; the steps themselves run in ``runner``, the base template comes from
+``base`` and the uploaded COPY sources are kept by ``context_files``.
 
 The steps are the Dockerfile subset E2B templates use (RUN, COPY, ENV, WORKDIR,
 USER) plus a start command and a ready check. COPY sources arrive beforehand as
@@ -12,92 +15,62 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 import os
 import re
 import secrets
-import shlex
 import shutil
 import string
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from ..resources import CPU, MEMORY, ResourceError
 from ..snapshot import SnapshotError, SnapshotNotFound
-from .builds import BUILDING, ERROR, READY, REASON_LOG_LINES, WAITING, Build, BuildStore, log_entry
-from .registry import Template, TemplateNotFound, TemplateRegistry
-from .steps import LineLog, copy_script, expand
+from ..templates import TemplateNotFound, TemplateRegistry
+from .base import resolve_base
+from .context_files import UPLOAD_URL_TTL, ContextFiles
+from .errors import BuildError, StepFailed
+from .runner import STEPS, BuildState, StepRunner, initial_state
+from .store import BUILDING, ERROR, READY, REASON_LOG_LINES, WAITING, Build, BuildStore, log_entry
 
 if TYPE_CHECKING:
     from ..orchestrator import SandboxManager
 
 log = logging.getLogger(__name__)
 
-HASH = re.compile(r"^[0-9a-f]{64}$")
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 ID_ALPHABET = string.ascii_lowercase + string.digits
 BUILD_SANDBOX_TTL = 3600
-UPLOAD_URL_TTL = 3600
 BUILD_METADATA_KEY = "aenv.build"
-MAX_CAPTURE = 4 << 20  # bytes of a command's output the builder reads for itself (env -0)
 KEEP_BUILDS = 10  # finished builds kept per template
 # Builds requested and not started (their records cost disk and memory): at most
 # this many at once (a 429 past it), each dropped after an upload URL's lifetime.
 MAX_WAITING_BUILDS = 100
-FILES_KEEP_S = 7 * 24 * 3600
-# E2B's default base image is the counterpart of the built-in ``base`` template.
-BASE_IMAGES = {"e2bdev/base": "base"}
-
-
-class BuildError(Exception):
-    """A request the builder refuses; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-class StepFailed(Exception):
-    def __init__(self, message: str, step: str):
-        super().__init__(message)
-        self.step = step
-
-
-@dataclass
-class BuildState:
-    """What the steps so far have set, carried into later steps and the template."""
-
-    user: str = "user"
-    workdir: str = ""
-    envs: dict[str, str] = field(default_factory=dict)
 
 
 class TemplateBuilder:
+    """The template build API of a node: its builds, their runs and their templates."""
+
     def __init__(self, manager: SandboxManager, home: Path):
         self.manager = manager
         self.registry: TemplateRegistry = manager.templates
         self.local_dir = self.registry.local_dir
-        self.files_dir = home / "build-files"
-        self.files_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.files = ContextFiles(home / "build-files",
+                                  int(manager.config.build_context_max_bytes))
+        self.files_dir = self.files.files_dir
         self.store = BuildStore(home / "builds", manager.config.build_log_max_bytes)
-        # Signs upload URLs; of this process only (the URLs live an hour, the SDKs use
-        # them at once), so a leaked URL or API key never outlives a restart.
-        self._key = secrets.token_bytes(32)
         self._tasks: dict[str, asyncio.Task] = {}
         self._publish_lock = asyncio.Lock()
         self.ready_timeout_s = float(manager.config.build_ready_timeout)
-        self.max_context_bytes = int(manager.config.build_context_max_bytes)
+
+    @property
+    def max_context_bytes(self) -> int:
+        return self.files.max_bytes
 
     # -- life ---------------------------------------------------------------------------
 
@@ -109,15 +82,7 @@ class TemplateBuilder:
             log.info("build %s was interrupted by a node restart", build.build_id)
             self._finish(build, ERROR, {"message": "the build was interrupted by a node restart"})
             await self._kill_sandbox(build)
-        await asyncio.to_thread(self._prune_files)
-
-    def _prune_files(self) -> None:
-        """Context archives no build used for a while go (a COPY touches its archive)."""
-        cutoff = time.time() - FILES_KEEP_S
-        for path in self.files_dir.iterdir():
-            with contextlib.suppress(OSError):
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
+        await asyncio.to_thread(self.files.prune)
 
     def _prune_builds(self, template_id: str) -> None:
         """Only the last few finished builds of a template keep their records and logs."""
@@ -254,51 +219,25 @@ class TemplateBuilder:
     def logs(self, build_id: str) -> list[dict]:
         return self.store.logs(build_id)
 
-    # -- files ----------------------------------------------------------------------------
+    # -- files (ContextFiles) -------------------------------------------------------------
 
     def file_path(self, files_hash: str) -> Path | None:
-        if not HASH.match(files_hash or ""):
-            return None
-        path = self.files_dir / files_hash
-        return path if path.is_file() else None
+        return self.files.path(files_hash)
 
     def upload_token(self, template_id: str, files_hash: str, expires: int) -> str:
-        raw = f"{template_id}:{files_hash}:{expires}".encode()
-        return hmac.new(self._key, raw, hashlib.sha256).hexdigest()
+        return self.files.upload_token(template_id, files_hash, expires)
 
     def check_upload(self, template_id: str, files_hash: str, expires: str,
                      signature: str) -> None:
-        if not HASH.match(files_hash):
-            raise BuildError("files hash must be 64 lowercase hex digits")
-        try:
-            when = int(expires)
-        except ValueError:
-            raise BuildError("invalid upload URL", 403) from None
-        if when < time.time():
-            raise BuildError("the upload URL has expired", 403)
-        if not hmac.compare_digest(self.upload_token(template_id, files_hash, when), signature):
-            raise BuildError("invalid upload URL signature", 403)
+        self.files.check_upload(template_id, files_hash, expires, signature)
 
     async def receive(self, files_hash: str, body: AsyncIterable[bytes]) -> int:
         """Store an uploaded context archive under its hash (atomically); one larger
         than build_context_max_bytes is refused (413) and nothing of it kept."""
-        tmp = self.files_dir / f".{files_hash}.{secrets.token_hex(4)}.tmp"
-        size = 0
-        try:
-            with open(tmp, "wb") as f:
-                async for chunk in body:
-                    size += len(chunk)
-                    if size > self.max_context_bytes:
-                        raise BuildError(self.context_too_large(), 413)
-                    await asyncio.to_thread(f.write, chunk)
-            os.replace(tmp, self.files_dir / files_hash)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return size
+        return await self.files.receive(files_hash, body)
 
     def context_too_large(self) -> str:
-        return (f"the build context archive exceeds {self.max_context_bytes} bytes "
-                "(build_context_max_bytes)")
+        return self.files.too_large()
 
     # -- deleting -------------------------------------------------------------------------
 
@@ -341,9 +280,6 @@ class TemplateBuilder:
     def _log(self, build: Build, message: str, level: str = "info", step: str = "") -> None:
         self.store.append(build.build_id, log_entry(message, level, step))
 
-    def _output(self, build: Build, step: str, lines: list[str]) -> None:
-        self.store.add_output(build.build_id, step, lines)
-
     def _finish(self, build: Build, status: str, reason: dict | None = None) -> None:
         build.status, build.reason, build.finished_at = status, reason, time.time()
         self.store.put(build)
@@ -354,7 +290,8 @@ class TemplateBuilder:
         t0 = time.monotonic()
         limits = self.manager.limits
         try:
-            base = await self._base(build, spec)
+            base = await resolve_base(self.manager, spec,
+                                      lambda message: self._log(build, message, step="base"))
             self._log(build, f"FROM {spec.get('fromImage') or spec.get('fromTemplate')}"
                              f" (template {base.template_id})", step="base")
             try:
@@ -372,11 +309,13 @@ class TemplateBuilder:
                 raise StepFailed(f"the build sandbox did not start: {exc}", "base") from exc
             build.sandbox_id = record.sandbox_id
             self.store.put(build)
-            state = _initial_state(base)
+            state = initial_state(base)
+            runner = StepRunner(self.manager, self.store, self.files, build, record, state,
+                                self.ready_timeout_s)
             steps = spec.get("steps") or []
             for i, step in enumerate(steps, 1):
-                await self._step(build, record, state, step, str(i), len(steps))
-            await self._finalize(build, record, state, spec)
+                await runner.step(step, str(i), len(steps))
+            await runner.finalize(spec)
             manifest = await self.manager.snapshot(record.sandbox_id)
             build.snapshot_id = manifest.snapshot_id
             self.store.put(build)
@@ -409,216 +348,7 @@ class TemplateBuilder:
         with contextlib.suppress(Exception):
             await self.manager.kill(build.sandbox_id)
 
-    async def _base(self, build: Build, spec: dict[str, Any]) -> Template:
-        name = spec.get("fromTemplate")
-        if not name:
-            image = spec["fromImage"]
-            repo = image.split("@")[0].rsplit(":", 1)[0] if ":" in image.split("/")[-1] \
-                else image.split("@")[0]
-            # As docker does with its local images: a template of this node named
-            # like the image (``FROM py`` after ``aenv pull ... --name py``) is used.
-            name = BASE_IMAGES.get(repo.removeprefix("docker.io/")) or \
-                self._local_template(image) or \
-                await self._pull(build, image, spec.get("fromImageRegistry"),
-                                 bool(spec.get("force")))
-        try:
-            return self.registry.get(name)
-        except TemplateNotFound:
-            raise StepFailed(f"base template '{name}' not found", "base") from None
-
-    def _local_template(self, image: str) -> str:
-        if "/" in image or "@" in image:
-            return ""
-        try:
-            return self.registry.get(image.removesuffix(":latest")).template_id
-        except TemplateNotFound:
-            return ""
-
-    async def _pull(self, build: Build, image: str, registry: dict | None,
-                    force: bool) -> str:
-        """The image as a template of its own (``img-<hash of the reference>``), pulled
-        unless already there; the built template shares its layers."""
-        from ..images import ImageError
-
-        name = "img-" + hashlib.sha256(image.encode()).hexdigest()[:16]
-        credentials = None
-        if registry:
-            if registry.get("type", "registry") != "registry":
-                raise StepFailed(f"image '{image}': {registry.get('type')} registry "
-                                 "credentials are not supported; use username/password", "base")
-            credentials = {"username": registry.get("username", ""),
-                           "password": registry.get("password", "")}
-        with contextlib.suppress(TemplateNotFound):
-            existing = self.registry.get(name)
-            if existing.image is not None and existing.image.source == image and not force:
-                self._log(build, f"Image {image} is cached", step="base")
-                return name
-        self._log(build, f"Pulling {image}", step="base")
-        seen: set[str] = set()
-
-        def progress(event: dict) -> None:
-            status = str(event.get("status", ""))
-            if status and status not in seen and status != "done":
-                seen.add(status)
-                self._log(build, f"{image}: {status}", step="base")
-
-        cancel = threading.Event()
-        try:
-            await asyncio.to_thread(self.manager.image_cache.pull, image, name, credentials,
-                                    progress=progress, cancel=cancel)
-        except asyncio.CancelledError:
-            cancel.set()
-            raise
-        except ImageError as exc:
-            raise StepFailed(f"pulling image '{image}' failed: {exc}", "base") from exc
-        return name
-
-    async def _step(self, build: Build, record, state: BuildState, step: dict, name: str,
-                    total: int) -> None:
-        kind, args = step["type"], [str(a) for a in step.get("args") or []]
-        self._log(build, f"[{name}/{total}] {kind} {' '.join(args)}".rstrip(), step=name)
-        if kind == "ENV":
-            if len(args) % 2:
-                raise StepFailed(f"step {name}: ENV needs key/value pairs", name)
-            await self._env(build, record, state, args, name)
-        elif kind == "WORKDIR":
-            path = args[0] if args else ""
-            path = path if path.startswith("/") else os.path.join(state.workdir or "/", path)
-            q = shlex.quote(path)
-            await self._shell(build, record, state, name, "root",
-                              f"[ -d {q} ] || {{ mkdir -p {q} && chown {shlex.quote(state.user)}"
-                              f" {q}; }}", "WORKDIR")
-            state.workdir = path
-        elif kind == "USER":
-            user = args[0] if args else ""
-            if not user:
-                raise StepFailed(f"step {name}: USER needs a user name", name)
-            u = shlex.quote(user.split(":")[0])
-            await self._shell(build, record, state, name, "root",
-                              f"id -u {u} >/dev/null 2>&1 || useradd -m {u}", "USER")
-            state.user = user.split(":")[0]
-        elif kind == "RUN":
-            if not args:
-                raise StepFailed(f"step {name}: RUN needs a command", name)
-            user = args[1] if len(args) > 1 and args[1] else state.user
-            await self._shell(build, record, state, name, user, args[0], "RUN")
-        elif kind == "COPY":
-            await self._copy(build, record, state, step, args, name)
-
-    async def _env(self, build: Build, record, state: BuildState, args: list[str],
-                   step: str) -> None:
-        """ENV, as Docker does it: ``$VAR`` / ``${VAR}`` in values are what the build's
-        shells see before this step (so ``PATH=/opt/bin:$PATH`` works)."""
-        pairs = list(zip(args[::2], args[1::2], strict=True))
-        if any("$" in value for _, value in pairs):
-            current = await self._capture(record, state, "env -0")
-            seen = dict(kv.split("=", 1) for kv in current.split("\0") if "=" in kv)
-            pairs = [(k, expand(v, seen)) for k, v in pairs]
-        state.envs.update(pairs)
-        if any(k == "PATH" for k, _ in pairs):
-            # Login shells (commands run as `bash -l -c`) reset PATH in /etc/profile;
-            # the profile.d scripts it then reads set it back.
-            line = f"export PATH={shlex.quote(state.envs['PATH'])}"
-            await self._shell(build, record, state, step, "root",
-                              f"[ ! -d /etc/profile.d ] || printf '%s\\n' {shlex.quote(line)} "
-                              f"> /etc/profile.d/00-aenv-template-path.sh", "ENV")
-
-    async def _capture(self, record, state: BuildState, command: str) -> str:
-        out: list[bytes] = []
-        size = 0
-
-        def keep(stream: str, data: bytes) -> None:
-            nonlocal size
-            if stream == "stdout" and size < MAX_CAPTURE:
-                out.append(data[:MAX_CAPTURE - size])
-                size += len(out[-1])
-
-        code = await self.manager.envd.run_logged(
-            record.slot_address, record.envd_token, command, keep,
-            user=state.user, cwd=state.workdir, envs=state.envs)
-        if code != 0:
-            raise StepFailed(f"reading the build's environment failed ({code})", "base")
-        return b"".join(out).decode(errors="replace")
-
-    async def _shell(self, build: Build, record, state: BuildState, step: str, user: str,
-                     command: str, what: str) -> None:
-        lines = LineLog(lambda texts: self._output(build, step, texts),
-                        lambda: self.store.keeps_output(build.build_id))
-        code = await self.manager.envd.run_logged(
-            record.slot_address, record.envd_token, command, lines.feed, user=user,
-            cwd=state.workdir, envs=state.envs)
-        lines.flush()
-        if code != 0:
-            tail = "\n".join(lines.tail)
-            raise StepFailed(f"step {step} ({what}) failed with exit code {code}: {command}"
-                             + (f"\n{tail}" if tail else ""), step)
-
-    async def _copy(self, build: Build, record, state: BuildState, step: dict,
-                    args: list[str], name: str) -> None:
-        if len(args) < 2:
-            raise StepFailed(f"step {name}: COPY needs a source and a destination", name)
-        src, dest = args[0], args[1]
-        owner = (args[2] if len(args) > 2 and args[2] else state.user)
-        mode = args[3] if len(args) > 3 and args[3] else ""
-        archive = self.file_path(step.get("filesHash", ""))
-        if archive is None:
-            raise StepFailed(f"step {name}: the files of COPY {src} are gone", name)
-        os.utime(archive)
-        if not dest.startswith("/"):
-            dest = os.path.join(state.workdir or "/home/" + state.user, dest)
-        inside = f"/tmp/.aenv-build-{step['filesHash'][:16]}"
-        await self._put_file(record, archive, inside + ".tar")
-        with open(archive, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        script = copy_script(inside, gz, src, dest, owner, mode)
-        await self._shell(build, record, state, name, "root", script, "COPY")
-
-    async def _put_file(self, record, source: Path, path: str) -> None:
-        async def chunks():
-            with open(source, "rb") as f:
-                while data := await asyncio.to_thread(f.read, 1 << 20):
-                    yield data
-
-        url = f"http://{record.slot_address}:49983/files"
-        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=600.0),
-                                     trust_env=False) as http:
-            r = await http.post(url, params={"path": path, "username": "root"},
-                                content=chunks(),
-                                headers={"X-Access-Token": record.envd_token,
-                                         "Content-Type": "application/octet-stream"})
-        if r.status_code >= 300:
-            raise StepFailed(f"copying the build context into the sandbox failed: "
-                             f"HTTP {r.status_code} {r.text[:200]}", "base")
-
-    async def _finalize(self, build: Build, record, state: BuildState,
-                        spec: dict[str, Any]) -> None:
-        envd = self.manager.envd
-        # The envd state is in the snapshot: sandboxes of the template start with
-        # these env vars, user and working directory.
-        await envd.init(record.slot_address, record.envd_token, state.envs,
-                        default_user=state.user, default_workdir=state.workdir,
-                        current_token=record.envd_token)
-        start_cmd, ready_cmd = spec.get("startCmd") or "", spec.get("readyCmd") or ""
-        if start_cmd:
-            self._log(build, f"Starting: {start_cmd}", step="finalize")
-            await envd.start(record.slot_address, record.envd_token, start_cmd,
-                             user=state.user, cwd=state.workdir, envs=state.envs)
-        if not ready_cmd:
-            return
-        self._log(build, f"Waiting for the ready check: {ready_cmd}", step="finalize")
-        end = time.monotonic() + self.ready_timeout_s
-        delay = 0.1
-        while True:
-            code = await envd.run(record.slot_address, record.envd_token, ready_cmd,
-                                  user=state.user, deadline_s=30)
-            if code == 0:
-                self._log(build, "Ready check passed", step="finalize")
-                return
-            if time.monotonic() > end:
-                raise StepFailed(f"the ready check did not pass within "
-                                 f"{self.ready_timeout_s:.0f}s: {ready_cmd}", "finalize")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+    # -- publishing ---------------------------------------------------------------------
 
     async def _publish(self, build: Build, record, state: BuildState,
                        spec: dict[str, Any]) -> None:
@@ -653,23 +383,8 @@ class TemplateBuilder:
         if previous is not None and previous.snapshot_id != build.snapshot_id:
             await self._delete_snapshot(previous.snapshot_id)
 
-
     def _meta(self, template_id: str) -> dict:
         for directory in self.registry.dirs:
             with contextlib.suppress(OSError, ValueError):
                 return json.loads((directory / template_id / "template.json").read_text())
         return {}
-
-
-STEPS = ("RUN", "COPY", "ENV", "WORKDIR", "USER")
-
-
-def _initial_state(base: Template) -> BuildState:
-    """What a build starts from: a built template's defaults, an image's config, or
-    the built-in templates' ``user``."""
-    if base.snapshot_id or base.image is None:
-        return BuildState(user=base.default_user or "user", workdir=base.default_workdir,
-                          envs=dict(base.envs))
-    envs = dict(e.split("=", 1) for e in base.image.env if "=" in e)
-    return BuildState(user=base.image.user.split(":")[0] or "root",
-                      workdir=base.image.workdir, envs=envs)

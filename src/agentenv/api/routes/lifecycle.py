@@ -7,13 +7,13 @@ import asyncio
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import Field, field_validator
 
-from ..orchestrator import Conflict, NotFound, OrchestratorError, SandboxManager, StorageFull
-from ..orchestrator.requests import MAX_FORK
-from ..snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound
-from ..snapshot import StorageFull as SnapshotStorageFull
-from ..snapshot.manifest import NAME_MAX_LENGTH, NAME_PATTERN, check_name
-from ..templates import TemplateNotFound
-from . import models
+from ...orchestrator import Conflict, NotFound, OrchestratorError, SandboxManager, StorageFull
+from ...orchestrator.requests import MAX_FORK
+from ...snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound
+from ...snapshot import StorageFull as SnapshotStorageFull
+from ...snapshot.manifest import NAME_MAX_LENGTH, NAME_PATTERN, check_name
+from ...templates import TemplateNotFound
+from .. import models
 
 router = APIRouter()
 

@@ -8,9 +8,9 @@ from typing import Annotated
 import httpx
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from .. import __version__
-from ..envd.protocol import ENVD_PORT
-from ..orchestrator import (
+from ... import __version__
+from ...envd.protocol import ENVD_PORT
+from ...orchestrator import (
     BadRequest,
     CreateRequest,
     NotFound,
@@ -18,8 +18,9 @@ from ..orchestrator import (
     SandboxRecord,
     SandboxState,
 )
-from ..orchestrator import query as q
-from . import models, network_routes
+from ...orchestrator import query as q
+from .. import models
+from . import network as network_routes
 
 public = APIRouter()
 router = APIRouter()
@@ -244,7 +245,7 @@ async def refresh(sandbox_id: str, request: Request,
     return Response(status_code=204)
 
 
-from . import template_routes  # noqa: E402  (its routes go after the sandbox routes)
+from . import templates as template_routes  # noqa: E402  (after the sandbox routes)
 
 router.include_router(template_routes.router)
 router.include_router(network_routes.router)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from ..orchestrator import OrchestratorError
+from ..errors import AgentenvError
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ def _allowed_methods(request: Request) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OrchestratorError)
-    async def _orchestrator(_: Request, exc: OrchestratorError) -> JSONResponse:
+    @app.exception_handler(AgentenvError)
+    async def _agentenv(_: Request, exc: AgentenvError) -> JSONResponse:
         if exc.status >= 500:
             log.error("request failed: %s", exc)
         return error_response(exc.status, str(exc))

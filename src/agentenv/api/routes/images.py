@@ -20,10 +20,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from ..images import ImageError, ImageService
-from ..templates import TemplateNotFound
-from ..templates.builder import BuildError
-from .errors import error_response
+from ...builds import BuildError
+from ...images import ImageError, ImageService
+from ...templates import TemplateNotFound
+from ...web.errors import error_response
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -14,10 +14,10 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..orchestrator import BadRequest, NotFound
-from ..templates import Template, TemplateNotFound, TemplateRegistry
-from ..templates.builder import HASH, UPLOAD_URL_TTL, BuildError, TemplateBuilder
-from . import models
+from ...builds import HASH, UPLOAD_URL_TTL, BuildError, TemplateBuilder
+from ...orchestrator import BadRequest, NotFound
+from ...templates import Template, TemplateNotFound, TemplateRegistry
+from .. import models
 
 router = APIRouter()
 # Context uploads carry a signed URL instead of the API key (the SDKs send them

@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
-from ..network import EgressPolicy, PolicyError, parse_policy
-from ..orchestrator import BadRequest, SandboxManager
-from .models import _Body
+from ...network import EgressPolicy, PolicyError, parse_policy
+from ...orchestrator import BadRequest, SandboxManager
+from ..models import _Body
 
 router = APIRouter()
 

@@ -1,0 +1,1 @@
+"""The node's REST routes, one module per resource."""

@@ -1,0 +1,9 @@
+"""Template builds (E2B's build API): a build's steps run in a sandbox of its base
+template, then the sandbox is snapshotted with its start command running and
+published as a template. A client of the orchestrator, as the API is."""
+
+from .builder import TemplateBuilder
+from .context_files import HASH, UPLOAD_URL_TTL
+from .errors import BuildError
+
+__all__ = ["HASH", "UPLOAD_URL_TTL", "BuildError", "TemplateBuilder"]

@@ -1,0 +1,342 @@
+"""E2B's plain HTTP ``/files`` endpoint: download, and upload (raw, gzip, multipart).
+
+Every file is opened by the requesting user's file worker (see userfs), so the
+kernel checks the path, symlinks included, with the user's rights; the bytes
+then stream here. Requests are authorized by the caller (access token) or by
+E2B's signed-URL parameters (``signature_ok``).
+"""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import os
+import time
+import zlib
+from typing import Any
+from urllib.parse import quote
+
+from .asgi import HTTPError, body_chunks, header, send_json
+from .protocol import file_signature
+from .state import PathError, State, User, UserError, resolve_path
+from .userfs import UserFS, user_key
+from .userfs_protocol import METADATA_XATTR_PREFIX, Refused, WorkerGone
+
+FILE_CHUNK = 256 * 1024
+# Multipart uploads: header bytes of one part, and file parts of one upload
+# without a path (the SDK's write_files); an upload with a path takes one.
+MAX_PART_HEADERS = 16 * 1024
+MAX_UPLOAD_PARTS = 10_000
+MAX_BOUNDARY = 200
+
+
+def _io_error(e: OSError, path: str) -> HTTPError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return HTTPError(507, "not enough disk space (the sandbox's disk quota)")
+    if e.errno == errno.ENOENT:
+        return HTTPError(404, f"path '{path}' does not exist")
+    if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.EINVAL, errno.ENAMETOOLONG):
+        return HTTPError(400, f"invalid path '{path}': {e.strerror}")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return HTTPError(403, f"permission denied: '{path}'")
+    return HTTPError(500, f"{e.strerror or e}: '{path}'")
+
+
+class _FileSink:
+    """One destination file of an upload, opened by the user's file worker (so the
+    kernel checks the path, symlinks included, with the user's rights and a new file
+    belongs to the user), then written here as it streams in."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @classmethod
+    async def open(cls, userfs: UserFS, user: User, path: str) -> _FileSink:
+        try:
+            _, fds = await userfs.call(user_key(user), "open_write", path=path)
+        except IsADirectoryError:
+            raise HTTPError(400, f"path '{path}' is a directory") from None
+        except OSError as e:
+            raise _io_error(e, path) from None
+        except Refused:
+            raise HTTPError(400, f"path '{path}' is not a regular file") from None
+        except WorkerGone:
+            raise HTTPError(503, f"writing '{path}' was interrupted (its worker ended)") from None
+        return cls(path, fds[0])
+
+    def write(self, data: bytes | memoryview) -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(self.fd, view)
+                view = view[n:]
+        except OSError as e:
+            self.close()
+            raise _io_error(e, self.path) from None
+
+    def set_metadata(self, metadata: dict[str, str]) -> None:
+        for k, v in metadata.items():
+            try:  # on the open file, not the path (which may since point elsewhere)
+                os.setxattr(self.fd, METADATA_XATTR_PREFIX + k, v.encode())
+            except OSError as e:
+                raise HTTPError(500, f"cannot store metadata on '{self.path}': "
+                                     f"{e.strerror}") from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+
+class FilesEndpoint:
+    """``GET /files`` (download) and ``POST /files`` (upload), as the named user."""
+
+    def __init__(self, state: State, userfs: UserFS) -> None:
+        self.state = state
+        self.userfs = userfs
+
+    # -- auth and paths -------------------------------------------------------------
+    def signature_ok(self, query: dict[str, str], operation: str) -> bool:
+        token = self.state.access_token
+        sig = query.get("signature")
+        if not token or not sig:
+            return False
+        exp_raw = query.get("signature_expiration")
+        expiration = None
+        if exp_raw:
+            try:
+                expiration = int(exp_raw)
+            except ValueError:
+                return False
+            if expiration < time.time():
+                return False
+        expected = file_signature(query.get("path", ""), operation, query.get("username", ""),
+                                  token, expiration)
+        return hmac.compare_digest(sig.encode(), expected.encode())
+
+    def _user(self, query: dict[str, str]) -> User:
+        try:
+            return self.state.resolve_user(query.get("username") or None)
+        except UserError as e:
+            raise HTTPError(401, str(e)) from None
+
+    @staticmethod
+    def _resolve(raw: str, user: User) -> str:
+        try:
+            return resolve_path(raw, user)
+        except PathError as e:
+            raise HTTPError(400, str(e)) from None
+
+    # -- transfers ------------------------------------------------------------------
+    async def download(self, scope, query: dict[str, str], send) -> None:
+        user = self._user(query)
+        path = self._resolve(query.get("path", ""), user)
+        try:
+            _, fds = await self.userfs.call(user_key(user), "open_read", path=path)
+        except IsADirectoryError:
+            raise HTTPError(400, f"path '{path}' is a directory") from None
+        except OSError as e:
+            raise _io_error(e, path) from None
+        except Refused:
+            raise HTTPError(400, f"path '{path}' is not a regular file") from None
+        except WorkerGone:
+            raise HTTPError(503, f"reading '{path}' was interrupted (its worker ended)") from None
+        fd = fds[0]
+        try:
+            size = os.fstat(fd).st_size
+            name = quote(os.path.basename(path))
+            headers = [
+                (b"content-type", b"application/octet-stream"),
+                (b"content-disposition", f"attachment; filename*=UTF-8''{name}".encode()),
+                (b"content-length", str(size).encode()),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            remaining = size
+            while remaining > 0:
+                chunk = os.read(fd, min(FILE_CHUNK, remaining))
+                if not chunk:
+                    break
+                remaining -= len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if remaining > 0:  # shrank meanwhile: the promised length cannot be kept
+                raise RuntimeError(f"'{path}' shrank while being downloaded")
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            os.close(fd)
+
+    async def upload(self, scope, query: dict[str, str], receive, send,
+                     signed: bool = False) -> None:
+        user = self._user(query)
+        if signed and not query.get("path"):
+            raise HTTPError(400, "a signed upload URL must name the file's path")
+        ctype = header(scope, b"content-type") or ""
+        encoding = (header(scope, b"content-encoding") or "").strip().lower()
+        if encoding not in ("", "identity", "gzip"):
+            raise HTTPError(400, f"unsupported content-encoding '{encoding}'")
+        body = body_chunks(receive)
+        if encoding == "gzip":
+            body = _gunzip(body)
+        metadata = {k[len("x-metadata-"):]: v.decode("latin-1")
+                    for k, v in ((k.decode("latin-1").lower(), v)
+                                 for k, v in scope.get("headers", ()))
+                    if k.startswith("x-metadata-")}
+        if ctype.lower().startswith("multipart/form-data"):
+            paths = await self._upload_multipart(ctype, query, user, body, metadata)
+        else:
+            if not query.get("path"):
+                raise HTTPError(400, "the 'path' query parameter is required for raw uploads")
+            path = self._resolve(query["path"], user)
+            sink = await _FileSink.open(self.userfs, user, path)
+            try:
+                async for chunk in body:
+                    sink.write(chunk)
+                sink.set_metadata(metadata)
+            finally:
+                sink.close()
+            paths = [path]
+        out = []
+        for p in paths:
+            item: dict[str, Any] = {"name": os.path.basename(p), "type": "file", "path": p}
+            if metadata:
+                item["metadata"] = metadata
+            out.append(item)
+        await send_json(send, 200, out)
+
+    async def _upload_multipart(self, ctype: str, query: dict[str, str], user: User,
+                                body, metadata: dict[str, str]) -> list[str]:
+        """Write a multipart upload's file parts.
+
+        With ``path`` in the query (always, for a signed URL) the body must hold
+        exactly one file part, written to that path: a part's own filename never
+        picks the destination then. Without it (the SDK's multi-file write) each
+        part goes to its filename, resolved against the user's home. Either way
+        every file is opened by the user's worker, as the user.
+        """
+        from python_multipart.multipart import MultipartParser, parse_options_header
+
+        _, params = parse_options_header(ctype)
+        boundary = params.get(b"boundary")
+        if not boundary:
+            raise HTTPError(400, "multipart body without boundary")
+        if len(boundary) > MAX_BOUNDARY:
+            raise HTTPError(400, "multipart boundary too long")
+        query_path = self._resolve(query["path"], user) if query.get("path") else None
+        written: list[str] = []
+        # The parser's callbacks are synchronous; opening a file is not (the user's
+        # worker does it). So callbacks queue actions, run in order after each chunk.
+        actions: list[tuple[str, Any]] = []
+        cur: dict[str, Any] = {"field": b"", "value": b"", "headers": {}, "size": 0,
+                               "file": False}
+
+        def on_part_begin():
+            cur["headers"] = {}
+            cur["size"] = 0
+            cur["file"] = False
+
+        def grow(n: int) -> None:
+            cur["size"] += n
+            if cur["size"] > MAX_PART_HEADERS:
+                raise HTTPError(400, f"multipart part headers exceed {MAX_PART_HEADERS} bytes")
+
+        def on_header_field(data, start, end):
+            grow(end - start)
+            cur["field"] += data[start:end]
+
+        def on_header_value(data, start, end):
+            grow(end - start)
+            cur["value"] += data[start:end]
+
+        def on_header_end():
+            cur["headers"][cur["field"].lower()] = cur["value"]
+            cur["field"] = b""
+            cur["value"] = b""
+
+        def on_headers_finished():
+            disp = cur["headers"].get(b"content-disposition", b"")
+            _, opts = parse_options_header(disp)
+            filename = opts.get(b"filename")
+            if filename is None:
+                return  # a non-file form field: ignored
+            cur["file"] = True
+            files = sum(1 for a in actions if a[0] == "open") + len(written)
+            if query_path is not None:
+                if files >= 1:
+                    raise HTTPError(400, "an upload to a given path (every signed upload "
+                                         "URL) takes exactly one file part")
+                actions.append(("open", query_path))
+                return
+            if files >= MAX_UPLOAD_PARTS:
+                raise HTTPError(400, f"more than {MAX_UPLOAD_PARTS} files in one upload")
+            try:
+                raw = filename.decode("utf-8")
+            except UnicodeDecodeError:
+                raise HTTPError(400, "a part's filename is not valid UTF-8") from None
+            actions.append(("open", self._resolve(raw, user)))
+
+        def on_part_data(data, start, end):
+            if cur["file"]:
+                actions.append(("data", bytes(data[start:end])))
+
+        def on_part_end():
+            if cur["file"]:
+                actions.append(("close", None))
+                cur["file"] = False
+
+        parser = MultipartParser(boundary, {
+            "on_part_begin": on_part_begin, "on_part_data": on_part_data,
+            "on_part_end": on_part_end, "on_header_field": on_header_field,
+            "on_header_value": on_header_value, "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+        })
+        sink: _FileSink | None = None
+
+        async def run_actions() -> None:
+            nonlocal sink
+            for kind, arg in actions:
+                if kind == "open":
+                    sink = await _FileSink.open(self.userfs, user, arg)
+                    written.append(arg)
+                elif kind == "data":
+                    if sink is not None:
+                        sink.write(arg)
+                elif sink is not None:
+                    sink.set_metadata(metadata)
+                    sink.close()
+                    sink = None
+            actions.clear()
+
+        try:
+            async for chunk in body:
+                try:
+                    parser.write(chunk)
+                finally:
+                    await run_actions()  # what was parsed before any error
+            parser.finalize()
+            await run_actions()
+        except HTTPError:
+            raise
+        except Exception as e:
+            raise HTTPError(400, f"malformed multipart body: {e}") from None
+        finally:
+            if sink is not None:
+                sink.close()
+        if not written:
+            raise HTTPError(400, "no file in the multipart body")
+        return written
+
+
+async def _gunzip(chunks):
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        async for c in chunks:
+            out = d.decompress(c, FILE_CHUNK)
+            while out:
+                yield out
+                out = d.decompress(d.unconsumed_tail, FILE_CHUNK) if d.unconsumed_tail else b""
+        tail = d.flush()
+        if tail:
+            yield tail
+    except zlib.error as e:
+        raise HTTPError(400, f"invalid gzip body: {e}") from None

@@ -1,0 +1,11 @@
+"""The error family: every error the node or the gateway answers with a status of its
+own derives from ``AgentenvError`` and carries that status. ``agentenv.web.errors``
+maps them to ``{"code": <status>, "message": "..."}`` in one place."""
+
+from __future__ import annotations
+
+
+class AgentenvError(Exception):
+    """An error a client is told about, with the HTTP status it is answered with."""
+
+    status: int = 500
