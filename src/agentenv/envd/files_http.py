@@ -42,6 +42,23 @@ def _io_error(e: OSError, path: str) -> HTTPError:
     return HTTPError(500, f"{e.strerror or e}: '{path}'")
 
 
+async def open_as_user(userfs: UserFS, user: User, op: str, path: str) -> int:
+    """A descriptor of ``path`` opened by the user's file worker (``op``: open_read or
+    open_write), or the HTTP error a client is told."""
+    try:
+        _, fds = await userfs.call(user_key(user), op, path=path)
+    except IsADirectoryError:
+        raise HTTPError(400, f"path '{path}' is a directory") from None
+    except OSError as e:
+        raise _io_error(e, path) from None
+    except Refused:
+        raise HTTPError(400, f"path '{path}' is not a regular file") from None
+    except WorkerGone:
+        verb = "reading" if op == "open_read" else "writing"
+        raise HTTPError(503, f"{verb} '{path}' was interrupted (its worker ended)") from None
+    return fds[0]
+
+
 class _FileSink:
     """One destination file of an upload, opened by the user's file worker (so the
     kernel checks the path, symlinks included, with the user's rights and a new file
@@ -53,17 +70,7 @@ class _FileSink:
 
     @classmethod
     async def open(cls, userfs: UserFS, user: User, path: str) -> _FileSink:
-        try:
-            _, fds = await userfs.call(user_key(user), "open_write", path=path)
-        except IsADirectoryError:
-            raise HTTPError(400, f"path '{path}' is a directory") from None
-        except OSError as e:
-            raise _io_error(e, path) from None
-        except Refused:
-            raise HTTPError(400, f"path '{path}' is not a regular file") from None
-        except WorkerGone:
-            raise HTTPError(503, f"writing '{path}' was interrupted (its worker ended)") from None
-        return cls(path, fds[0])
+        return cls(path, await open_as_user(userfs, user, "open_write", path))
 
     def write(self, data: bytes | memoryview) -> None:
         try:
@@ -133,17 +140,7 @@ class FilesEndpoint:
     async def download(self, scope, query: dict[str, str], send) -> None:
         user = self._user(query)
         path = self._resolve(query.get("path", ""), user)
-        try:
-            _, fds = await self.userfs.call(user_key(user), "open_read", path=path)
-        except IsADirectoryError:
-            raise HTTPError(400, f"path '{path}' is a directory") from None
-        except OSError as e:
-            raise _io_error(e, path) from None
-        except Refused:
-            raise HTTPError(400, f"path '{path}' is not a regular file") from None
-        except WorkerGone:
-            raise HTTPError(503, f"reading '{path}' was interrupted (its worker ended)") from None
-        fd = fds[0]
+        fd = await open_as_user(self.userfs, user, "open_read", path)
         try:
             size = os.fstat(fd).st_size
             name = quote(os.path.basename(path))
