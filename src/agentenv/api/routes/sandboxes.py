@@ -108,15 +108,20 @@ async def list_sandboxes_v2(
     return [models.listed(r) for r in result.items]
 
 
-def _parse_time(raw: str | None) -> float | None:
+def _parse_time(raw: str | None) -> int | None:
     if not raw:
         return None
     from datetime import datetime
 
     try:
-        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+        when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
     except ValueError:
         raise BadRequest(f"invalid startedAfter {raw!r}: expected an RFC 3339 time") from None
+    if when.tzinfo is None:  # RFC 3339 wants a zone; a time without one is taken as UTC
+        from datetime import UTC
+
+        when = when.replace(tzinfo=UTC)
+    return q.epoch_micros(when)
 
 
 @router.get("/sandboxes/metrics", response_model=models.SandboxesWithMetrics,
