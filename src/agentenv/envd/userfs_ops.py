@@ -219,7 +219,7 @@ class WorkerServer:
             os.unlink(path)
         return None, ()
 
-    def op_list(self, req, fds):
+    def op_list(self, req: dict[str, Any], fds: list[int]) -> tuple[list[dict], tuple[()]]:
         root = req["path"]
         depth = max(1, min(int(req["depth"]), MAX_LIST_DEPTH))
         real = os.path.realpath(root)
