@@ -228,3 +228,31 @@ def test_large_file_streams_through_the_node(node: Node, sbx: Sandbox) -> None:
           f"peak +{grew / MIB:.1f} MiB")
     assert grew < 48 * MIB, f"node RSS grew {grew / MIB:.0f} MiB while moving 150 MiB"
     sbx.files.remove("/home/user/big.bin")
+
+
+def test_removing_a_missing_path_is_a_no_op(sbx: Sandbox) -> None:
+    """Issue 14.7: as E2B's envd (rm -rf): no FileNotFoundException, and a parent the
+    user may not enter is still an error, not silently ignored."""
+    sbx.files.remove("/home/user/never-was-here.txt")
+    sbx.files.remove("/home/user/no/such/dir")
+    sbx.commands.run("mkdir -p /root/closed && touch /root/closed/f", user="root")
+    with pytest.raises(Exception, match=r"(?i)permission"):
+        sbx.files.remove("/root/closed/f", user="user")
+    assert sbx.files.exists("/root/closed/f", user="root")
+
+
+def test_signed_upload_edge_cases_as_e2b(sbx: Sandbox) -> None:
+    """Issue 14.11: a part named "file" without a filename goes to the URL's path; an
+    expired signature is a 401 saying so."""
+    up = sbx.upload_url("/home/user/no-filename.txt")
+    body = (b"--b\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nno filename\r\n"
+            b"--b--\r\n")
+    r = httpx.post(up, content=body, headers={"content-type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("/home/user/no-filename.txt") == "no filename"
+
+    url = sbx.download_url("/home/user/no-filename.txt", use_signature_expiration=1)
+    time.sleep(2.1)
+    r = httpx.get(url)
+    assert r.status_code == 401 and "signature is already expired" in r.text, r.text
+    assert httpx.get(sbx.download_url("/home/user/no-filename.txt")).text == "no filename"

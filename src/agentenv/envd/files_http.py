@@ -118,7 +118,8 @@ class FilesEndpoint:
             except ValueError:
                 return False
             if expiration < time.time():
-                return False
+                # Said as E2B's envd says it (the SDKs show the message).
+                raise HTTPError(401, "signature is already expired")
         expected = file_signature(query.get("path", ""), operation, query.get("username", ""),
                                   token, expiration)
         return hmac.compare_digest(sig.encode(), expected.encode())
@@ -254,8 +255,12 @@ class FilesEndpoint:
             disp = cur["headers"].get(b"content-disposition", b"")
             _, opts = parse_options_header(disp)
             filename = opts.get(b"filename")
-            if filename is None:
-                return  # a non-file form field: ignored
+            # A file part has a filename, or is the form field "file" (E2B's envd takes
+            # one without a filename when the path parameter names the file).
+            if filename is None and opts.get(b"name") != b"file":
+                return  # another form field: ignored
+            if filename is None and query_path is None:
+                raise HTTPError(400, "a file part without a filename needs the path parameter")
             cur["file"] = True
             files = sum(1 for a in actions if a[0] == "open") + len(written)
             if query_path is not None:

@@ -212,11 +212,16 @@ class WorkerServer:
         return _entry(dst, _Names()), ()
 
     def op_remove(self, req, fds):
+        """Remove a file, a link or a whole tree; a path that is not there is already
+        removed (as E2B's envd answers, like ``rm -rf``)."""
         path = req["path"]
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
         return None, ()
 
     def op_list(self, req: dict[str, Any], fds: list[int]) -> tuple[list[dict], tuple[()]]:
