@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from agentenv.orchestrator import (
     SandboxManager,
     SandboxState,
     SandboxStore,
+    StorageFull,
 )
 from agentenv.orchestrator import specs as specs_module
 from agentenv.runtime import RuntimeFailure
@@ -162,6 +164,41 @@ async def test_pause_resume_kill(node: Node) -> None:
     with pytest.raises(SnapshotNotFound):
         mgr.snapshots.get(snapshot)
     assert node.clean() and mgr.store.all() == []
+
+
+@pytest.fixture
+def small_staging(node: Node) -> Iterator[Path]:
+    """The node's snapshot staging area on a 4 MiB tmpfs."""
+    staging = node.manager.snapshots.staging_dir
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(staging)],
+                   check=True)
+    yield staging
+    subprocess.run(["umount", "-l", str(staging)], check=False)
+
+
+async def test_a_capture_meeting_a_full_disk_is_a_507_and_the_sandbox_runs_on(
+        node: Node, small_staging: Path) -> None:
+    """Refused before it starts when it cannot fit; and when the runtime's estimate
+    was short and the disk fills midway (runsc then may not say ENOSPC), still a
+    StorageFull, the sandbox untouched, nothing left staged."""
+    mgr = node.manager
+    sid = (await mgr.create(CreateRequest("base"))).sandbox_id
+    node.runtime.capture_bytes = 16 << 20
+    node.runtime.estimated_capture_bytes = 16 << 20
+    with pytest.raises(StorageFull, match="needs about 16 MiB"):
+        await mgr.snapshot(sid, "too-big")
+    assert ("checkpoint", sid) not in node.runtime.calls  # nothing was tried
+
+    node.runtime.estimated_capture_bytes = 1 << 20
+    for attempt in (mgr.snapshot(sid, "too-big"), mgr.pause(sid)):
+        with pytest.raises(StorageFull, match="no space left"):
+            await attempt
+        assert mgr.get(sid).state is SandboxState.RUNNING
+        assert list(small_staging.iterdir()) == []
+    assert mgr.snapshots.list() == []
+
+    node.runtime.capture_bytes = 1 << 20
+    assert (await mgr.snapshot(sid, "fits")).alias == "fits"
 
 
 async def test_fork_children_run_with_their_own_tokens_within_capacity(node: Node) -> None:

@@ -80,6 +80,7 @@ class Pausing(ManagerCore):
 
     async def _capture(self, sandbox_id: str, snapshot_id: str, leave_running: bool) -> Path:
         """Checkpoint into a fresh staging dir; on failure nothing stays staged."""
+        await self._check_staging_room(sandbox_id)
         try:
             staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
         except SnapshotError as exc:
@@ -87,12 +88,26 @@ class Pausing(ManagerCore):
         try:
             await self.runtime.checkpoint(sandbox_id, staging, leave_running=leave_running)
         except BaseException as exc:
+            full = isinstance(exc, RuntimeFailure) and (
+                "no space left" in str(exc).lower()
+                or await asyncio.to_thread(self.snapshots.staging.is_nearly_full))
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
-            if isinstance(exc, RuntimeFailure) and "no space left" in str(exc).lower():
+            if full:
                 raise StorageFull(f"no space left on the node's snapshot staging disk "
                                   f"({self.snapshots.staging_dir})") from exc
             raise
         return staging
+
+    async def _check_staging_room(self, sandbox_id: str) -> None:
+        """Refuse a capture that cannot fit before it starts: runsc meeting a full disk
+        midway may fail without saying so (or panic), and fills the disk for others."""
+        need = self.runtime.capture_size(sandbox_id)
+        free = await asyncio.to_thread(self.snapshots.staging.free_bytes)
+        if need and free < need:
+            raise StorageFull(
+                f"no space left on the node's snapshot staging disk "
+                f"({self.snapshots.staging_dir}): the capture needs about {need >> 20} MiB, "
+                f"{free >> 20} MiB are free")
 
     # -- pause --------------------------------------------------------------------------
 

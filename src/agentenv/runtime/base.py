@@ -59,6 +59,9 @@ class Runtime(Protocol):
     async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
         """Save the sandbox's full state into ``image_dir``."""
 
+    def capture_size(self, sandbox_id: str) -> int:
+        """About how many bytes a checkpoint of the sandbox writes now (0: unknown)."""
+
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> RuntimeSandbox:
         """Start a sandbox from the state in ``image_dir``."""
 

@@ -202,10 +202,19 @@ class PressureWatcher:
 def working_set(cgroup: Path) -> int:
     """What the cgroup cannot give back without killing: rss + shmem (gVisor's memory
     file is shmem), without the page cache the kernel would reclaim first."""
+    return _memory_stat(cgroup, ("total_rss", "total_shmem"))
+
+
+def memory_file_bytes(cgroup: Path) -> int:
+    """The sandbox kernel's memory file in use (shmem): what a capture saves of memory."""
+    return _memory_stat(cgroup, ("total_shmem",))
+
+
+def _memory_stat(cgroup: Path, keys: tuple[str, ...]) -> int:
     total = 0
     with contextlib.suppress(OSError, ValueError):
         for line in (cgroup / "memory.stat").read_text().splitlines():
             key, _, value = line.partition(" ")
-            if key in ("total_rss", "total_shmem"):
+            if key in keys:
                 total += int(value)
     return total

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
 from .cpu_balance import CpuBalancer
-from .exits import MIB, ExitWatcher, PressureWatcher, exit_reason, working_set
+from .exits import MIB, ExitWatcher, PressureWatcher, exit_reason, memory_file_bytes, working_set
 from .oci import build_spec, pressure_threshold
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,9 @@ class GVisorRuntime:
             await proc.wait()
             raise
         if check and proc.returncode != 0:
+            # The whole tail goes to the log: the one line in the error may not say enough.
+            log.warning("runsc %s failed (exit %s): %s", args[0], proc.returncode,
+                        err[-4096:].decode(errors="replace"))
             raise RuntimeFailure(f"runsc {args[0]} failed: {_last_line(err)}")
         return out.decode()
 
@@ -283,6 +286,10 @@ class GVisorRuntime:
             self._runsc("kill", sandbox_id, "USR2", check=False, limit=5))
         self._signals.add(task)
         task.add_done_callback(self._signals.discard)
+
+    def capture_size(self, sandbox_id: str) -> int:
+        """The memory file's pages (shmem): an uncompressed capture writes each of them."""
+        return memory_file_bytes(self.memory_cgroup(sandbox_id))
 
     def memory_cgroup(self, sandbox_id: str) -> Path:
         """The sandbox's memory cgroup (v1: runsc puts the sentry, gofer and all in it)."""

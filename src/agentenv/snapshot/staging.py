@@ -23,6 +23,8 @@ from .errors import SnapshotError, is_no_space, storage_full
 from .manifest import check_name
 
 _META = ".meta.json"
+# Less free space than this (or 1 % of the disk) after a failed capture: the disk was full.
+_FULL_MARGIN = 1 << 20
 
 
 class Staging:
@@ -48,6 +50,23 @@ class Staging:
                 raise storage_full(f"creating staging {path}", exc) from exc
             raise SnapshotError(f"cannot create staging {path}: {exc}") from exc
         return path
+
+    def free_bytes(self) -> int:
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
+    def is_nearly_full(self) -> bool:
+        """Whether the staging filesystem has (almost) no room left: runsc does not
+        always say ENOSPC when a capture hits it (its state encoder may panic instead)."""
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return False
+        free = st.f_bavail * st.f_frsize
+        return free < max(_FULL_MARGIN, st.f_blocks * st.f_frsize // 100)
 
     def discard(self, snapshot_id: str) -> None:
         """Remove a capture and its pending metadata, if any."""
