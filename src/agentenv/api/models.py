@@ -28,6 +28,8 @@ class NewSandbox(_Body):
     # e2b SDK leaves the field out without lifecycle.on_timeout, and sends false
     # for lifecycle={"on_timeout": "kill"}.
     auto_pause: bool = Field(default=True, alias="autoPause")
+    # What that pause keeps: memory and files, or (false) the files only.
+    auto_pause_memory: bool = Field(default=True, alias="autoPauseMemory")
     secure: bool | None = None
     allow_internet_access: bool | None = None
     metadata: dict[str, str] | None = None
@@ -60,6 +62,8 @@ class RefreshRequest(_Body):
 
 class ConnectRequest(_Body):
     timeout: int | None = Field(default=None, ge=0)
+    # False (the SDK's on_resume="reboot"): boot from the paused sandbox's files alone.
+    memory: bool = True
 
 
 class SandboxCreated(_Body):

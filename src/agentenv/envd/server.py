@@ -5,7 +5,8 @@ A bare ASGI callable (no framework) to keep envd's memory small:
   ``process.Process`` / ``filesystem.Filesystem`` Connect services.
 Every request except /health needs ``X-Access-Token`` once a token is set
 (/files also accepts E2B's signed-URL parameters instead). This module routes
-requests and answers /health, /init, /envs and /metrics; /files is files_http's.
+requests and answers /health, /init, /envs and /metrics; /files is files_http's,
+/aenv/fs/* (filesystem-only pauses) disk_capture's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from .asgi import HTTPError, header, read_small_body, send_error, send_json, send_response
+from .disk_capture import PREFIX as DISK_PREFIX
+from .disk_capture import DiskCapture
 from .files_http import FilesEndpoint
 from .state import State
 from .userfs import UserFS
@@ -84,6 +87,7 @@ class EnvdApp:
         self.filesystem_app = filesystem_app
         self.userfs = userfs or UserFS()
         self.files = FilesEndpoint(state, self.userfs)
+        self.disk = DiskCapture()
         self._cpu_prev: tuple[int, int] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -130,7 +134,9 @@ class EnvdApp:
                 return
             if not authed:
                 raise HTTPError(401, "invalid or missing access token")
-            if path == "/init" and method == "POST":
+            if path.startswith(DISK_PREFIX):
+                await self.disk(scope, receive, send)
+            elif path == "/init" and method == "POST":
                 await self._init(receive, send)
             elif path == "/envs" and method == "GET":
                 await send_json(send, 200, self.state.env_vars)

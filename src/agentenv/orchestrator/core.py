@@ -27,13 +27,15 @@ from ..network import Slot, SlotPool
 from ..resources import CPU, DISK, MEMORY
 from ..runtime import Runtime
 from ..snapshot import SnapshotStore
-from ..templates import Template, TemplateRegistry
+from ..templates import Template, TemplateNotFound, TemplateRegistry
 from .boot_images import BootImages
+from .disk_pause import TemplateListings
 from .envd_client import EnvdClient
 from .exits import ExitHandler
 from .launch import EnvdInit, Launcher, LaunchPlan
 from .models import (
     TRANSITIONS,
+    BadRequest,
     CapacityExceeded,
     Conflict,
     NotFound,
@@ -81,6 +83,8 @@ class ManagerCore:
         self._exits = ExitHandler(self._runtime_exited)
         # Called with a sandbox ID once it is gone (the proxy drops its connections).
         self.on_removed: list[Callable[[str], None]] = []
+        # What each template's rootfs holds (filesystem-only pauses compare with it).
+        self._template_listings = TemplateListings()
         # Templates' boot images and the warm pool (None: every create boots).
         self.boot_images = (BootImages(self, config.warm_pool_size)
                             if config.template_snapshots else None)
@@ -166,15 +170,27 @@ class ManagerCore:
 
     # -- launching a record -------------------------------------------------------------
 
+    def _bootable_template(self, record: SandboxRecord) -> Template:
+        try:
+            template = self.templates.get(record.template_id)
+        except TemplateNotFound as exc:
+            raise NotFound(f"template of the sandbox is gone: {exc}") from exc
+        if template.snapshot_id:
+            raise BadRequest(f"template '{template.template_id}' was built from steps: its "
+                             "files live in its memory snapshot, so a filesystem-only pause "
+                             "cannot reboot it; pause with memory")
+        return template
+
+
     def _plan(self, record: SandboxRecord, template: Template, *, hostname_of: str,
               image=None, current_token: str = "", init: bool = True,
-              start_command: bool = False, purpose: str = "") -> LaunchPlan:
+              start_command: bool = False, purpose: str = "", files=None) -> LaunchPlan:
         return LaunchPlan(
             sandbox_id=record.sandbox_id, template=template, cpu_count=record.cpu_count,
             memory_mb=record.memory_mb, hostname_of=hostname_of, image=image,
             internet=record.internet, network=record.network,
             init=self._envd_init(record, template, current_token) if init else None,
-            start_command=start_command, purpose=purpose)
+            files=files, start_command=start_command, purpose=purpose)
 
     @staticmethod
     def _envd_init(record: SandboxRecord, template: Template, current_token: str = ""

@@ -1,13 +1,17 @@
-"""What the node itself says to envd inside a sandbox: readiness and /init."""
+"""What the node itself says to envd inside a sandbox: readiness, /init, commands and
+the file transfers of filesystem-only pauses."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 
@@ -67,6 +71,44 @@ class EnvdClient:
         if r.status_code >= 300:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}")
 
+    # -- filesystem-only pauses (envd's /aenv/fs/*) -----------------------------------
+
+    def _disk_url(self, address: str, op: str) -> httpx.URL:
+        return httpx.URL(scheme="http", host=address, port=ENVD_PORT, path=f"/aenv/fs/{op}")
+
+    async def disk_download(self, address: str, token: str, op: str, dest: Path,
+                            limit: int, body: Path | None = None) -> int:
+        """``GET list`` or ``POST export`` (with ``body``) into ``dest``; at most ``limit``
+        bytes (envd answers for a sandbox whose user may have replaced it)."""
+        method = "POST" if body is not None else "GET"
+        timeout = httpx.Timeout(10.0, read=300.0)
+        written = 0
+        with contextlib.ExitStack() as files:
+            content = files.enter_context(open(body, "rb")) if body is not None else None
+            out = files.enter_context(open(dest, "wb"))
+            async with self._http.stream(
+                    method, self._disk_url(address, op), headers={"X-Access-Token": token},
+                    content=_file_chunks(content) if content is not None else None,
+                    timeout=timeout) as r:
+                if r.status_code != 200:
+                    raise EnvdUnavailable(f"envd /aenv/fs/{op} answered {r.status_code}")
+                async for chunk in r.aiter_raw():
+                    written += len(chunk)
+                    if written > limit:
+                        raise EnvdUnavailable(f"envd /aenv/fs/{op} sent over {limit} bytes")
+                    await asyncio.to_thread(out.write, chunk)
+        return written
+
+    async def disk_upload(self, address: str, token: str, op: str, body: Path) -> dict:
+        """``POST prune`` (a listing) or ``POST import`` (a tar) from a file."""
+        with open(body, "rb") as content:
+            r = await self._http.post(
+                self._disk_url(address, op), headers={"X-Access-Token": token},
+                content=_file_chunks(content), timeout=httpx.Timeout(10.0, read=300.0))
+        if r.status_code != 200:
+            raise EnvdUnavailable(f"envd /aenv/fs/{op} answered {r.status_code}: "
+                                  f"{r.text[:300]}")
+        return r.json()
 
     # -- processes (Connect protocol, JSON codec, over HTTP/1.1) ---------------------
 
@@ -144,6 +186,11 @@ class EnvdClient:
                     # Leaving the stream leaves the process running (envd's contract).
                     return int(start.get("pid", 0))
         raise EnvdUnavailable("envd did not start the command")
+
+
+async def _file_chunks(f: BinaryIO, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    while chunk := await asyncio.to_thread(f.read, size):
+        yield chunk
 
 
 async def _frames(response: httpx.Response):

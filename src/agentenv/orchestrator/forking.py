@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..snapshot import Manifest, SnapshotError
 from ..templates import Template, TemplateNotFound
+from . import disk_pause
 from .core import ManagerCore
 from .models import (
     Conflict,
@@ -70,7 +71,8 @@ class Forking(ManagerCore):
         record = new_record(
             node_id=self.config.node_id, template_id=source.template_id, alias=source.alias,
             resources=Resources(source.cpu_count, source.memory_mb, source.disk_size_mb),
-            ttl=ttl, auto_pause=source.auto_pause, internet=source.internet,
+            ttl=ttl, auto_pause=source.auto_pause, auto_pause_memory=source.auto_pause_memory,
+            internet=source.internet,
             network=source.network, private_ports=bool(source.traffic_token),
             metadata=source.metadata, env_vars=source.env_vars)
         self._add(record)
@@ -94,8 +96,8 @@ class Forking(ManagerCore):
             alias=template.alias if template else meta.get("alias") or meta["template_id"],
             resources=self._resources(meta.get("cpu_count"), meta.get("memory_mb"),
                                       meta.get("disk_size_mb")),
-            ttl=ttl, auto_pause=req.auto_pause, internet=req.internet,
-            network=req.network.to_json() if req.network else {},
+            ttl=ttl, auto_pause=req.auto_pause, auto_pause_memory=req.auto_pause_memory,
+            internet=req.internet, network=req.network.to_json() if req.network else {},
             private_ports=not req.public_traffic,
             # A template build's sandbox metadata is not the template's sandboxes'.
             metadata={**({} if template else meta.get("metadata", {})), **req.metadata},
@@ -109,6 +111,10 @@ class Forking(ManagerCore):
     async def _restore_new(self, record: SandboxRecord, image: Path, source_token: str,
                            hostname_of: str) -> SandboxRecord:
         """Bring a new record up from a capture, rotating envd's token to its own."""
+        if disk_pause.is_disk_capture(image):  # files only: a boot, then the files
+            return await self._bring_up(record, self._plan(
+                record, self._bootable_template(record), files=image,
+                hostname_of=record.sandbox_id, start_command=True))
         try:
             template = self.templates.get(record.template_id)
         except TemplateNotFound as exc:

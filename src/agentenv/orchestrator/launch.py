@@ -6,7 +6,8 @@ fork child and a create from a snapshot differ only in their plan: boot or resto
 (``image``), whether envd is initialised now (``init``), whether the template's start
 command runs (``start_command``). The steps are always the same:
 
-    rootfs -> slot -> egress -> spec -> start | restore -> envd ready -> init -> start command
+    rootfs -> slot -> egress -> spec -> start | restore -> envd ready -> init -> files
+    -> start command
 
 and every step that holds something pushes its undo onto one rollback stack. Should
 any later step fail, or the launch be cancelled, the stack unwinds in reverse order
@@ -28,6 +29,7 @@ from typing import Protocol
 from ..network import CompiledPolicy, EgressPolicy, Slot, SlotPoolExhausted, compile_policy
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
 from ..templates import Template
+from . import disk_pause
 from .envd_client import EnvdClient, EnvdUnavailable
 from .models import CapacityExceeded, OrchestratorError
 
@@ -61,6 +63,9 @@ class LaunchPlan:
     network: Mapping = field(default_factory=dict)
     # None leaves envd as it is (a warm-pool member is initialised when handed out).
     init: EnvdInit | None = None
+    # A filesystem-only capture (disk_pause) to bring the booted sandbox's files to,
+    # before the start command runs.
+    files: Path | None = None
     # Run the template's start command and wait for its ready check (boots only).
     start_command: bool = False
     # What the launch is for, as errors and logs name it ("resume"); by default
@@ -127,6 +132,10 @@ class Launcher:
                 marks.append(("envd", time.perf_counter()))
                 if plan.init is not None:
                     await self._init(slot.address, plan.init)
+                if plan.files is not None:
+                    await disk_pause.restore(self.envd, slot.address,
+                                             plan.init.token if plan.init else "", plan.files)
+                    marks.append(("files", time.perf_counter()))
                 if plan.start_command:
                     await self.run_start_command(plan.template, slot.address,
                                                  plan.init.token if plan.init else "")

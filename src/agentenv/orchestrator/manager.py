@@ -121,8 +121,8 @@ class SandboxManager(Reconciling, Forking, Egress):
                 (custom and req.memory_mb) or template.memory_mb
                 or self.config.default_memory_mb,
                 template.disk_size_mb or self.config.default_disk_mb),
-            ttl=ttl, auto_pause=req.auto_pause, internet=req.internet,
-            network=req.network.to_json() if req.network else {},
+            ttl=ttl, auto_pause=req.auto_pause, auto_pause_memory=req.auto_pause_memory,
+            internet=req.internet, network=req.network.to_json() if req.network else {},
             private_ports=not req.public_traffic, metadata=req.metadata,
             env_vars={**dict(template.envs), **req.env_vars})
         self._add(record)
@@ -245,7 +245,7 @@ class SandboxManager(Reconciling, Forking, Egress):
         expired sandbox never goes on holding the node's resources."""
         if record.auto_pause:
             try:
-                await self.pause(record.sandbox_id)
+                await self.pause(record.sandbox_id, memory=record.auto_pause_memory)
                 return
             except NotFound:
                 return

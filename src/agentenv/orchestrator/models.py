@@ -79,6 +79,8 @@ class SandboxRecord:
     started_at: float
     end_at: float
     auto_pause: bool = False
+    # What a timeout's pause keeps: memory and files, or (False) the files only.
+    auto_pause_memory: bool = True
     internet: bool = True
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)

@@ -19,6 +19,7 @@ from ..network import Slot
 from ..runtime import RuntimeFailure
 from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
 from ..templates import TemplateNotFound
+from . import disk_pause
 from .core import ManagerCore
 from .models import (
     BadRequest,
@@ -54,6 +55,7 @@ class Pausing(ManagerCore):
             "envd_token": record.envd_token,
             # With the rest, enough for another node to rebuild the record (adopt_paused).
             "auto_pause": record.auto_pause,
+            "auto_pause_memory": record.auto_pause_memory,
             "started_at": record.started_at,
             **self.specs.stamp(),
             "created_at": time.time(),
@@ -61,16 +63,21 @@ class Pausing(ManagerCore):
 
     # -- snapshot -----------------------------------------------------------------------
 
-    async def snapshot(self, sandbox_id: str, name: str | None = None) -> Manifest:
-        """Capture a running sandbox (stopped only for the capture) and commit it."""
+    async def snapshot(self, sandbox_id: str, name: str | None = None,
+                       memory: bool = True) -> Manifest:
+        """Capture a running sandbox (stopped only for the capture; ``memory=False``:
+        its files only, not stopped) and commit it."""
         snapshot_id = new_sandbox_id()
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}; only a running "
                                "sandbox can be snapshotted")
-            staging = await self._capture(sandbox_id, snapshot_id, leave_running=True)
-        metadata = self._snapshot_metadata(record, "snapshot")
+            if memory:
+                staging = await self._capture(sandbox_id, snapshot_id, leave_running=True)
+            else:
+                staging = await self._capture_files(record, snapshot_id)
+        metadata = {**self._snapshot_metadata(record, "snapshot"), "memory": memory}
         try:
             return await asyncio.to_thread(
                 self.snapshots.commit, snapshot_id, staging, metadata, name)
@@ -111,8 +118,9 @@ class Pausing(ManagerCore):
 
     # -- pause --------------------------------------------------------------------------
 
-    async def pause(self, sandbox_id: str) -> SandboxRecord:
-        """Save the sandbox's full state and release everything it holds on the node.
+    async def pause(self, sandbox_id: str, memory: bool = True) -> SandboxRecord:
+        """Save the sandbox's full state (``memory=False``: its files only, so that
+        a resume reboots it) and release everything it holds on the node.
 
         Returns once the state is captured locally; the commit to the repository
         continues in the background (a resume waits for it).
@@ -124,12 +132,15 @@ class Pausing(ManagerCore):
                 raise Conflict(f"sandbox '{sandbox_id}' is already paused")
             if record.state is not SandboxState.RUNNING:
                 raise not_running(record)
-            try:
-                staging = await self._capture(sandbox_id, snapshot_id, leave_running=False)
-            except BaseException as exc:
-                await self._after_failed_pause(record, exc)
-                raise
-            metadata = self._snapshot_metadata(record, "pause")
+            if memory:
+                try:
+                    staging = await self._capture(sandbox_id, snapshot_id, leave_running=False)
+                except BaseException as exc:
+                    await self._after_failed_pause(record, exc)
+                    raise
+            else:
+                staging = await self._capture_files(record, snapshot_id)
+            metadata = {**self._snapshot_metadata(record, "pause"), "memory": memory}
             self.snapshots.staging.hold_for_commit(snapshot_id, metadata)
             previous = record.snapshot_id
             # The state is saved: freeing the stopped runtime and its slot need not
@@ -143,6 +154,26 @@ class Pausing(ManagerCore):
                 listener(sandbox_id)
             self._start_commit(snapshot_id, staging, metadata, replaces=previous)
             return record
+
+    async def _capture_files(self, record: SandboxRecord, snapshot_id: str) -> Path:
+        """A filesystem-only capture of a running sandbox (which runs on if it fails)."""
+        template = self._bootable_template(record)
+        try:
+            staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
+        except SnapshotError as exc:
+            raise OrchestratorError(f"cannot stage a snapshot: {exc}") from exc
+        t0 = time.perf_counter()
+        try:
+            size = await disk_pause.capture(
+                self.envd, record.slot_address, record.envd_token, template.rootfs,
+                self._template_listings, staging, record.disk_size_mb << 20)
+        except BaseException:
+            await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
+            raise
+        log.info("files of %s captured: %d bytes differ from template %s, in %.0f ms",
+                 record.sandbox_id, size, template.template_id,
+                 (time.perf_counter() - t0) * 1000)
+        return staging
 
     async def _free(self, sandbox_id: str, slot: Slot | None) -> None:
         try:
@@ -229,8 +260,9 @@ class Pausing(ManagerCore):
             raise OrchestratorError(f"snapshot repository: {exc}") from exc
 
     async def resume(self, sandbox_id: str, ttl: int | None = None,
-                     auto_pause: bool | None = None) -> SandboxRecord:
-        """Bring a paused sandbox back, same ID, from its pause snapshot. On failure it
+                     auto_pause: bool | None = None, memory: bool = True) -> SandboxRecord:
+        """Bring a paused sandbox back, same ID, from its pause snapshot: restored as it
+        was, or rebooted with its files when the pause kept no memory. On failure it
         stays paused, holding nothing."""
         seconds = self._check_timeout(ttl)
         async with self._lock(sandbox_id):
@@ -239,16 +271,27 @@ class Pausing(ManagerCore):
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
             image, staged = await self._pause_image(record)
             await self._settled(sandbox_id)
-            try:
-                template = self.templates.get(record.template_id)
-            except TemplateNotFound as exc:
-                raise NotFound(f"template of the snapshot is gone: {exc}") from exc
-            # envd keeps its token across a pause: no init.
-            slot = await self.launcher.launch(self._plan(
-                record, template, image=image, hostname_of=record.sandbox_id, init=False,
-                purpose="resume"))
+            if disk_pause.is_disk_capture(image):
+                plan = self._plan(record, self._bootable_template(record), files=image,
+                                  hostname_of=record.sandbox_id, start_command=True,
+                                  purpose="resume")
+            elif not memory:
+                raise BadRequest(f"sandbox '{sandbox_id}' was paused with its memory: "
+                                 "resuming from its disk state alone is not supported")
+            else:
+                try:
+                    template = self.templates.get(record.template_id)
+                except TemplateNotFound as exc:
+                    raise NotFound(f"template of the snapshot is gone: {exc}") from exc
+                # envd keeps its token across a pause: no init.
+                plan = self._plan(record, template, image=image,
+                                  hostname_of=record.sandbox_id, init=False, purpose="resume")
+            t0 = time.perf_counter()
+            slot = await self.launcher.launch(plan)
             self._hold(record, slot)
             self._transition(record, SandboxState.RUNNING)
+            log.info("resumed %s in %.0f ms (%s)", sandbox_id, (time.perf_counter() - t0) * 1000,
+                     "rebooted with its files" if plan.files else "restored")
             if staged:
                 await asyncio.to_thread(self.snapshots.discard_staging, record.snapshot_id)
             record.end_at = time.time() + seconds
@@ -257,11 +300,12 @@ class Pausing(ManagerCore):
             self.store.put(record)
             return record
 
-    async def connect(self, sandbox_id: str, ttl: int | None = None) -> SandboxRecord:
+    async def connect(self, sandbox_id: str, ttl: int | None = None,
+                      memory: bool = True) -> SandboxRecord:
         """A running sandbox as it is (a given TTL extends it); a paused one is resumed."""
         record = self.get(sandbox_id)
         if record.state is SandboxState.PAUSED:
-            return await self.resume(sandbox_id, ttl)
+            return await self.resume(sandbox_id, ttl, memory=memory)
         if ttl is not None:
             return await self.set_timeout(sandbox_id, ttl)
         return record
@@ -319,6 +363,7 @@ class Pausing(ManagerCore):
                                           meta.get("disk_size_mb")),
                 ttl=0, started_at=float(meta.get("started_at") or time.time()),
                 auto_pause=bool(meta.get("auto_pause", True)),
+                auto_pause_memory=bool(meta.get("auto_pause_memory", True)),
                 internet=bool(meta.get("internet", True)), metadata=meta.get("metadata"),
                 env_vars=meta.get("env_vars"), envd_token=meta["envd_token"],
                 snapshot_id=snapshot_id)

@@ -20,6 +20,7 @@ class Resources:
 
 def new_record(*, node_id: str, template_id: str, alias: str, resources: Resources,
                ttl: float, auto_pause: bool, internet: bool, network: Mapping | None = None,
+               auto_pause_memory: bool = True,
                private_ports: bool = False, metadata: Mapping[str, str] | None = None,
                env_vars: Mapping[str, str] | None = None, sandbox_id: str = "",
                state: SandboxState = SandboxState.CREATING, envd_token: str = "",
@@ -39,6 +40,7 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
         started_at=now if started_at is None else started_at,
         end_at=now + ttl,
         auto_pause=auto_pause,
+        auto_pause_memory=auto_pause_memory,
         internet=internet,
         network=dict(network or {}),
         traffic_token=secrets.token_urlsafe(32) if private_ports else "",

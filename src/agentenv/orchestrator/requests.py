@@ -25,6 +25,8 @@ class CreateRequest:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = False
+    # What a timeout's pause keeps (E2B autoPauseMemory): False, the files only.
+    auto_pause_memory: bool = True
     internet: bool = True
     # Finer egress policy (E2B's network.allowOut / denyOut); None = by ``internet``.
     network: EgressPolicy | None = None

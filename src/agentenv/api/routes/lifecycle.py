@@ -56,12 +56,21 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, request: Request) -> 
 class ResumeRequest(models._Body):
     timeout: int | None = Field(default=None, ge=0)
     auto_pause: bool | None = Field(default=None, alias="autoPause")
+    # False: boot from the paused sandbox's files alone (E2B's disk-only resume).
+    memory: bool = True
+
+
+class PauseRequest(models._Body):
+    # False: keep the files only; a resume then reboots the sandbox with them.
+    memory: bool = True
 
 
 class SnapshotRequest(models._Body):
     # The snapshot store's own rule (documented as its pattern); its message is the 400's.
     name: str | None = Field(default=None, min_length=1, max_length=NAME_MAX_LENGTH,
                              json_schema_extra={"pattern": NAME_PATTERN})
+    # False: the files only; sandboxes made from it boot with them.
+    memory: bool = True
 
     @field_validator("name")
     @classmethod
@@ -95,9 +104,11 @@ def _info(manifest) -> SnapshotInfo:
 
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-async def pause_sandbox(sandbox_id: str, request: Request) -> Response:
-    """Save the sandbox's memory, processes and files; it holds nothing while paused."""
-    await _manager(request).pause(sandbox_id)
+async def pause_sandbox(sandbox_id: str, request: Request,
+                        body: PauseRequest | None = None) -> Response:
+    """Save the sandbox's memory, processes and files (``memory: false``: its files
+    only); it holds nothing while paused."""
+    await snapshot_call(_manager(request).pause(sandbox_id, memory=body.memory if body else True))
     return Response(status_code=204)
 
 
@@ -107,7 +118,8 @@ async def pause_sandbox(sandbox_id: str, request: Request) -> Response:
 async def resume_sandbox(sandbox_id: str, request: Request,
                          body: ResumeRequest | None = None) -> models.SandboxCreated:
     body = body or ResumeRequest()
-    record = await _manager(request).resume(sandbox_id, body.timeout, body.auto_pause)
+    record = await _manager(request).resume(sandbox_id, body.timeout, body.auto_pause,
+                                            memory=body.memory)
     return models.created(record, request.app.state.config.domain)
 
 
@@ -119,7 +131,8 @@ async def snapshot_sandbox(sandbox_id: str, request: Request,
     name = body.name if body else None
     if name:
         _check_not_a_template(request, name)
-    manifest = await snapshot_call(_manager(request).snapshot(sandbox_id, name))
+    manifest = await snapshot_call(_manager(request).snapshot(
+        sandbox_id, name, memory=body.memory if body else True))
     return _info(manifest)
 
 

@@ -62,6 +62,7 @@ async def create_sandbox(body: models.NewSandbox, request: Request) -> models.Sa
             metadata=body.metadata or {},
             env_vars=body.env_vars or {},
             auto_pause=body.auto_pause,
+            auto_pause_memory=body.auto_pause_memory,
             internet=_internet(body),
             network=network_routes.policy_of(body.network, body.allow_internet_access),
             public_traffic=network_routes.public_traffic(body.network),
@@ -216,7 +217,8 @@ async def connect_sandbox(
     mgr = manager(request)
     record = _alive(request, sandbox_id)
     if record.state is SandboxState.PAUSED:
-        record = await mgr.resume(sandbox_id, body.timeout if body else None)
+        record = await mgr.resume(sandbox_id, body.timeout if body else None,
+                                  memory=body.memory if body else True)
         response.status_code = 201
         return models.created(record, _domain(request))
     if body is not None and body.timeout is not None and \
