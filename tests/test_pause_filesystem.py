@@ -127,3 +127,22 @@ def test_what_cannot_be_done_is_a_clear_error(node: Node) -> None:
         assert sbx.commands.run("echo alive").stdout == "alive\n"
     finally:
         sbx.kill()
+
+
+def test_a_filesystem_snapshot_boots_new_sandboxes_with_its_files(node: Node, api) -> None:
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        sbx.files.write("/home/user/seed.txt", "from the snapshot")
+        sbx.commands.run("sleep 4242", background=True)
+        snap = sbx.create_snapshot(mode="filesystem")
+        assert _boot(sbx)[2]  # the source runs on, its processes too
+        child = Sandbox.create(snap.snapshot_id, timeout=120)
+        try:
+            assert child.files.read("/home/user/seed.txt") == "from the snapshot"
+            assert _boot(child)[2] == ""  # booted: none of the source's processes
+            assert _boot(child)[0] != _boot(sbx)[0]
+        finally:
+            child.kill()
+        assert api.delete(f"/snapshots/{snap.snapshot_id}").status_code == 204
+    finally:
+        sbx.kill()
