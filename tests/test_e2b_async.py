@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from e2b import AsyncSandbox, CommandExitException, SandboxQuery
+from e2b import AsyncSandbox, CommandExitException, SandboxQuery, TimeoutException
 from e2b_code_interpreter import AsyncSandbox as AsyncCodeSandbox
 
 from agentenv.testing import Node
@@ -47,5 +47,34 @@ async def test_async_code_interpreter(node: Node) -> None:
             await sbx.run_code(f"acc.append({i})")
         execution = await sbx.run_code("print('sum'); sum(acc)")
         assert execution.text == "3" and execution.logs.stdout == ["sum\n"]
+    finally:
+        await sbx.kill()
+
+
+async def test_async_command_timeout_raises_timeout_exception(node: Node) -> None:
+    """Issue 14.9: as the sync SDK (and E2B's envd, which ends the stream with
+    deadline_exceeded): a command past its ``timeout`` is a TimeoutException, not a
+    CommandExitException for the kill; the command is killed. Likewise a stream
+    attached with ``connect``."""
+    sbx = await AsyncSandbox.create(template="base", timeout=120)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutException):
+            await sbx.commands.run("sleep 10", timeout=2)
+        assert asyncio.get_running_loop().time() - t0 < 8
+        await asyncio.sleep(0.5)
+        assert not [p for p in await sbx.commands.list() if "sleep 10" in p.cmd + " ".join(p.args)]
+        # a command that ends in time is unaffected
+        assert (await sbx.commands.run("echo quick", timeout=5)).stdout == "quick\n"
+        # a stream attached with connect(timeout=) ends at its deadline; the command
+        # itself keeps running (E2B's envd bounds only the stream there)
+        bg = await sbx.commands.run("sleep 30", background=True)
+        attached = await sbx.commands.connect(bg.pid, timeout=1)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutException):
+            await attached.wait()
+        assert asyncio.get_running_loop().time() - t0 < 8
+        assert bg.pid in [p.pid for p in await sbx.commands.list()]
+        await bg.kill()
     finally:
         await sbx.kill()

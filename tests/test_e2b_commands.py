@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from e2b import CommandExitException, Sandbox, TimeoutException
+from e2b import CommandExitException, Sandbox, SandboxNotRunningException, TimeoutException
 from e2b.sandbox.commands.command_handle import PtySize
 
 from agentenv.testing import Node
@@ -182,3 +182,55 @@ def _quiet(fn) -> None:
         fn()
     except Exception:
         pass
+
+
+def test_killing_the_sandbox_mid_command_says_so(node: Node, api) -> None:
+    """Issue 14.10: a sandbox killed while ``commands.run`` streams ends the stream with
+    a Connect end-of-stream error (not a chunked body cut mid-frame), which the SDK
+    turns into what E2B shows: SandboxNotRunningException, 'killed or reached its end
+    of life while the request was in flight'. The node keeps serving."""
+    victim = Sandbox.create(template="base", timeout=120)
+    chunks: list[str] = []
+
+    def kill_once_streaming() -> None:
+        end = time.monotonic() + 30
+        while not chunks and time.monotonic() < end:
+            time.sleep(0.05)
+        api.delete(f"/sandboxes/{victim.sandbox_id}")
+
+    killer = threading.Thread(target=kill_once_streaming)
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SandboxNotRunningException) as gone:
+            victim.commands.run("echo started; sleep 30", on_stdout=chunks.append, timeout=60)
+    finally:
+        killer.join()
+    assert chunks == ["started\n"]
+    assert time.monotonic() - t0 < 20
+    assert "killed or reached its end of life while the request was in flight" in \
+        str(gone.value), gone.value
+    assert "chunk" not in str(gone.value).lower()
+    # the node still serves: the API, and commands in another sandbox
+    assert api.get(f"/sandboxes/{victim.sandbox_id}").status_code == 404
+    other = Sandbox.create(template="base", timeout=60)
+    try:
+        assert other.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        other.kill()
+
+
+def test_connect_timeout_raises_timeout_exception(sbx: Sandbox) -> None:
+    """Issue 14.9: a stream attached with ``commands.connect(timeout=...)`` ends with
+    TimeoutException at its deadline (as E2B's envd: deadline_exceeded); the command
+    itself keeps running, as there."""
+    handle = sbx.commands.run("sleep 30", background=True)
+    try:
+        attached = sbx.commands.connect(handle.pid, timeout=1)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutException):
+            attached.wait()
+        assert time.monotonic() - t0 < 10
+        assert handle.pid in [p.pid for p in sbx.commands.list()]
+    finally:
+        sbx.commands.kill(handle.pid)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import FileType, NotFoundException, Sandbox
+from e2b import FileType, InvalidArgumentException, NotFoundException, Sandbox
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from agentenv.testing import Node
@@ -256,3 +256,31 @@ def test_signed_upload_edge_cases_as_e2b(sbx: Sandbox) -> None:
     r = httpx.get(url)
     assert r.status_code == 401 and "signature is already expired" in r.text, r.text
     assert httpx.get(sbx.download_url("/home/user/no-filename.txt")).text == "no filename"
+
+
+def test_overwrite_replaces_file_metadata(sbx: Sandbox) -> None:
+    """Issue 14.8: as E2B's envd, each upload replaces a file's user-defined metadata
+    (``user.e2b.*`` xattrs from ``X-Metadata-*`` headers): a write without metadata
+    clears what an earlier write set, a write with other keys drops the old ones, and
+    a key is lowercased. Metadata E2B's envd refuses is a 400 naming it."""
+    path = "/home/user/meta/m.txt"
+    info = sbx.files.write(path, "one", metadata={"Owner": "alice", "stage": "raw"})
+    assert info.metadata == {"owner": "alice", "stage": "raw"}
+    assert sbx.files.get_info(path).metadata == {"owner": "alice", "stage": "raw"}
+    info = sbx.files.write(path, "two", metadata={"stage": "clean"})
+    assert info.metadata == {"stage": "clean"}
+    assert sbx.files.get_info(path).metadata == {"stage": "clean"}
+    info = sbx.files.write(path, "three")
+    assert info.metadata is None
+    assert sbx.files.get_info(path).metadata is None
+    assert sbx.files.read(path) == "three"
+    # the multi-file write (multipart) replaces it too, on every file it writes
+    sbx.files.write(path, "four", metadata={"a": "1"})
+    infos = sbx.files.write_files([{"path": path, "data": "five"},
+                                   {"path": "/home/user/meta/n.txt", "data": "n"}])
+    assert [i.metadata for i in infos] == [None, None]
+    assert sbx.files.get_info(path).metadata is None
+    # over E2B's 4096-byte budget: refused before the file is touched
+    with pytest.raises(InvalidArgumentException, match="metadata"):
+        sbx.files.write(path, "six", metadata={"big": "x" * 5000})
+    assert sbx.files.read(path) == "five"

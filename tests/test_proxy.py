@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -12,6 +13,7 @@ from e2b import Sandbox
 from websockets.sync.client import connect as ws_connect
 
 from agentenv.testing import Node
+from agentenv.web.relay import ConnectFrames
 from sandbox_helpers import start_ws_echo
 
 
@@ -63,3 +65,33 @@ def test_websocket_through_proxy(node: Node, served: str, routing: str) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def _envelope(flags: int, body: bytes) -> bytes:
+    return bytes([flags]) + len(body).to_bytes(4, "big") + body
+
+
+def test_connect_frames_pass_whole_envelopes_only() -> None:
+    """Issue 14.10: the relay passes on whole Connect envelopes, so an upstream that
+    dies mid-envelope can still be followed by a well-formed end-of-stream error;
+    one already ended, or cut inside an envelope too big to hold, gets none."""
+    a, b = _envelope(0, b'{"a":1}'), _envelope(0, b"x" * 100)
+    frames = ConnectFrames()
+    assert frames.feed(a + b[:3]) == a
+    assert frames.feed(b[3:50]) == b""
+    end = frames.end_with_error("unavailable", "gone")
+    assert end is not None and end[0] == 0x02
+    assert json.loads(end[5:]) == {"error": {"code": "unavailable", "message": "gone"}}
+    assert int.from_bytes(end[1:5], "big") == len(end) - 5
+    assert frames.end_with_error("unavailable", "again") is None
+
+    done = ConnectFrames()
+    assert done.feed(_envelope(2, b"{}")) == _envelope(2, b"{}")
+    assert done.end_with_error("unavailable", "gone") is None
+
+    big = _envelope(0, b"y" * (ConnectFrames.HOLD + 10))
+    cut = ConnectFrames()
+    assert cut.feed(big[:ConnectFrames.HOLD + 6]) == big[:ConnectFrames.HOLD + 6]
+    assert cut.end_with_error("unavailable", "gone") is None
+    assert cut.feed(big[ConnectFrames.HOLD + 6:] + a) == big[ConnectFrames.HOLD + 6:] + a
+    assert cut.end_with_error("unavailable", "gone") is not None

@@ -124,7 +124,8 @@ class SandboxProxy:
                     sandbox_id: str, url: httpx.URL) -> None:
         headers = forwarded_headers(scope, _DROP_REQUEST)
         try:
-            await relay_http(self._client(sandbox_id), scope, receive, send, url, headers)
+            await relay_http(self._client(sandbox_id), scope, receive, send, url, headers,
+                             f"sandbox {sandbox_id}")
         except httpx.ConnectError:
             await send_error(scope, send, 502,
                              f"The sandbox {sandbox_id} is running but port is not open: "

@@ -85,7 +85,8 @@ class GatewayProxy:
             await self._websocket(scope, receive, send, url, headers)
             return
         try:
-            await relay_http(self._http, scope, receive, send, url, headers)
+            await relay_http(self._http, scope, receive, send, url, headers,
+                             f"node {node.node_id}")
         except httpx.HTTPError as exc:
             await send_error(scope, send, 502, f"node {node.node_id} did not answer: {exc}")
 

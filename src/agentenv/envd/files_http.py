@@ -16,11 +16,12 @@ import zlib
 from typing import Any
 from urllib.parse import quote
 
+from . import file_metadata
 from .asgi import HTTPError, body_chunks, header, send_json
 from .protocol import file_signature
 from .state import PathError, State, User, UserError, resolve_path
 from .userfs import UserFS, user_key
-from .userfs_protocol import METADATA_XATTR_PREFIX, Refused, WorkerGone
+from .userfs_protocol import Refused, WorkerGone
 
 FILE_CHUNK = 256 * 1024
 # Multipart uploads: header bytes of one part, and file parts of one upload
@@ -82,13 +83,9 @@ class _FileSink:
             self.close()
             raise _io_error(e, self.path) from None
 
-    def set_metadata(self, metadata: dict[str, str]) -> None:
-        for k, v in metadata.items():
-            try:  # on the open file, not the path (which may since point elsewhere)
-                os.setxattr(self.fd, METADATA_XATTR_PREFIX + k, v.encode())
-            except OSError as e:
-                raise HTTPError(500, f"cannot store metadata on '{self.path}': "
-                                     f"{e.strerror}") from None
+    def set_metadata(self, metadata: dict[str, str]) -> dict[str, str]:
+        # On the open file, not the path (which may since point elsewhere).
+        return file_metadata.replace(self.fd, self.path, metadata)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -176,12 +173,11 @@ class FilesEndpoint:
         body = body_chunks(receive)
         if encoding == "gzip":
             body = _gunzip(body)
-        metadata = {k[len("x-metadata-"):]: v.decode("latin-1")
-                    for k, v in ((k.decode("latin-1").lower(), v)
-                                 for k, v in scope.get("headers", ()))
-                    if k.startswith("x-metadata-")}
+        metadata = file_metadata.from_headers(scope.get("headers", ()))
+        # path -> the metadata it now holds, in the order written
+        kept: dict[str, dict[str, str]] = {}
         if ctype.lower().startswith("multipart/form-data"):
-            paths = await self._upload_multipart(ctype, query, user, body, metadata)
+            await self._upload_multipart(ctype, query, user, body, metadata, kept)
         else:
             if not query.get("path"):
                 raise HTTPError(400, "the 'path' query parameter is required for raw uploads")
@@ -190,20 +186,20 @@ class FilesEndpoint:
             try:
                 async for chunk in body:
                     sink.write(chunk)
-                sink.set_metadata(metadata)
+                kept[path] = sink.set_metadata(metadata)
             finally:
                 sink.close()
-            paths = [path]
         out = []
-        for p in paths:
+        for p, meta in kept.items():
             item: dict[str, Any] = {"name": os.path.basename(p), "type": "file", "path": p}
-            if metadata:
-                item["metadata"] = metadata
+            if meta:
+                item["metadata"] = meta
             out.append(item)
         await send_json(send, 200, out)
 
     async def _upload_multipart(self, ctype: str, query: dict[str, str], user: User,
-                                body, metadata: dict[str, str]) -> list[str]:
+                                body, metadata: dict[str, str],
+                                kept: dict[str, dict[str, str]]) -> None:
         """Write a multipart upload's file parts.
 
         With ``path`` in the query (always, for a signed URL) the body must hold
@@ -304,7 +300,7 @@ class FilesEndpoint:
                     if sink is not None:
                         sink.write(arg)
                 elif sink is not None:
-                    sink.set_metadata(metadata)
+                    kept[sink.path] = sink.set_metadata(metadata)
                     sink.close()
                     sink = None
             actions.clear()
@@ -326,7 +322,6 @@ class FilesEndpoint:
                 sink.close()
         if not written:
             raise HTTPError(400, "no file in the multipart body")
-        return written
 
 
 async def _gunzip(chunks):

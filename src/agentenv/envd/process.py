@@ -6,11 +6,12 @@ output, exit and input are running's.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import signal
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from aenv_envd_protos.process import process_pb as pb
 from connectrpc.code import Code
@@ -42,6 +43,37 @@ def _keepalive_s(ctx: RequestContext) -> float | None:
     if not math.isfinite(v) or v <= 0:
         return None
     return min(max(v, MIN_KEEPALIVE_S), MAX_KEEPALIVE_S)
+
+
+def _deadline(ctx: RequestContext) -> float | None:
+    """The request's deadline (Connect-Timeout-Ms) on the event loop's clock."""
+    remaining_ms = ctx.timeout_ms
+    if remaining_ms is None or ctx.request_headers.get("connect-timeout-ms") == "0":
+        return None  # none; "0" is none too, as E2B's envd reads it
+    return asyncio.get_running_loop().time() + max(remaining_ms, 0) / 1000
+
+
+async def _until_deadline(events: AsyncGenerator[Any, None], deadline: float | None
+                          ) -> AsyncIterator[Any]:
+    """``events`` until ``deadline``, then the stream ends with deadline_exceeded, as
+    E2B's envd ends it (its handler's context): the SDKs raise their timeout error for
+    that, not an exit error for the process the deadline killed. Nothing is passed on
+    after the deadline, even an event already queued (the kill's own end event)."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            if deadline is not None and loop.time() >= deadline:
+                raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")
+            try:
+                async with asyncio.timeout_at(deadline):
+                    ev = await anext(events)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded") from None
+            yield ev
+    finally:
+        await events.aclose()
 
 
 def _request_user(state: State, ctx: RequestContext) -> User:
@@ -91,23 +123,24 @@ class ProcessService:
             except PathError as e:
                 raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
             await self._check_cwd(cwd, user)
+        deadline = _deadline(ctx)
         proc = spawn_process(self.state, self.registry, request, user, cwd)
-        timeout_ms = ctx.timeout_ms
-        if timeout_ms:  # E2B semantics: the stream's deadline bounds the process
-            proc.set_deadline(timeout_ms / 1000)
+        if deadline is not None:  # E2B semantics: the stream's deadline bounds the process
+            proc.set_deadline(deadline)
         q = proc.subscribe()
         started = pb.ProcessEvent.StartEvent(pid=proc.pid)
         yield pb.StartResponse(event=process_event(start=started))
-        async for ev in proc.events(q, _keepalive_s(ctx)):
+        async for ev in _until_deadline(proc.events(q, _keepalive_s(ctx)), deadline):
             yield pb.StartResponse(event=ev)
 
     async def connect(self, request: pb.ConnectRequest, ctx: RequestContext
                       ) -> AsyncIterator[pb.ConnectResponse]:
+        deadline = _deadline(ctx)  # bounds this stream only, not the process
         proc = self.registry.select(request.process)
         q = proc.subscribe()
         started = pb.ProcessEvent.StartEvent(pid=proc.pid)
         yield pb.ConnectResponse(event=process_event(start=started))
-        async for ev in proc.events(q, _keepalive_s(ctx)):
+        async for ev in _until_deadline(proc.events(q, _keepalive_s(ctx)), deadline):
             yield pb.ConnectResponse(event=ev)
 
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:

@@ -15,7 +15,7 @@ import errno
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aenv_envd_protos.process import process_pb as pb
@@ -110,7 +110,8 @@ class Proc:
             for fd in self._out:
                 self._loop.add_reader(fd, self._on_readable, fd)
 
-    async def events(self, q: asyncio.Queue, keepalive_s: float | None) -> AsyncIterator[Any]:
+    async def events(self, q: asyncio.Queue, keepalive_s: float | None
+                     ) -> AsyncGenerator[Any, None]:
         try:
             while True:
                 if keepalive_s:
@@ -214,8 +215,9 @@ class Proc:
                     os.close(fd)
                 setattr(self, attr, None)
 
-    def set_deadline(self, seconds: float) -> None:
-        self._deadline = self._loop.call_later(seconds, self.signal, signal.SIGKILL)
+    def set_deadline(self, when: float) -> None:
+        """SIGKILL at ``when`` (the event loop's clock)."""
+        self._deadline = self._loop.call_at(when, self.signal, signal.SIGKILL)
 
     def signal(self, sig: int) -> None:
         if self.ended:

@@ -12,6 +12,10 @@ Safety rules:
   not be routed again.
 - Bodies stream both ways; nothing is buffered whole. A client that hangs up
   mid-response closes the upstream request too.
+- An upstream that dies mid-response (a sandbox killed while a command streams)
+  ends a Connect stream with an end-of-stream error frame (``unavailable``) and a
+  well-formed body, so the SDK reads an error it maps, not a chunk cut short. Any
+  other body is cut off, so the client cannot take it for complete.
 """
 
 from __future__ import annotations
@@ -108,8 +112,71 @@ async def request_body(receive: Receive, done: asyncio.Event) -> AsyncIterator[b
         done.set()
 
 
-async def send_response_body(upstream: httpx.Response, send: Send) -> None:
+class ConnectFrames:
+    """Where a relayed Connect stream's envelopes (flags byte, 4-byte length, message)
+    begin and end, so an upstream that dies can be followed by an end-of-stream frame.
+
+    Only whole envelopes are passed on; the part of one still arriving is held back,
+    up to ``HOLD`` bytes (a bigger one streams on, and the stream is then known to be
+    mid-envelope until it is through)."""
+
+    HOLD = 1 << 20
+    END_STREAM = 0x02
+
+    def __init__(self) -> None:
+        self.pending = bytearray()
+        self.passing = 0  # bytes of a big envelope still to pass on unheld
+        self.ended = False  # the upstream's own end-of-stream frame went by
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of the upstream's bytes so far can go on to the client now."""
+        out = bytearray()
+        view = memoryview(chunk)
+        if self.passing:
+            n = min(self.passing, len(view))
+            out += view[:n]
+            view = view[n:]
+            self.passing -= n
+        self.pending += view
+        pos = 0
+        while len(self.pending) - pos >= 5:
+            size = 5 + int.from_bytes(self.pending[pos + 1:pos + 5], "big")
+            if len(self.pending) - pos < size:
+                break
+            self.ended |= bool(self.pending[pos] & self.END_STREAM)
+            pos += size
+        out += self.pending[:pos]
+        del self.pending[:pos]
+        if len(self.pending) > self.HOLD:
+            self.ended |= bool(self.pending[0] & self.END_STREAM)
+            self.passing = 5 + int.from_bytes(self.pending[1:5], "big") - len(self.pending)
+            out += self.pending
+            self.pending.clear()
+        return bytes(out)
+
+    def end_with_error(self, code: str, message: str) -> bytes | None:
+        """The end-of-stream frame carrying the error, or None when the stream cannot
+        take one (ended already, or cut inside an envelope already passed on)."""
+        if self.ended or self.passing:
+            return None
+        self.pending.clear()  # a partial envelope, never passed on
+        self.ended = True
+        body = json.dumps({"error": {"code": code, "message": message}}).encode()
+        return bytes([self.END_STREAM]) + len(body).to_bytes(4, "big") + body
+
+
+def is_connect_stream(content_type: str) -> bool:
+    """A Connect streaming response (``application/connect+json``, ``+proto``)."""
+    return content_type.strip().lower().startswith("application/connect+")
+
+
+async def send_response_body(upstream: httpx.Response, send: Send,
+                             frames: ConnectFrames | None = None) -> None:
     async for chunk in upstream.aiter_raw():
+        if frames is not None:
+            chunk = frames.feed(chunk)
+            if not chunk:
+                continue
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -134,9 +201,13 @@ async def send_error(scope: Scope, send: Send, status: int, message: str) -> Non
 
 
 async def relay_http(client: httpx.AsyncClient, scope: Scope, receive: Receive, send: Send,
-                     url: httpx.URL, headers: list[tuple[bytes, bytes]]) -> None:
+                     url: httpx.URL, headers: list[tuple[bytes, bytes]],
+                     upstream_name: str = "the upstream") -> None:
     """Send the request upstream and stream the answer back. Errors before the answer
-    starts raise ``httpx.HTTPError`` for the caller to word; after, the answer ends early."""
+    starts raise ``httpx.HTTPError`` for the caller to word; after, the answer ends
+    early: a Connect stream with an ``unavailable`` error naming ``upstream_name``
+    (the SDKs then probe the sandbox's health to tell killed from unreachable), any
+    other body cut off."""
     body_read = asyncio.Event()  # from then on, receive() only reports a hang-up
     streamed = has_body(scope)
     if not streamed:
@@ -146,6 +217,8 @@ async def relay_http(client: httpx.AsyncClient, scope: Scope, receive: Receive, 
         content=request_body(receive, body_read) if streamed else None,
     )
     upstream = await client.send(request, stream=True)
+    frames = ConnectFrames() if is_connect_stream(
+        upstream.headers.get("content-type", "")) else None
     try:
         await send({
             "type": "http.response.start",
@@ -155,7 +228,7 @@ async def relay_http(client: httpx.AsyncClient, scope: Scope, receive: Receive, 
         })
         # A client that hangs up mid-stream closes the upstream request too, so the
         # upstream sees it (e.g. a code execution the SDK gave up on stops).
-        relay = asyncio.ensure_future(send_response_body(upstream, send))
+        relay = asyncio.ensure_future(send_response_body(upstream, send, frames))
         hangup = asyncio.ensure_future(client_gone(receive, body_read))
         await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
         hangup.cancel()
@@ -168,6 +241,11 @@ async def relay_http(client: httpx.AsyncClient, scope: Scope, receive: Receive, 
     except httpx.HTTPError as exc:
         # The response has started: all that can be done is to end it early.
         log.info("relay from %s ended early: %s", url.host, exc)
+        frame = frames.end_with_error(
+            "unavailable", f"the connection to {upstream_name} ended before the stream "
+                           "completed") if frames is not None else None
+        if frame is not None:
+            await send({"type": "http.response.body", "body": frame, "more_body": False})
     finally:
         await upstream.aclose()
 
