@@ -29,6 +29,7 @@ from agentenv.orchestrator import (
     StorageFull,
 )
 from agentenv.orchestrator import specs as specs_module
+from agentenv.orchestrator.envd_client import EnvdUnavailable
 from agentenv.runtime import RuntimeFailure
 from agentenv.snapshot import SnapshotNotFound, SnapshotStore, open_repository
 from agentenv.templates import TemplateRegistry
@@ -164,6 +165,31 @@ async def test_pause_resume_kill(node: Node) -> None:
     with pytest.raises(SnapshotNotFound):
         mgr.snapshots.get(snapshot)
     assert node.clean() and mgr.store.all() == []
+
+
+async def test_a_filesystem_pause_reboots_and_a_failed_file_restore_keeps_it_paused(
+        node: Node) -> None:
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid = record.sandbox_id
+    await mgr.pause(sid, memory=False)
+    assert record.state is SandboxState.PAUSED and ("checkpoint", sid) not in node.runtime.calls
+    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    assert node.clean()
+    assert mgr.snapshots.get(record.snapshot_id).metadata["memory"] is False
+
+    node.envd.faults.fail("disk_import", EnvdUnavailable("envd /aenv/fs/import answered 500"))
+    with pytest.raises(OrchestratorError, match="restoring the sandbox's files failed"):
+        await mgr.resume(sid)
+    assert record.state is SandboxState.PAUSED and node.clean()
+
+    node.envd.disk_uploads.clear()
+    await mgr.resume(sid)
+    # Booted (not restored), pruned to the listing, then the archive, then the start.
+    assert node.runtime.calls[-1] == ("start", sid) and record.state is SandboxState.RUNNING
+    assert [op for _, op, _ in node.envd.disk_uploads] == ["prune", "import"]
+    assert node.envd.disk_uploads[1][2] == b"an archive of /home/user/f"
+    assert node.envd.inits[record.slot_address]["token"] == record.envd_token
 
 
 @pytest.fixture

@@ -187,6 +187,7 @@ class FakeEnvd:
     faults: Faults = field(default_factory=Faults)
     inits: dict[str, dict] = field(default_factory=dict)
     commands: list[str] = field(default_factory=list)
+    disk_uploads: list[tuple[str, str, bytes]] = field(default_factory=list)
 
     async def close(self) -> None:
         pass
@@ -212,3 +213,17 @@ class FakeEnvd:
                   deadline_s: float = 60.0) -> int:
         self.commands.append(command)
         return 0
+
+    async def disk_download(self, address: str, token: str, op: str, dest: Path,
+                            limit: int, body: Path | None = None) -> int:
+        """A sandbox whose only own file is /home/user/f (a filesystem-only capture)."""
+        await self.faults.check(f"disk_{op}")
+        data = (b'["/home/user/f", "f", 420, 1000, 1000, 3, 1, ""]\n' if op == "list"
+                else b"an archive of /home/user/f")
+        dest.write_bytes(data)
+        return len(data)
+
+    async def disk_upload(self, address: str, token: str, op: str, body: Path) -> dict:
+        await self.faults.check(f"disk_{op}")
+        self.disk_uploads.append((address, op, body.read_bytes()))
+        return {}
