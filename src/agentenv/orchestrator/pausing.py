@@ -13,14 +13,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from pathlib import Path
 
-from ..network import Slot
-from ..runtime import RuntimeFailure
 from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
 from ..templates import TemplateNotFound
 from . import disk_pause
-from .core import ManagerCore
+from .captures import Captures
 from .models import (
     BadRequest,
     Conflict,
@@ -28,7 +25,6 @@ from .models import (
     OrchestratorError,
     SandboxRecord,
     SandboxState,
-    StorageFull,
     new_sandbox_id,
     not_running,
 )
@@ -37,30 +33,7 @@ from .records import new_record
 log = logging.getLogger(__name__)
 
 
-class Pausing(ManagerCore):
-    def _snapshot_metadata(self, record: SandboxRecord, kind: str) -> dict:
-        return {
-            "kind": kind,
-            "template_id": record.template_id,
-            "alias": record.alias,
-            "source_sandbox_id": record.sandbox_id,
-            "parent_snapshot_id": record.snapshot_id or None,
-            "cpu_count": record.cpu_count,
-            "memory_mb": record.memory_mb,
-            "disk_size_mb": record.disk_size_mb,
-            "internet": record.internet,
-            "metadata": record.metadata,
-            "env_vars": record.env_vars,
-            # The token lives in the memory image too; a child rotates it.
-            "envd_token": record.envd_token,
-            # With the rest, enough for another node to rebuild the record (adopt_paused).
-            "auto_pause": record.auto_pause,
-            "auto_pause_memory": record.auto_pause_memory,
-            "started_at": record.started_at,
-            **self.specs.stamp(),
-            "created_at": time.time(),
-        }
-
+class Pausing(Captures):
     # -- snapshot -----------------------------------------------------------------------
 
     async def snapshot(self, sandbox_id: str, name: str | None = None,
@@ -84,37 +57,6 @@ class Pausing(ManagerCore):
         except BaseException:
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
             raise
-
-    async def _capture(self, sandbox_id: str, snapshot_id: str, leave_running: bool) -> Path:
-        """Checkpoint into a fresh staging dir; on failure nothing stays staged."""
-        await self._check_staging_room(sandbox_id)
-        try:
-            staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
-        except SnapshotError as exc:
-            raise OrchestratorError(f"cannot stage a snapshot: {exc}") from exc
-        try:
-            await self.runtime.checkpoint(sandbox_id, staging, leave_running=leave_running)
-        except BaseException as exc:
-            full = isinstance(exc, RuntimeFailure) and (
-                "no space left" in str(exc).lower()
-                or await asyncio.to_thread(self.snapshots.staging.is_nearly_full))
-            await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
-            if full:
-                raise StorageFull(f"no space left on the node's snapshot staging disk "
-                                  f"({self.snapshots.staging_dir})") from exc
-            raise
-        return staging
-
-    async def _check_staging_room(self, sandbox_id: str) -> None:
-        """Refuse a capture that cannot fit before it starts: runsc meeting a full disk
-        midway may fail without saying so (or panic), and fills the disk for others."""
-        need = self.runtime.capture_size(sandbox_id)
-        free = await asyncio.to_thread(self.snapshots.staging.free_bytes)
-        if need and free < need:
-            raise StorageFull(
-                f"no space left on the node's snapshot staging disk "
-                f"({self.snapshots.staging_dir}): the capture needs about {need >> 20} MiB, "
-                f"{free >> 20} MiB are free")
 
     # -- pause --------------------------------------------------------------------------
 
@@ -155,42 +97,6 @@ class Pausing(ManagerCore):
             self._start_commit(snapshot_id, staging, metadata, replaces=previous)
             return record
 
-    async def _capture_files(self, record: SandboxRecord, snapshot_id: str) -> Path:
-        """A filesystem-only capture of a running sandbox (which runs on if it fails)."""
-        template = self._bootable_template(record)
-        try:
-            staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
-        except SnapshotError as exc:
-            raise OrchestratorError(f"cannot stage a snapshot: {exc}") from exc
-        t0 = time.perf_counter()
-        try:
-            size = await disk_pause.capture(
-                self.envd, record.slot_address, record.envd_token, template.rootfs,
-                self._template_listings, staging, record.disk_size_mb << 20)
-        except BaseException:
-            await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
-            raise
-        log.info("files of %s captured: %d bytes differ from template %s, in %.0f ms",
-                 record.sandbox_id, size, template.template_id,
-                 (time.perf_counter() - t0) * 1000)
-        return staging
-
-    async def _free(self, sandbox_id: str, slot: Slot | None) -> None:
-        try:
-            await self.runtime.destroy(sandbox_id)
-            if slot is not None:
-                await self.slots.release(slot)
-        except Exception:
-            log.exception("freeing the runtime of paused sandbox %s failed", sandbox_id)
-        finally:
-            self._releasing.pop(sandbox_id, None)
-
-    async def _settled(self, sandbox_id: str) -> None:
-        """Wait until a paused sandbox's old runtime is gone (its ID can be reused)."""
-        task = self._releasing.get(sandbox_id)
-        if task is not None:
-            await asyncio.shield(task)
-
     async def _after_failed_pause(self, record: SandboxRecord, exc: BaseException) -> None:
         """A failed capture may have stopped the sandbox: then nothing can be saved
         and the sandbox is gone; otherwise it keeps running as it was."""
@@ -200,64 +106,7 @@ class Pausing(ManagerCore):
                       record.sandbox_id, exc)
             await asyncio.shield(self._teardown(record, True))
 
-    # -- commits of pauses --------------------------------------------------------------
-
-    def _start_commit(self, snapshot_id: str, staging: Path, metadata: dict,
-                      replaces: str = "") -> None:
-        async def run() -> None:
-            try:
-                await asyncio.to_thread(self.snapshots.commit, snapshot_id, staging, metadata)
-                self.snapshots.staging.committed(snapshot_id)
-                if replaces:
-                    with contextlib.suppress(SnapshotError):
-                        await asyncio.to_thread(self.snapshots.delete, replaces)
-            except Exception:
-                log.exception("commit of pause snapshot %s failed; it stays staged", snapshot_id)
-                raise
-            finally:
-                self._commits.pop(snapshot_id, None)
-
-        self._commits[snapshot_id] = asyncio.create_task(run())
-
-    def _recommit_if_staged(self, record: SandboxRecord) -> None:
-        """After a restart: a pause whose commit did not finish is committed again."""
-        metadata = self.snapshots.staging.pending(record.snapshot_id)
-        if metadata is not None:
-            log.info("resuming the commit of pause snapshot %s", record.snapshot_id)
-            self._start_commit(record.snapshot_id,
-                               self.snapshots.staging.path(record.snapshot_id), metadata)
-
-    def _retry_failed_commits(self) -> None:
-        """Paused sandboxes whose capture is only staged get their commit again."""
-        for record in self._records.values():
-            if record.state is SandboxState.PAUSED and record.snapshot_id not in self._commits:
-                self._recommit_if_staged(record)
-
-    def pause_committed(self, record: SandboxRecord) -> bool:
-        """Whether a paused sandbox's snapshot is in the repository (not only staged here)."""
-        sid = record.snapshot_id
-        return bool(sid) and sid not in self._commits and \
-            not self.snapshots.staging.is_pending(sid)
-
     # -- resume -------------------------------------------------------------------------
-
-    async def _pause_image(self, record: SandboxRecord) -> tuple[Path, bool]:
-        """Where a paused sandbox's state is on this node, and whether that is the capture
-        still staged here (its commit has not gone through: repository down) rather
-        than the committed snapshot's cache."""
-        pending = self._commits.get(record.snapshot_id)
-        if pending is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(pending)
-        if self.snapshots.staging.pending(record.snapshot_id) is not None:
-            log.info("resuming %s from its uncommitted local capture", record.sandbox_id)
-            return self.snapshots.staging.path(record.snapshot_id), True
-        try:
-            return await asyncio.to_thread(self.snapshots.materialize, record.snapshot_id), False
-        except SnapshotNotFound as exc:
-            raise NotFound(f"snapshot of sandbox '{record.sandbox_id}' is gone") from exc
-        except SnapshotError as exc:
-            raise OrchestratorError(f"snapshot repository: {exc}") from exc
 
     async def resume(self, sandbox_id: str, ttl: int | None = None,
                      auto_pause: bool | None = None, memory: bool = True) -> SandboxRecord:
