@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sqlite3
 import subprocess
+import time
 
 from e2b import Sandbox
 
 from agentenv.testing import Node, leaks
+from sandbox_helpers import COUNTER, counting
 
 PREFIX = "aec"
 CIDR = "10.13.0.0/16"
@@ -49,3 +51,50 @@ def test_kill9_then_restart_adopts_and_cleans(tmp_path, monkeypatch) -> None:
     finally:
         node.stop()
     assert leaks(PREFIX, node.home) == []
+
+
+def test_kill9_while_paused_in_memory_loses_nothing(tmp_path, monkeypatch) -> None:
+    """A pause answers once the sandbox is frozen; its capture follows. A node killed
+    right after the answers, then restarted, still has both sandboxes: one resumes at
+    once (thawed, or restored if captured and evicted), one after its idle eviction
+    (from disk), each with its process and files."""
+    node = Node(tmp_path / "home", PREFIX, CIDR, AENV_RESIDENT_PAUSE_IDLE_S="4")
+    node.start()
+    try:
+        for k, v in node.e2b_env().items():
+            monkeypatch.setenv(k, v)
+        boxes = [Sandbox.create("base", timeout=300) for _ in range(2)]
+        for i, sbx in enumerate(boxes):
+            sbx.files.write("/home/user/mark.txt", f"box {i}")
+            sbx.commands.run(COUNTER, background=True)
+            assert counting(sbx)
+        for sbx in boxes:
+            sbx.pause()
+        node.kill9()  # right after the answers: their captures may not have begun
+
+        node.start()
+        with node.client() as api:
+            states = {s["sandboxID"]: s["state"] for s in api.get(
+                "/v2/sandboxes", params={"state": "paused"}).json()}
+            assert states == {b.sandbox_id: "paused" for b in boxes}
+            first, second = boxes
+            Sandbox.connect(first.sandbox_id)
+            assert counting(first) and first.files.read("/home/user/mark.txt") == "box 0"
+
+            # The other is evicted once idle (its frozen runtime gone, its capture kept).
+            deadline = time.time() + 60
+            while second.sandbox_id in _runsc_ids(node):
+                assert time.time() < deadline, "the idle paused sandbox was not evicted"
+                time.sleep(0.5)
+            Sandbox.connect(second.sandbox_id)
+            assert counting(second) and second.files.read("/home/user/mark.txt") == "box 1"
+            for sbx in boxes:
+                sbx.kill()
+    finally:
+        node.stop()
+    assert leaks(PREFIX, node.home) == []
+
+
+def _runsc_ids(node: Node) -> list[str]:
+    return subprocess.run(["runsc", f"--root={node.home}/run/runsc", "list", "-quiet"],
+                          capture_output=True, text=True).stdout.split()

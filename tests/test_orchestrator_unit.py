@@ -39,7 +39,8 @@ from agentenv.testing.fakes import FakeEnvd, FakeRuntime, FakeSlots
 class Node:
     """A manager over fakes; ``restart()`` makes a new one on the same home and runtime."""
 
-    def __init__(self, root: Path, capacity: int, slots: int) -> None:
+    def __init__(self, root: Path, capacity: int, slots: int, resident: bool = False,
+                 idle_s: int = 600) -> None:
         self.root = root
         templates = root / "images" / "templates" / "base"
         (templates / "rootfs").mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,8 @@ class Node:
             {"templateID": "base", "aliases": ["base"], "cpuCount": 64, "memoryMB": 256}))
         self.config = Config(home=root / "home", images_dir=root / "images",
                              max_sandboxes=capacity, template_snapshots=False,
-                             max_cpu_count=2, max_memory_mb=1024, node_id="unit")
+                             max_cpu_count=2, max_memory_mb=1024, node_id="unit",
+                             resident_pause=resident, resident_pause_idle_s=idle_s)
         self.runtime = FakeRuntime()
         self.slots = FakeSlots(slots)
         self.envd = FakeEnvd()
@@ -270,3 +272,121 @@ async def test_a_restart_adopts_running_and_paused_sandboxes(node: Node) -> None
     assert mgr.endpoint(running.sandbox_id, 1)[0] == running.slot_address
     await mgr.resume(paused.sandbox_id)
     assert mgr.get(paused.sandbox_id).state is SandboxState.RUNNING
+
+
+# -- two-tier (resident) pauses --------------------------------------------------------
+
+@pytest.fixture
+async def resident_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                        ) -> AsyncIterator[Node]:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    monkeypatch.setattr(specs_module, "build_bundle", lambda _dir: bundle)
+    n = Node(tmp_path, capacity=3, slots=3, resident=True)
+    await n.manager.start()
+    yield n
+    await n.manager.close(destroy=True)
+    n.manager.store.close()
+
+
+async def _captured(mgr: SandboxManager, sandbox_id: str) -> None:
+    entry = mgr._resident.get(sandbox_id)
+    if entry is not None and entry.capture is not None:
+        await entry.capture
+    await asyncio.gather(*mgr._commits.values())
+
+
+async def test_a_resident_pause_freezes_and_a_resume_thaws_in_place(resident_node: Node) -> None:
+    node = resident_node
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid, slot = record.sandbox_id, record.slot_address
+    await mgr.pause(sid)
+    assert record.state is SandboxState.PAUSED
+    assert node.runtime.sandboxes[sid].state == "paused" and record.slot_address == slot
+    await _captured(mgr, sid)  # captured frozen, committed in the background
+    assert node.runtime.sandboxes[sid].state == "paused"
+    assert mgr.snapshots.get(record.snapshot_id).metadata["kind"] == "pause"
+    await mgr.resume(sid)
+    assert record.state is SandboxState.RUNNING and record.slot_address == slot
+    assert ("restore", sid) not in node.runtime.calls  # a thaw, not a restore
+    assert node.runtime.sandboxes[sid].state == "running"
+
+    # Paused and resumed before its capture began: no capture, no snapshot left over.
+    before = record.snapshot_id
+    await mgr.pause(sid)
+    await mgr.resume(sid)
+    await asyncio.sleep(0)
+    assert record.snapshot_id == before and not mgr._commits
+    assert [m.snapshot_id for m in mgr.snapshots.list()] == [before]
+
+
+async def test_resident_pauses_are_evicted_when_idle_or_their_slot_is_needed(
+        resident_node: Node) -> None:
+    node = resident_node
+    mgr = node.manager
+    a, b, c = [await mgr.create(CreateRequest("base")) for _ in range(3)]
+    for r in (a, b):
+        await mgr.pause(r.sandbox_id)
+        await _captured(mgr, r.sandbox_id)
+    # All three slots held (c running, a and b frozen): a create evicts a, the oldest.
+    d = await mgr.create(CreateRequest("base"))
+    assert a.slot_index == 0 and a.sandbox_id not in node.runtime.sandboxes
+    assert b.slot_index and node.runtime.sandboxes[b.sandbox_id].state == "paused"
+    await mgr.resume(a.sandbox_id)  # from its capture: a restore
+    assert ("restore", a.sandbox_id) in node.runtime.calls and a.state is SandboxState.RUNNING
+    await mgr.kill(d.sandbox_id)
+
+    assert mgr._resident is not None
+    mgr._resident.idle_s = 0
+    await mgr._tend_residents()
+    assert b.slot_index == 0 and b.sandbox_id not in node.runtime.sandboxes
+    await mgr.kill(b.sandbox_id)
+    await mgr.kill(a.sandbox_id)
+    await mgr.kill(c.sandbox_id)
+    assert node.clean() and mgr.snapshots.list() == []
+
+
+async def test_a_frozen_runtime_that_dies_keeps_what_was_captured(resident_node: Node) -> None:
+    node = resident_node
+    mgr = node.manager
+    saved = await mgr.create(CreateRequest("base"))
+    await mgr.pause(saved.sandbox_id)
+    await _captured(mgr, saved.sandbox_id)
+    node.runtime.crash(saved.sandbox_id, "was killed")
+    await asyncio.sleep(0.05)
+    assert saved.state is SandboxState.PAUSED and saved.slot_index == 0
+    await mgr.resume(saved.sandbox_id)
+    assert saved.state is SandboxState.RUNNING
+
+    lost = await mgr.create(CreateRequest("base"))
+    node.runtime.faults.delay("checkpoint", 0.5)
+    await mgr.pause(lost.sandbox_id)
+    await asyncio.sleep(0.05)  # its capture is under way
+    node.runtime.crash(lost.sandbox_id, "was killed")
+    await asyncio.sleep(0.6)
+    assert lost.state is SandboxState.ERROR and "before its state was saved" in lost.error
+    await mgr.kill(lost.sandbox_id)
+    await mgr.kill(saved.sandbox_id)
+    assert node.clean()
+
+
+async def test_a_restart_captures_what_it_finds_frozen(resident_node: Node) -> None:
+    node = resident_node
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid = record.sandbox_id
+    node.runtime.faults.delay("checkpoint", 5)
+    await mgr.pause(sid)
+    # The node dies before the capture: the frozen runtime and the record remain.
+    entry = mgr._resident.get(sid)
+    assert entry is not None and entry.capture is not None
+    entry.capture.cancel()
+    node.runtime.faults.delays.clear()
+    mgr = await node.restart()
+    await _captured(mgr, sid)
+    again = mgr.get(sid)
+    assert again.state is SandboxState.PAUSED and again.slot_index
+    assert mgr.snapshots.get(again.snapshot_id).metadata["source_sandbox_id"] == sid
+    await mgr.resume(sid)
+    assert ("restore", sid) not in node.runtime.calls and again.state is SandboxState.RUNNING

@@ -70,6 +70,14 @@ class Config:
     # template are kept restored ahead of need.
     template_snapshots: bool = True
     warm_pool_size: int = 0
+    # Two-tier pause: a pause freezes the sandbox and answers; its capture and commit
+    # follow in the background while it stays resident (a resume is a thaw). Resident
+    # paused sandboxes are evicted (memory and slot freed, the capture kept) least
+    # recently paused first past resident_pause_mb (0: a quarter of the host's
+    # memory), after resident_pause_idle_s, or when a launch needs their slot.
+    resident_pause: bool = True
+    resident_pause_mb: int = 0
+    resident_pause_idle_s: int = 600
     # Seconds a template build waits for its ready check to pass.
     build_ready_timeout: int = 120
     # Bytes of log a template build keeps (its steps' output); past them one

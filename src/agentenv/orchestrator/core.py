@@ -46,6 +46,7 @@ from .models import (
 )
 from .records import Resources
 from .requests import check_timeout
+from .resident import ResidentSet, default_budget_bytes
 from .specs import BUNDLE_MOUNT, SpecFactory
 from .store import SandboxStore
 
@@ -68,7 +69,7 @@ class ManagerCore:
         templates.limits = self.limits
         self.specs = SpecFactory(config, runtime, self.limits)
         self.launcher = Launcher(runtime, slots, self.envd, self.specs, self.ensure_rootfs,
-                                 config.egress_refresh_s)
+                                 config.egress_refresh_s, make_room=self.make_room)
         self._records: dict[str, SandboxRecord] = {}
         # The network slot each sandbox holds: released from here, and only here.
         self._slots: dict[str, Slot] = {}
@@ -85,6 +86,10 @@ class ManagerCore:
         self.on_removed: list[Callable[[str], None]] = []
         # What each template's rootfs holds (filesystem-only pauses compare with it).
         self._template_listings = TemplateListings()
+        # Paused sandboxes still frozen in place (None: pauses always capture at once).
+        self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
+                                      config.resident_pause_idle_s)
+                          if config.resident_pause else None)
         # Templates' boot images and the warm pool (None: every create boots).
         self.boot_images = (BootImages(self, config.warm_pool_size)
                             if config.template_snapshots else None)
@@ -126,6 +131,10 @@ class ManagerCore:
         record.end_at = time.time() + seconds
         self.store.put(record)
         return record
+
+    async def make_room(self) -> bool:
+        """Free a slot something idle holds (pausing.py: a resident paused sandbox)."""
+        return False
 
     def _check_capacity(self) -> None:
         if self.active_count() >= self.config.max_sandboxes:
@@ -268,6 +277,31 @@ class ManagerCore:
         for listener in self.on_removed:
             listener(record.sandbox_id)
 
+    async def _resident_exited(self, record: SandboxRecord, reason: str) -> None:
+        """A resident paused sandbox's frozen runtime ended: it resumes from its
+        capture if that was made; else its state is lost (error)."""
+        sandbox_id = record.sandbox_id
+        async with self._lock(sandbox_id):
+            entry = self._resident.pop(sandbox_id) if self._resident is not None else None
+            if entry is None or self._records.get(sandbox_id) is not record:
+                return
+            if entry.capture is not None:
+                entry.capture.cancel()
+            try:
+                await self.runtime.destroy(sandbox_id)
+            except Exception:
+                log.exception("removing the ended runtime of %s failed", sandbox_id)
+            await self._release_slot(record)
+            if entry.captured:
+                log.warning("paused sandbox %s %s; it resumes from its capture",
+                            sandbox_id, reason)
+                self.store.put(record)
+                return
+            record.error = f"{reason} while paused, before its state was saved"
+            record.snapshot_id = entry.previous_snapshot
+            log.error("paused sandbox %s %s; it is now in state error", sandbox_id, record.error)
+            self._transition(record, SandboxState.ERROR)
+
     def _transition(self, record: SandboxRecord, to: SandboxState) -> None:
         if to not in TRANSITIONS[record.state]:
             raise Conflict(f"sandbox '{record.sandbox_id}' cannot go from {record.state} to {to}")
@@ -281,8 +315,11 @@ class ManagerCore:
         """A running sandbox's runtime ended unasked: the record goes to ``error``
         with the reason, and what the sandbox held is freed (exits.py)."""
         record = self._records.get(sandbox_id)
+        if record is not None and record.state is SandboxState.PAUSED:
+            await self._resident_exited(record, reason)
+            return
         if record is None or record.state is not SandboxState.RUNNING:
-            return  # being created (its start fails on its own), paused, or gone
+            return  # being created (its start fails on its own), or gone
         # Calls to it fail fast from now on, even while a pause, snapshot or fork
         # holding its lock finds out for itself.
         record.error = reason

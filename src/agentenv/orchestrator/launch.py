@@ -93,13 +93,16 @@ SpecBuilder = Callable[[LaunchPlan, str], SandboxSpec]
 class Launcher:
     def __init__(self, runtime: Runtime, slots: SlotSource, envd: EnvdClient,
                  spec: SpecBuilder, ensure_rootfs: Callable[[Template], Awaitable[None]],
-                 egress_refresh_s: float = 60.0) -> None:
+                 egress_refresh_s: float = 60.0,
+                 make_room: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.runtime = runtime
         self.slots = slots
         self.envd = envd
         self.spec = spec
         self.ensure_rootfs = ensure_rootfs
         self.egress_refresh_s = egress_refresh_s
+        # Frees a slot held by something idle (a resident paused sandbox); True if it did.
+        self.make_room = make_room
 
     async def launch(self, plan: LaunchPlan) -> Slot:
         """Bring the plan's sandbox up; return the slot it runs in (now the caller's).
@@ -113,10 +116,7 @@ class Launcher:
         async with contextlib.AsyncExitStack() as undo:
             try:
                 await self.ensure_rootfs(plan.template)
-                try:
-                    slot = await self.slots.acquire(internet=plan.internet)
-                except SlotPoolExhausted as exc:
-                    raise CapacityExceeded(f"no network slot free: {exc}") from exc
+                slot = await self._acquire(plan.internet)
                 undo.push_async_callback(_shielded, self.slots.release, slot)
                 await self.apply_egress(plan.sandbox_id, slot, plan.network, plan.internet)
                 marks.append(("slot", time.perf_counter()))
@@ -172,6 +172,17 @@ class Launcher:
                     f"{template.ready_timeout_s:.0f}s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+    async def _acquire(self, internet: bool) -> Slot:
+        try:
+            return await self.slots.acquire(internet=internet)
+        except SlotPoolExhausted as exc:
+            if self.make_room is None or not await self.make_room():
+                raise CapacityExceeded(f"no network slot free: {exc}") from exc
+        try:
+            return await self.slots.acquire(internet=internet)
+        except SlotPoolExhausted as exc:
+            raise CapacityExceeded(f"no network slot free: {exc}") from exc
 
     async def apply_egress(self, sandbox_id: str, slot: Slot, network: Mapping, internet: bool,
                            force: bool = False) -> None:

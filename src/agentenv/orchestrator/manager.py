@@ -226,6 +226,7 @@ class SandboxManager(Reconciling, Forking, Egress):
             except Exception:
                 log.exception("runtime housekeeping failed")
             ticks += 1
+            await self._tend_residents()
             if ticks % COMMIT_RETRY_TICKS == 0:
                 self._retry_failed_commits()
             if ticks % max(1, int(self.config.egress_refresh_s)) == 0:

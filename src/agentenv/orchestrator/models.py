@@ -26,7 +26,8 @@ class SandboxState(enum.StrEnum):
 TRANSITIONS: dict[SandboxState, set[SandboxState]] = {
     SandboxState.CREATING: {SandboxState.RUNNING, SandboxState.KILLED},
     SandboxState.RUNNING: {SandboxState.PAUSED, SandboxState.ERROR, SandboxState.KILLED},
-    SandboxState.PAUSED: {SandboxState.RUNNING, SandboxState.KILLED},
+    # A resident paused sandbox whose frozen runtime ended before its capture: ERROR.
+    SandboxState.PAUSED: {SandboxState.RUNNING, SandboxState.ERROR, SandboxState.KILLED},
     SandboxState.ERROR: {SandboxState.KILLED},
     SandboxState.KILLED: set(),
 }

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 
+from ..runtime import RuntimeFailure
 from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
 from ..templates import TemplateNotFound
 from . import disk_pause
@@ -29,6 +30,7 @@ from .models import (
     not_running,
 )
 from .records import new_record
+from .resident import Resident
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,11 @@ class Pausing(Captures):
         """Save the sandbox's full state (``memory=False``: its files only, so that
         a resume reboots it) and release everything it holds on the node.
 
-        Returns once the state is captured locally; the commit to the repository
-        continues in the background (a resume waits for it).
+        With resident pauses (the default) a memory pause freezes the sandbox and
+        returns; the capture and its commit follow in the background and the sandbox
+        stays resident until evicted. Otherwise it returns once the state is captured
+        locally, the commit to the repository going on in the background (a resume
+        waits for it).
         """
         snapshot_id = new_sandbox_id()
         async with self._lock(sandbox_id):
@@ -74,6 +79,8 @@ class Pausing(Captures):
                 raise Conflict(f"sandbox '{sandbox_id}' is already paused")
             if record.state is not SandboxState.RUNNING:
                 raise not_running(record)
+            if memory and self._resident is not None:
+                return await self._freeze(record, snapshot_id)
             if memory:
                 try:
                     staging = await self._capture(sandbox_id, snapshot_id, leave_running=False)
@@ -97,6 +104,104 @@ class Pausing(Captures):
             self._start_commit(snapshot_id, staging, metadata, replaces=previous)
             return record
 
+    # -- resident pauses (two tiers: a freeze now, the capture after) --------------------
+
+    async def _freeze(self, record: SandboxRecord, snapshot_id: str) -> SandboxRecord:
+        """Freeze the sandbox in place and mark it paused; its capture follows."""
+        assert self._resident is not None
+        sandbox_id = record.sandbox_id
+        try:
+            await self.runtime.pause(sandbox_id)
+        except RuntimeFailure as exc:
+            raise OrchestratorError(f"sandbox failed to pause: {exc}") from exc
+        entry = Resident(previous_snapshot=record.snapshot_id)
+        record.snapshot_id = snapshot_id
+        # Stored with its slot: a restart finds it frozen and captures it if need be.
+        self._transition(record, SandboxState.PAUSED)
+        self._resident.add(sandbox_id, entry)
+        for listener in self.on_removed:
+            listener(sandbox_id)
+        self._start_resident_capture(record, entry)
+        return record
+
+    def _start_resident_capture(self, record: SandboxRecord, entry: Resident) -> None:
+        entry.capture = asyncio.create_task(self._capture_resident(record, entry))
+
+    async def _capture_resident(self, record: SandboxRecord, entry: Resident) -> None:
+        """The durable capture of a frozen sandbox (it stays frozen), then its commit.
+        A resume or kill that takes the lock first cancels it."""
+        sandbox_id, snapshot_id = record.sandbox_id, record.snapshot_id
+        assert self._resident is not None
+        async with self._lock(sandbox_id):
+            if self._resident.get(sandbox_id) is not entry or entry.captured:
+                return
+            try:
+                staging = await self._capture(sandbox_id, snapshot_id, leave_running=True)
+            except Exception as exc:
+                # It stays frozen and resident (never evicted uncaptured); retried.
+                log.error("capture of paused sandbox %s failed: %s; retried", sandbox_id, exc)
+                return
+            finally:
+                entry.capture = None
+            metadata = {**self._snapshot_metadata(record, "pause"), "memory": True,
+                        "parent_snapshot_id": entry.previous_snapshot or None}
+            self.snapshots.staging.hold_for_commit(snapshot_id, metadata)
+            entry.captured = True
+            self._start_commit(snapshot_id, staging, metadata,
+                               replaces=entry.previous_snapshot)
+
+    async def _thaw(self, record: SandboxRecord, entry: Resident) -> None:
+        """Resume a resident sandbox in place; on failure it stays paused as it was."""
+        assert self._resident is not None
+        if entry.capture is not None:
+            entry.capture.cancel()  # it waits for the lock this holds: never began
+            entry.capture = None
+        try:
+            await self.runtime.resume(record.sandbox_id)
+        except RuntimeFailure as exc:
+            if not entry.captured:
+                self._start_resident_capture(record, entry)
+            raise OrchestratorError(f"sandbox failed to resume: {exc}") from exc
+        if not entry.captured:  # the capture never happened: the last one stands
+            record.snapshot_id = entry.previous_snapshot
+        self._resident.pop(record.sandbox_id)
+
+    async def _evict(self, sandbox_id: str) -> bool:
+        """Free a resident paused sandbox's memory and slot; its capture stays."""
+        assert self._resident is not None
+        async with self._lock(sandbox_id):
+            entry = self._resident.get(sandbox_id)
+            record = self._records.get(sandbox_id)
+            if entry is None or not entry.captured or record is None:
+                return False
+            self._resident.pop(sandbox_id)
+            slot = self._slots.pop(sandbox_id, None)
+            record.slot_index, record.slot_address = 0, ""
+            self.store.put(record)
+            task = asyncio.create_task(self._free(sandbox_id, slot))
+            self._releasing[sandbox_id] = task
+        log.info("paused sandbox %s evicted from memory (its capture is kept)", sandbox_id)
+        await asyncio.shield(task)
+        return True
+
+    async def make_room(self) -> bool:
+        """A launch found no slot free: evict the least recently paused resident."""
+        if self._resident is None:
+            return False
+        victim = self._resident.oldest_captured()
+        return victim is not None and await self._evict(victim)
+
+    async def _tend_residents(self) -> None:
+        """Each tick: retry failed captures; evict the idle and what exceeds the budget."""
+        if self._resident is None:
+            return
+        for sandbox_id, entry in list(self._resident.entries.items()):
+            record = self._records.get(sandbox_id)
+            if record is not None and not entry.captured and entry.capture is None:
+                self._start_resident_capture(record, entry)
+        for sandbox_id in self._resident.to_evict(self.runtime.capture_size):
+            await self._evict(sandbox_id)
+
     async def _after_failed_pause(self, record: SandboxRecord, exc: BaseException) -> None:
         """A failed capture may have stopped the sandbox: then nothing can be saved
         and the sandbox is gone; otherwise it keeps running as it was."""
@@ -118,6 +223,17 @@ class Pausing(Captures):
             record = self.get(sandbox_id)
             if record.state is not SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
+            entry = self._resident.get(sandbox_id) if self._resident is not None else None
+            if entry is not None:
+                if not memory:
+                    raise BadRequest(f"sandbox '{sandbox_id}' was paused with its memory: "
+                                     "resuming from its disk state alone is not supported")
+                t0 = time.perf_counter()
+                await self._thaw(record, entry)
+                self._transition(record, SandboxState.RUNNING)
+                log.info("resumed %s in %.0f ms (thawed in place)", sandbox_id,
+                         (time.perf_counter() - t0) * 1000)
+                return self._resumed(record, seconds, auto_pause)
             image, staged = await self._pause_image(record)
             await self._settled(sandbox_id)
             if disk_pause.is_disk_capture(image):
@@ -143,11 +259,15 @@ class Pausing(Captures):
                      "rebooted with its files" if plan.files else "restored")
             if staged:
                 await asyncio.to_thread(self.snapshots.discard_staging, record.snapshot_id)
-            record.end_at = time.time() + seconds
-            if auto_pause is not None:
-                record.auto_pause = auto_pause
-            self.store.put(record)
-            return record
+            return self._resumed(record, seconds, auto_pause)
+
+    def _resumed(self, record: SandboxRecord, seconds: int,
+                 auto_pause: bool | None) -> SandboxRecord:
+        record.end_at = time.time() + seconds
+        if auto_pause is not None:
+            record.auto_pause = auto_pause
+        self.store.put(record)
+        return record
 
     async def connect(self, sandbox_id: str, ttl: int | None = None,
                       memory: bool = True) -> SandboxRecord:
@@ -160,26 +280,45 @@ class Pausing(Captures):
         return record
 
     async def _forget_paused(self, record: SandboxRecord) -> None:
-        """Kill a paused sandbox: its snapshot (committed or staged) goes too."""
+        """Kill a paused sandbox: its snapshot (committed or staged) goes too, and a
+        resident one's frozen runtime and slot."""
+        entry = self._resident.pop(record.sandbox_id) if self._resident is not None else None
+        doomed = [record.snapshot_id]
+        if entry is not None:
+            if entry.capture is not None:
+                entry.capture.cancel()
+            if not entry.captured and entry.previous_snapshot:
+                doomed.append(entry.previous_snapshot)  # no commit will replace it
+            slot = self._slots.pop(record.sandbox_id, None)
+            record.slot_index, record.slot_address = 0, ""
+            await asyncio.shield(self._free(record.sandbox_id, slot))
         await self._settled(record.sandbox_id)
         pending = self._commits.get(record.snapshot_id)
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)
-        with contextlib.suppress(SnapshotError):
-            await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
-        await asyncio.to_thread(self.snapshots.discard_staging, record.snapshot_id)
+        for snapshot_id in doomed:
+            with contextlib.suppress(SnapshotError):
+                await asyncio.to_thread(self.snapshots.delete, snapshot_id)
+            await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
         self._forget(record)
 
     # -- paused sandboxes changing node -------------------------------------------------
 
     def disown(self, sandbox_id: str) -> bool:
         """Drop the record of a paused sandbox another node has taken over; its
-        snapshot is that node's now, so it is left alone. False if not idle-paused."""
+        snapshot is that node's now, so it is left alone (a frozen runtime still here
+        is freed). False if not idle-paused with its pause committed."""
         record = self._records.get(sandbox_id)
+        entry = self._resident.get(sandbox_id) if self._resident is not None else None
         if record is None or record.state is not SandboxState.PAUSED \
                 or self._lock(sandbox_id).locked() or sandbox_id in self._releasing \
+                or (entry is not None and not entry.captured) \
                 or not self.pause_committed(record):
             return False
+        if entry is not None and self._resident is not None:
+            self._resident.pop(sandbox_id)
+            slot = self._slots.pop(sandbox_id, None)
+            self._releasing[sandbox_id] = asyncio.create_task(self._free(sandbox_id, slot))
         self._forget(record)
         log.info("paused sandbox %s now lives on another node; record dropped", sandbox_id)
         return True

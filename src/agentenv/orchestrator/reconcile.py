@@ -12,9 +12,11 @@ import asyncio
 import logging
 import shutil
 
+from ..snapshot import SnapshotError, SnapshotNotFound
 from .envd_client import EnvdUnavailable
-from .models import SandboxRecord, SandboxState
+from .models import SandboxRecord, SandboxState, new_sandbox_id
 from .pausing import Pausing
+from .resident import Resident
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,8 @@ class Reconciling(Pausing):
         await self.runtime.settle(120)
         alive = await self.runtime.list()
         keep: dict[str, SandboxRecord] = {}
+        frozen: set[str] = set()  # resident paused sandboxes still frozen in place
+        thawed: set[str] = set()  # resident paused ones whose frozen runtime is gone
         for record in self.store.all():
             running = alive.get(record.sandbox_id)
             if record.metadata.get("aenv.build"):  # no use without the build that died too
@@ -37,15 +41,21 @@ class Reconciling(Pausing):
                 keep[record.sandbox_id] = record
             elif record.state in (SandboxState.PAUSED, SandboxState.ERROR):
                 keep[record.sandbox_id] = record
+                if record.state is SandboxState.PAUSED and record.slot_index:
+                    if running and running.state == "paused" and self._resident is not None:
+                        frozen.add(record.sandbox_id)
+                    else:
+                        thawed.add(record.sandbox_id)
+                        record.slot_index, record.slot_address = 0, ""
             else:
                 log.info("reconcile: dropping sandbox %s (%s)", record.sandbox_id, record.state)
                 self.store.delete(record.sandbox_id)
         removed = await self.runtime.reconcile(
-            {sid for sid, r in keep.items() if r.state is SandboxState.RUNNING})
+            {sid for sid, r in keep.items() if r.state is SandboxState.RUNNING} | frozen)
         if removed:
             log.info("reconcile: removed %d orphaned runtime sandboxes", len(removed))
         await self.slots.start({r.slot_index: r.internet for r in keep.values()
-                                if r.state is SandboxState.RUNNING})
+                                if r.state is SandboxState.RUNNING or r.sandbox_id in frozen})
         self._records = keep
         await asyncio.to_thread(self._remove_stale_captures, keep)
         for record in keep.values():
@@ -59,9 +69,51 @@ class Reconciling(Pausing):
                     except Exception:
                         log.exception("reconcile: egress policy of %s", record.sandbox_id)
             log.info("reconcile: adopted %s sandbox %s", record.state, record.sandbox_id)
-            if record.state is SandboxState.PAUSED:
+            if record.sandbox_id in frozen:
+                await self._readopt_frozen(record)
+            elif record.state is SandboxState.PAUSED:
+                if record.sandbox_id in thawed:
+                    await self._check_paused_state_kept(record)
                 self._recommit_if_staged(record)
         await self._drop_unanswering()
+
+    async def _readopt_frozen(self, record: SandboxRecord) -> None:
+        """A paused sandbox left frozen by the node before: resident again; captured
+        now unless its capture was staged or committed before the restart."""
+        assert self._resident is not None
+        snapshot_id = record.snapshot_id
+        captured = self.snapshots.staging.pending(snapshot_id) is not None
+        if not captured:
+            try:
+                await asyncio.to_thread(self.snapshots.get, snapshot_id)
+                captured = True
+            except SnapshotError:  # not committed, or the repository cannot tell now
+                pass
+        entry = Resident(captured=captured)
+        if not captured:
+            # A fresh ID: whatever the old one became is replaced once this commits.
+            entry.previous_snapshot = snapshot_id
+            record.snapshot_id = new_sandbox_id()
+            self.store.put(record)
+        self._resident.add(record.sandbox_id, entry)
+        self._recommit_if_staged(record)
+        if not captured:
+            log.info("reconcile: capturing frozen paused sandbox %s", record.sandbox_id)
+            self._start_resident_capture(record, entry)
+
+    async def _check_paused_state_kept(self, record: SandboxRecord) -> None:
+        """A paused sandbox that was resident when the machine went down (its frozen
+        runtime is gone) has its state only if its capture was made."""
+        if self.snapshots.staging.pending(record.snapshot_id) is not None:
+            return
+        try:
+            await asyncio.to_thread(self.snapshots.get, record.snapshot_id)
+        except SnapshotNotFound:
+            record.error = "lost: the node stopped before its pause was saved"
+            log.error("reconcile: paused sandbox %s %s", record.sandbox_id, record.error)
+            self._transition(record, SandboxState.ERROR)
+        except SnapshotError:
+            pass  # the repository cannot tell now: a resume will
 
     async def _drop_unanswering(self) -> None:
         """A running sandbox is adopted only if its envd answers: one a killed node

@@ -89,6 +89,8 @@ class FakeRuntime:
         if sandbox_id not in self.sandboxes:
             raise RuntimeFailure(f"no sandbox {sandbox_id}")
         await self.faults.check("checkpoint")
+        if self.sandboxes.get(sandbox_id, RuntimeSandbox("", "stopped", 0)).state == "stopped":
+            raise RuntimeFailure(f"sandbox {sandbox_id} ended during its checkpoint")
         image_dir.mkdir(parents=True, exist_ok=True)
         try:
             with open(image_dir / "pages.img", "wb") as f:
