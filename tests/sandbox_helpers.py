@@ -68,3 +68,32 @@ def wait_port(sbx: Sandbox, port: int) -> None:
     """Until something inside the sandbox listens on ``port`` (10 s at most)."""
     sbx.commands.run(f"for i in $(seq 100); do (echo > /dev/tcp/127.0.0.1/{port}) "
                      f"2>/dev/null && exit 0; sleep 0.1; done; exit 1")
+
+
+HOST_ECHO_LOG = "/tmp/hosts.log"
+_HOST_ECHO = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        seen = {"host": self.headers.get("Host"),
+                "forwarded": self.headers.get("X-Forwarded-Host")}
+        with open(LOG, "a") as f:
+            f.write(json.dumps(seen) + "\\n")
+        body = json.dumps(seen).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H).serve_forever()
+""".replace("LOG", repr(HOST_ECHO_LOG))
+
+
+def start_host_echo(sbx: Sandbox, port: int) -> None:
+    """An HTTP server on ``port`` answering every GET with the Host and X-Forwarded-Host
+    it received (JSON), each also appended to HOST_ECHO_LOG (WebSocket handshakes too)."""
+    sbx.files.write("/home/user/host_echo.py", _HOST_ECHO)
+    sbx.commands.run(f"python3 /home/user/host_echo.py {port}", background=True)
+    wait_port(sbx, port)

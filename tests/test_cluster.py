@@ -29,7 +29,7 @@ from proxy_attacks import (
     assert_routing_headers_stripped,
     start_header_echo,
 )
-from sandbox_helpers import COUNTER, counting, start_ws_echo, wait_port
+from sandbox_helpers import COUNTER, counting, start_host_echo, start_ws_echo, wait_port
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,12 @@ def test_e2b_sdk_through_the_gateway(cluster: Cluster, api: httpx.Client) -> Non
     assert api.get("/v2/sandboxes").json() == []
 
 
+def gateway_host(cluster: Cluster, sbx: Sandbox, port: int) -> str:
+    """The sandbox's host with the gateway's port (get_host names its node's: the
+    nodes here keep the default domain, localhost:<node port>)."""
+    return f"{sbx.get_host(port).rsplit(':', 1)[0]}:{cluster.gateway_port}"
+
+
 def test_ports_by_host_and_headers_http_and_websocket(cluster: Cluster) -> None:
     sbx = Sandbox.create(template="base", timeout=120)
     try:
@@ -134,14 +140,14 @@ def test_ports_by_host_and_headers_http_and_websocket(cluster: Cluster) -> None:
         sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
         wait_port(sbx, 8080)
         start_ws_echo(sbx)
-        host = f"{sbx.get_host(8080)}:{cluster.gateway_port}"
+        host = gateway_host(cluster, sbx, 8080)
         r = httpx.get(cluster.gateway_url + "/index.html", headers={"Host": host})
         assert r.status_code == 200 and r.text == "via the gateway\n"
         r = httpx.get(cluster.gateway_url + "/index.html",
                       headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8080"})
         assert r.status_code == 200 and r.text == "via the gateway\n"
         for uri, headers in (
-            (f"ws://{sbx.get_host(8765)}:{cluster.gateway_port}/", {}),
+            (f"ws://{gateway_host(cluster, sbx, 8765)}/", {}),
             (f"ws://127.0.0.1:{cluster.gateway_port}/",
              {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8765"}),
         ):
@@ -156,6 +162,26 @@ def test_ports_by_host_and_headers_http_and_websocket(cluster: Cluster) -> None:
     finally:
         sbx.kill()
 
+
+
+def test_gateway_passes_the_host_and_traffic_resumes(cluster: Cluster) -> None:
+    """Through the gateway too: a port sees the client's Host (masked by
+    maskRequestHost), and traffic to a paused auto-resume sandbox resumes it."""
+    sbx = Sandbox.create(template="base", timeout=120,
+                         lifecycle={"on_timeout": "pause", "auto_resume": True},
+                         network={"mask_request_host": "gw.example.com:${PORT}"})
+    try:
+        start_host_echo(sbx, 8082)
+        host = gateway_host(cluster, sbx, 8082)
+        assert httpx.get(cluster.gateway_url, headers={"Host": host}).json() == \
+            {"host": "gw.example.com:8082", "forwarded": host}
+        sbx.pause()
+        r = httpx.get(cluster.gateway_url, headers={"Host": host}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"host": "gw.example.com:8082", "forwarded": host}
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+    finally:
+        sbx.kill()
 
 
 def test_gateway_proxy_is_no_ssrf(cluster: Cluster) -> None:

@@ -6,6 +6,8 @@ import base64
 import json
 import socket
 import struct
+import subprocess
+import threading
 import time
 
 import httpx
@@ -15,7 +17,9 @@ from e2b import Sandbox
 from websockets.sync.client import connect as ws_connect
 
 from agentenv.testing import Node
-from sandbox_helpers import start_ws_echo, wait_port
+from sandbox_helpers import HOST_ECHO_LOG, start_host_echo, start_ws_echo, wait_port
+
+HOST_PORT = 8082  # start_host_echo's server: answers with the Host it received
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +27,7 @@ def served(node: Node):
     """A sandbox with an HTTP server on 8080 and a WebSocket echo server on 8765."""
     sbx = Sandbox.create(template="base", timeout=300)
     start_ws_echo(sbx)
+    start_host_echo(sbx, HOST_PORT)
     sbx.files.write("/home/user/www/index.html", "served from the sandbox\n")
     sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
     wait_port(sbx, 8080)
@@ -31,16 +36,45 @@ def served(node: Node):
 
 
 def _host_and_port(sbx: Sandbox, node: Node, port: int) -> str:
+    # The default domain is localhost:<the node's port>, so the host names the node's port.
     host = sbx.get_host(port)
-    assert host == f"{port}-{sbx.sandbox_id}.localhost"
-    return f"{host}:{node.port}"
+    assert host == f"{port}-{sbx.sandbox_id}.localhost:{node.port}"
+    return host
 
 
 def test_get_host_http_via_host_routing(node: Node, served: Sandbox) -> None:
-    # *.localhost need not resolve on this machine: dial the node, name the host.
+    # Python's resolver does not resolve *.localhost: dial the node, name the host.
     r = httpx.get(f"{node.url}/index.html",
                   headers={"Host": _host_and_port(served, node, 8080)})
     assert r.status_code == 200 and r.text == "served from the sandbox\n"
+
+
+def test_get_host_url_opens_with_curl(node: Node, served: Sandbox) -> None:
+    """``http://<get_host(port)>/`` opens as it is on the node's machine: curl resolves
+    *.localhost to loopback itself (no --resolve, no DNS set-up), and the host names the
+    node's port. (No browser is installed here to try one.)"""
+    url = f"http://{served.get_host(8080)}/index.html"
+    out = subprocess.run(["curl", "-sS", "--noproxy", "*", "--max-time", "30", url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "served from the sandbox\n"
+    # A closed port is the proxy's JSON 502, as for any client.
+    out = subprocess.run(["curl", "-sS", "--noproxy", "*", "--max-time", "30",
+                          "-w", "\n%{http_code}", f"http://{served.get_host(9999)}/"],
+                         capture_output=True, text=True, timeout=60)
+    body, status = out.stdout.rsplit("\n", 1)
+    assert status == "502" and "port is not open" in json.loads(body)["message"]
+
+
+def test_ports_see_the_clients_host(node: Node, served: Sandbox) -> None:
+    """Without maskRequestHost a port sees the Host the client sent (E2B's proxy passes
+    it on), not the node's address for the sandbox."""
+    host = _host_and_port(served, node, HOST_PORT)
+    seen = httpx.get(f"{node.url}/", headers={"Host": host}).json()
+    assert seen == {"host": host, "forwarded": None}
+    seen = httpx.get(f"{node.url}/", headers={"E2b-Sandbox-Id": served.sandbox_id,
+                                              "E2b-Sandbox-Port": str(HOST_PORT)}).json()
+    assert seen == {"host": f"127.0.0.1:{node.port}", "forwarded": None}
 
 
 def test_http_via_header_routing(node: Node, served: Sandbox) -> None:
@@ -91,6 +125,7 @@ def test_closed_port_is_a_clear_502(node: Node, served: Sandbox) -> None:
 def test_unknown_sandbox_is_a_502_with_message(node: Node) -> None:
     r = httpx.get(f"{node.url}/", headers={"Host": "8080-nosuchsandbox00000.localhost"})
     assert r.status_code == 502 and "not found" in r.json()["message"]
+    assert r.json()["sandboxId"] == "nosuchsandbox00000"
 
 
 def _connect_envelope(message: dict) -> bytes:
@@ -130,3 +165,166 @@ def test_envd_refuses_requests_without_the_access_token(node: Node, served: Sand
         assert r.status_code == 401
     finally:
         other.kill()
+
+
+# -- network.maskRequestHost -----------------------------------------------------------
+
+MASK = "${PORT}-myhost.example.com"
+
+
+def test_mask_request_host_is_the_host_ports_see(node: Node) -> None:
+    """E2B's network.maskRequestHost: a port sees the mask (``${PORT}`` replaced) as its
+    Host and the client's Host in X-Forwarded-Host, through either routing, for HTTP
+    and WebSocket handshakes; after a pause and resume too."""
+    sbx = Sandbox.create(template="base", timeout=300, network={"mask_request_host": MASK})
+    try:
+        assert sbx.get_info().network["mask_request_host"] == MASK
+        start_host_echo(sbx, HOST_PORT)
+        masked = f"{HOST_PORT}-myhost.example.com"
+        host = _host_and_port(sbx, node, HOST_PORT)
+        for _ in range(2):  # before and after a pause
+            seen = httpx.get(f"{node.url}/", headers={"Host": host,
+                                                      "X-Forwarded-Host": "forged"}).json()
+            assert seen == {"host": masked, "forwarded": host}
+            seen = httpx.get(f"{node.url}/", headers={
+                "E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(HOST_PORT)}).json()
+            assert seen == {"host": masked, "forwarded": f"127.0.0.1:{node.port}"}
+            sbx.pause()
+            sbx = Sandbox.connect(sbx.sandbox_id)
+        # A WebSocket handshake carries the mask too (the server answers it with a 200,
+        # so the handshake fails; its log shows what it got).
+        sock = socket.create_connection(("127.0.0.1", node.port))
+        with pytest.raises((websockets.InvalidHandshake, websockets.ConnectionClosed)):
+            with ws_connect(f"ws://{host}/", sock=sock, open_timeout=10) as ws:
+                ws.recv(timeout=10)
+        last = json.loads(sbx.files.read(HOST_ECHO_LOG).splitlines()[-1])
+        assert last == {"host": masked, "forwarded": host}
+        # envd's port keeps the client's Host: the SDK's own traffic still works.
+        assert sbx.commands.run("echo ok").stdout == "ok\n"
+    finally:
+        sbx.kill()
+
+
+@pytest.mark.parametrize("mask", ["-https://abcd", "a b", "host:99999", "h\r\nX-Evil: 1",
+                                  "user@host", "x" * 256 + ".com", 42])
+def test_invalid_mask_request_host_is_a_400(node: Node, api: httpx.Client, mask) -> None:
+    before = {s["sandboxID"] for s in api.get("/v2/sandboxes").json()}
+    r = api.post("/sandboxes", json={"templateID": "base", "network": {"maskRequestHost": mask}})
+    assert r.status_code == 400, r.text
+    assert "maskRequestHost" in r.json()["message"]
+    assert {s["sandboxID"] for s in api.get("/v2/sandboxes").json()} == before
+    if isinstance(mask, str) and "\r" not in mask:  # the SDK sends it as it is
+        with pytest.raises(Exception, match="maskRequestHost"):
+            Sandbox.create(template="base", network={"mask_request_host": mask})
+
+
+# -- auto-resume on traffic -------------------------------------------------------------
+
+AUTO_RESUME = {"on_timeout": "pause", "auto_resume": True}
+
+
+def _paused_with_server(**create) -> Sandbox:
+    sbx = Sandbox.create(template="base", timeout=300, **create)
+    start_host_echo(sbx, HOST_PORT)
+    sbx.pause()
+    assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+    return sbx
+
+
+def _resumes_logged(node: Node, sid: str) -> int:
+    return node.log_path.read_text(errors="replace").count(
+        f"sandbox {sid}: traffic arrived while paused")
+
+
+def test_traffic_resumes_a_paused_auto_resume_sandbox(node: Node) -> None:
+    """lifecycle auto_resume: requests to a port of the paused sandbox resume it (one
+    resume for many concurrent requests, every one answered); envd's port resumes it
+    only with envd's access token."""
+    sbx = _paused_with_server(lifecycle=AUTO_RESUME)
+    sid = sbx.sandbox_id
+    try:
+        assert sbx.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        host = _host_and_port(sbx, node, HOST_PORT)
+        results: list[httpx.Response | BaseException] = []
+
+        def get() -> None:
+            try:
+                results.append(httpx.get(f"{node.url}/", headers={"Host": host}, timeout=120))
+            except BaseException as exc:  # reported below
+                results.append(exc)
+
+        threads = [threading.Thread(target=get) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in results), \
+            results
+        assert results[0].json()["host"] == host  # type: ignore[union-attr]
+        assert Sandbox.get_info(sid).state.value == "running"
+        assert _resumes_logged(node, sid) == 1
+        # The server inside kept running through the pause; the SDK works on.
+        assert sbx.commands.run("echo ok").stdout == "ok\n"
+
+        # envd's port: without envd's token it stays paused (403, E2B's message) ...
+        sbx.pause()
+        route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}
+        r = httpx.get(f"{node.url}/health", headers=route, timeout=60)
+        assert r.status_code == 403 and "can't be resumed" in r.json()["message"]
+        assert Sandbox.get_info(sid).state.value == "paused"
+        # ... and with it, it is resumed.
+        r = httpx.get(f"{node.url}/health", headers={**route,
+                                                     "X-Access-Token": sbx._envd_access_token},
+                      timeout=120)
+        assert r.status_code == 204
+        assert Sandbox.get_info(sid).state.value == "running"
+        assert _resumes_logged(node, sid) == 2
+    finally:
+        sbx.kill()
+
+
+def test_traffic_to_a_paused_sandbox_without_auto_resume(node: Node) -> None:
+    """E2B's proxy answers a paused sandbox it may not resume as one it cannot find:
+    502, with the sandbox's ID; the sandbox stays paused."""
+    sbx = _paused_with_server()
+    try:
+        assert sbx.get_info().lifecycle["auto_resume"] is False
+        r = httpx.get(f"{node.url}/", headers={"Host": _host_and_port(sbx, node, HOST_PORT)},
+                      timeout=60)
+        assert r.status_code == 502
+        body = r.json()
+        assert body["code"] == 502 and body["sandboxId"] == sbx.sandbox_id
+        assert "not found" in body["message"] and "paused" in body["message"]
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+    finally:
+        sbx.kill()
+
+
+def test_auto_resume_that_fails_is_a_clear_502(node: Node, api: httpx.Client) -> None:
+    """A paused sandbox whose pause snapshot is gone cannot resume: traffic gets a 502
+    that says so, the sandbox stays paused and the node goes on serving."""
+    sbx = _paused_with_server(lifecycle=AUTO_RESUME)
+    sid = sbx.sandbox_id
+    try:
+        import shutil
+        import sqlite3
+
+        with sqlite3.connect(node.home / "db") as db:
+            snap = db.execute("SELECT snapshot_id FROM sandboxes WHERE sandbox_id=?",
+                              (sid,)).fetchone()[0]
+        for _ in range(100):  # the background commit, then the snapshot goes
+            if api.get(f"/snapshots/{snap}").status_code == 200:
+                break
+            time.sleep(0.1)
+        assert api.delete(f"/snapshots/{snap}").status_code == 204
+        for cached in (node.home / "cache" / "snapshots").glob(f"*{snap}*"):
+            shutil.rmtree(cached, ignore_errors=True) if cached.is_dir() else cached.unlink()
+        r = httpx.get(f"{node.url}/", headers={"Host": _host_and_port(sbx, node, HOST_PORT)},
+                      timeout=60)
+        assert r.status_code == 502, r.text
+        assert r.json()["sandboxId"] == sid
+        assert "could not be resumed" in r.json()["message"]
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        assert api.get("/health").status_code == 200
+    finally:
+        api.delete(f"/sandboxes/{sid}")

@@ -41,7 +41,7 @@ def test_create_with_template_metadata_envs_secure(node: Node) -> None:
         assert info.metadata == {"tag": tag}
         assert info.state == SandboxState.RUNNING
         assert info.cpu_count == 2 and info.memory_mb == 512
-        assert info.envd_version and info.sandbox_domain == "localhost"
+        assert info.envd_version and info.sandbox_domain == f"localhost:{node.port}"
         # timeout: the sandbox ends ~120 s after it started
         assert timedelta(seconds=115) < info.end_at - info.started_at < timedelta(seconds=125)
         assert sandbox.commands.run("echo $A_VAR").stdout == "a value\n"

@@ -13,7 +13,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.testing import Node, leaks, sdk_env
-from sandbox_helpers import COUNTER, count, counting
+from sandbox_helpers import COUNTER, count, counting, start_host_echo
 from test_snapshot_store import S3Server
 
 
@@ -225,6 +225,12 @@ def test_paused_sandbox_survives_a_restart(tmp_path: Path, monkeypatch) -> None:
         with node.client() as api:
             sbx = running_sandbox(api)
             assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+        # Auto-resume and maskRequestHost are kept across the restart too.
+        ingress = Sandbox.create(template="base", timeout=300,
+                                 lifecycle={"on_timeout": "pause", "auto_resume": True},
+                                 network={"mask_request_host": "${PORT}-kept.example.com"})
+        start_host_echo(ingress, 8082)
+        ingress.pause()
         node.stop()
         node.start()
         with node.client() as api:
@@ -233,6 +239,13 @@ def test_paused_sandbox_survives_a_restart(tmp_path: Path, monkeypatch) -> None:
             back = Sandbox.connect(sbx.sandbox_id)
             assert back.files.read("/home/user/state.txt") == "kept"
             assert counting(back)
+            info = Sandbox.get_info(ingress.sandbox_id)
+            assert info.lifecycle == {"on_timeout": "pause", "auto_resume": True}
+            assert info.network["mask_request_host"] == "${PORT}-kept.example.com"
+            r = httpx.get(node.url, headers={"Host": ingress.get_host(8082)}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["host"] == "8082-kept.example.com"
+            assert Sandbox.get_info(ingress.sandbox_id).state.value == "running"
     finally:
         node.stop()
     assert leaks("aep", node.home) == []

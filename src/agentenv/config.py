@@ -26,8 +26,11 @@ class Config:
     home: Path = DEFAULT_HOME
     host: str = "127.0.0.1"
     port: int = 8000
-    # Domain for `<port>-<sandboxID>.<domain>` Host routing in the proxy.
-    domain: str = "localhost"
+    # Domain of sandbox URLs, `<port>-<sandboxID>.<domain>` (the SDKs' get_host), which
+    # the proxy routes by. Default `localhost:<port>`: curl and browsers resolve
+    # *.localhost to loopback themselves, so on the node's machine those URLs open
+    # with no DNS set-up. A real domain needs wildcard DNS (README, "Sandbox URLs").
+    domain: str = ""
     node_id: str = ""
     # Where templates (rootfs trees) live; shared between homes in tests.
     images_dir: Path | None = None
@@ -213,6 +216,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
     cfg = Config(**kwargs, extra=extra)
     if not cfg.node_id:
         cfg.node_id = os.uname().nodename
+    if not cfg.domain:
+        cfg.domain = f"localhost:{cfg.port}"
     if cfg.net_pool_low > cfg.net_pool_high:
         raise ConfigError("net_pool_low must not exceed net_pool_high")
     for name, low in (("max_cpu_count", MIN_CPU_COUNT), ("max_memory_mb", MIN_MEMORY_MB),

@@ -15,12 +15,13 @@ import {
 
 const NODE_PORT = Number(process.env.AENV_NODE_PORT)
 
-// GET through the node, naming the sandbox's host (`<port>-<id>.<domain>`)
-// while dialing 127.0.0.1: *.localhost need not resolve here.
-function getViaHost(host, path) {
+// GET through the node, naming the sandbox's host (`<port>-<id>.<domain>`, the domain
+// being localhost:<node port>) while dialing 127.0.0.1: Node's resolver may not
+// resolve *.localhost.
+function getViaHost(host, path, headers = {}) {
   return new Promise((resolve, reject) => {
     const req = http.request(
-      { host: '127.0.0.1', port: NODE_PORT, path, headers: { host: `${host}:${NODE_PORT}` } },
+      { host: '127.0.0.1', port: NODE_PORT, path, headers: { ...headers, host } },
       (res) => {
         let body = ''
         res.setEncoding('utf8')
@@ -201,7 +202,7 @@ describe('e2b JS SDK against agentenv', () => {
     await sbx.files.write('/home/user/www/index.html', 'js-served\n')
     await sbx.commands.run('cd /home/user/www && python3 -m http.server 8081', { background: true })
     const host = sbx.getHost(8081)
-    assert.equal(host, `8081-${sbx.sandboxId}.localhost`)
+    assert.equal(host, `8081-${sbx.sandboxId}.localhost:${NODE_PORT}`)
     let res
     await until(async () => {
       res = await getViaHost(host, '/index.html')

@@ -20,6 +20,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore")
 
 
+class AutoResume(_Body):
+    """E2B's SandboxAutoResumeConfig."""
+
+    enabled: bool = False
+
+
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
     # Maximums of times are the node's (max_timeout), checked by the orchestrator.
@@ -36,6 +42,8 @@ class NewSandbox(_Body):
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
     # Egress rules (allowOut / denyOut / ...); only "deny everything" is supported.
     network: dict[str, Any] | None = None
+    # Traffic to its ports resumes the sandbox while it is paused.
+    auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
 
 
 class TemplateBuildRequest(_Body):
@@ -104,6 +112,8 @@ class SandboxDetail(ListedSandbox):
     domain: str | None = None
     # The egress policy in force (E2B's SandboxNetworkConfig shape).
     network: dict[str, Any] | None = None
+    # E2B's SandboxLifecycle: {"autoResume": bool, "onTimeout": "pause" | "kill"}.
+    lifecycle: dict[str, Any] | None = None
 
 
 class SandboxMetric(_Body):
@@ -193,7 +203,11 @@ def detail(record: SandboxRecord, domain: str | None) -> SandboxDetail:
         **_common(record), envd_access_token=record.envd_token,
         allow_internet_access=record.internet, allow_internet_access_v2=record.internet,
         domain=domain, network={**record.network,
-                                "allowPublicTraffic": not record.traffic_token},
+                                "allowPublicTraffic": not record.traffic_token,
+                                **({"maskRequestHost": record.mask_request_host}
+                                   if record.mask_request_host else {})},
+        lifecycle={"autoResume": record.auto_resume,
+                   "onTimeout": "pause" if record.auto_pause else "kill"},
     )
 
 

@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import httpx
 import websockets
 from starlette.types import ASGIApp, Receive, Scope, Send
-from websockets.asyncio.client import connect as ws_connect
 
 from ..envd.protocol import ENVD_PORT
-from ..orchestrator import Conflict, NotFound
+from ..errors import AgentenvError
+from ..orchestrator import Conflict, NotFound, SandboxRecord, SandboxState
 from ..web import (
     DROP_REQUEST,
     BadTarget,
+    client_host,
+    connect_websocket,
     forwarded_headers,
     relay_client,
     relay_http,
@@ -29,6 +31,7 @@ from ..web import (
     send_error,
     upstream_url,
 )
+from ..web.hosts import upstream_host
 from ..web.routing import SandboxRouting
 
 log = logging.getLogger(__name__)
@@ -36,18 +39,24 @@ log = logging.getLogger(__name__)
 # Besides what no relay forwards: the credentials that are for the node, not the sandbox.
 _DROP_REQUEST = DROP_REQUEST | {"x-api-key", "e2b-traffic-access-token"}
 
-Resolver = Callable[[str, int], tuple[str, int]]
-# A sandbox's traffic access token ("" when its ports are public).
-TrafficToken = Callable[[str], str]
 TRAFFIC_HEADER = "e2b-traffic-access-token"
+ENVD_TOKEN_HEADER = "x-access-token"
+
+
+class Sandboxes(Protocol):
+    """What the proxy asks of the node's sandbox manager."""
+
+    def get(self, sandbox_id: str) -> SandboxRecord: ...
+
+    def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]: ...
+
+    async def ensure_running(self, sandbox_id: str) -> SandboxRecord: ...
 
 
 class SandboxProxy:
-    def __init__(self, app: ASGIApp, resolve: Resolver, domain: str,
-                 traffic_token: TrafficToken | None = None):
+    def __init__(self, app: ASGIApp, sandboxes: Sandboxes, domain: str):
         self.app = app
-        self.resolve = resolve
-        self.traffic_token = traffic_token
+        self.sandboxes = sandboxes
         self.routing = SandboxRouting(domain)
         self._clients: dict[str, httpx.AsyncClient] = {}
 
@@ -76,17 +85,28 @@ class SandboxProxy:
             return
         sandbox_id, port = target
         try:
-            address, port = self.resolve(sandbox_id, port)
+            record = self.sandboxes.get(sandbox_id)
         except NotFound:
-            await send_error(scope, send, 502, f"The sandbox {sandbox_id} was not found")
+            await send_error(scope, send, 502, f"The sandbox {sandbox_id} was not found",
+                             sandbox_id)
             return
-        except Conflict as exc:
-            await send_error(scope, send, 502, f"The sandbox {sandbox_id} is not running: {exc}")
-            return
-        if not self._traffic_allowed(scope, sandbox_id, port):
+        if not self._traffic_allowed(scope, record, port):
             await send_error(scope, send, 403, f"sandbox {sandbox_id}: port {port} is private; "
                              f"send the sandbox's traffic access token in the {TRAFFIC_HEADER} "
-                             "header")
+                             "header", sandbox_id)
+            return
+        if record.state is SandboxState.PAUSED and not await self._resumed(
+                scope, send, record, port):
+            return
+        try:
+            address, port = self.sandboxes.endpoint(sandbox_id, port)
+        except NotFound:
+            await send_error(scope, send, 502, f"The sandbox {sandbox_id} was not found",
+                             sandbox_id)
+            return
+        except Conflict as exc:
+            await send_error(scope, send, 502, f"The sandbox {sandbox_id} is not running: {exc}",
+                             sandbox_id)
             return
         try:
             url = upstream_url("ws" if scope["type"] == "websocket" else "http",
@@ -94,24 +114,66 @@ class SandboxProxy:
         except BadTarget as exc:
             await send_error(scope, send, 400, str(exc))
             return
+        host, forwarded = upstream_host(client_host(scope), record.mask_request_host, port,
+                                        ENVD_PORT)
         if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send, url, port)
+            await self._websocket(scope, receive, send, url, port, host,
+                                  [("X-Forwarded-Host", forwarded)] if forwarded else [])
         else:
-            await self._http(scope, receive, send, sandbox_id, url)
+            headers = forwarded_headers(scope, _DROP_REQUEST | (
+                {"x-forwarded-host"} if record.mask_request_host else set()))
+            if host:
+                headers.append((b"host", host.encode("latin-1")))
+            if forwarded:
+                headers.append((b"x-forwarded-host", forwarded.encode("latin-1")))
+            await self._http(scope, receive, send, sandbox_id, url, headers)
 
-    def _traffic_allowed(self, scope: Scope, sandbox_id: str, port: int) -> bool:
-        # envd checks its own access token; the traffic token is for user ports.
-        if self.traffic_token is None or port == ENVD_PORT:
-            return True
-        try:
-            expected = self.traffic_token(sandbox_id)
-        except (NotFound, Conflict):
+    async def _resumed(self, scope: Scope, send: Send, record: SandboxRecord, port: int
+                       ) -> bool:
+        """A paused sandbox: resumed when created with auto-resume (E2B's resume on
+        traffic; envd's port needs envd's token for that), else the answer E2B's proxy
+        gives for a sandbox it cannot reach (502, not found). False: answered."""
+        sid = record.sandbox_id
+        if not record.auto_resume:
+            await send_error(scope, send, 502, f"The sandbox {sid} was not found: it is paused "
+                             "(resume it, or create it with lifecycle auto_resume)", sid)
             return False
-        if not expected:
+        if port == ENVD_PORT and not _header_matches(scope, ENVD_TOKEN_HEADER,
+                                                     record.envd_token):
+            await send_error(scope, send, 403, "This sandbox can't be resumed with the "
+                             "credentials provided. Check your access token and try again.", sid)
+            return False
+        try:
+            await self.sandboxes.ensure_running(sid)
+        except NotFound as exc:  # killed meanwhile, or its snapshot is gone
+            try:
+                self.sandboxes.get(sid)
+            except NotFound:
+                await send_error(scope, send, 502, f"The sandbox {sid} was not found", sid)
+                return False
+            await send_error(scope, send, 502,
+                             f"The sandbox {sid} is paused and could not be resumed: {exc}", sid)
+            return False
+        except Conflict as exc:
+            await send_error(scope, send, 502, f"The sandbox {sid} is not running: {exc}", sid)
+            return False
+        except AgentenvError as exc:
+            status = exc.status if exc.status in (503, 507) else 502
+            await send_error(scope, send, status,
+                             f"The sandbox {sid} is paused and could not be resumed: {exc}", sid)
+            return False
+        except Exception as exc:  # the node goes on serving; the cause goes to the log
+            log.exception("resume of %s on traffic failed", sid)
+            await send_error(scope, send, 502,
+                             f"The sandbox {sid} is paused and could not be resumed: {exc}", sid)
+            return False
+        return True
+
+    def _traffic_allowed(self, scope: Scope, record: SandboxRecord, port: int) -> bool:
+        # envd checks its own access token; the traffic token is for user ports.
+        if port == ENVD_PORT or not record.traffic_token:
             return True
-        given = next((v for k, v in scope["headers"]
-                      if k.decode("latin-1").lower() == TRAFFIC_HEADER), b"")
-        return bool(given) and hmac.compare_digest(given, expected.encode())
+        return _header_matches(scope, TRAFFIC_HEADER, record.traffic_token)
 
     def _client(self, sandbox_id: str) -> httpx.AsyncClient:
         client = self._clients.get(sandbox_id)
@@ -120,9 +182,8 @@ class SandboxProxy:
             self._clients[sandbox_id] = client
         return client
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send,
-                    sandbox_id: str, url: httpx.URL) -> None:
-        headers = forwarded_headers(scope, _DROP_REQUEST)
+    async def _http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str,
+                    url: httpx.URL, headers: list[tuple[bytes, bytes]]) -> None:
         try:
             await relay_http(self._client(sandbox_id), scope, receive, send, url, headers,
                              f"sandbox {sandbox_id}")
@@ -136,14 +197,15 @@ class SandboxProxy:
             await send_error(scope, send, 502, f"The sandbox {sandbox_id} did not answer: {exc}")
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send,
-                         url: httpx.URL, port: int) -> None:
+                         url: httpx.URL, port: int, host: str | None,
+                         headers: list[tuple[str, str]]) -> None:
         first = await receive()
         if first["type"] != "websocket.connect":
             return
         subprotocols = scope.get("subprotocols") or None
         try:
-            upstream = await ws_connect(str(url), subprotocols=subprotocols, open_timeout=5,
-                                        max_size=None, proxy=None)
+            upstream = await connect_websocket(url, host, headers, subprotocols=subprotocols,
+                                               open_timeout=5)
         except (OSError, websockets.InvalidHandshake, TimeoutError):
             await send({"type": "websocket.close", "code": 1011,
                         "reason": f"port is not open: {port}"})
@@ -151,3 +213,8 @@ class SandboxProxy:
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
 
         await relay_websocket(receive, send, upstream)
+
+
+def _header_matches(scope: Scope, name: str, expected: str) -> bool:
+    given = next((v for k, v in scope["headers"] if k.decode("latin-1").lower() == name), b"")
+    return bool(given) and bool(expected) and hmac.compare_digest(given, expected.encode())

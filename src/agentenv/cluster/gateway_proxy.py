@@ -5,7 +5,6 @@ from __future__ import annotations
 import httpx
 import websockets
 from starlette.types import ASGIApp, Receive, Scope, Send
-from websockets.asyncio.client import connect as ws_connect
 
 from ..envd.protocol import ENVD_PORT
 from ..orchestrator import NotFound
@@ -13,6 +12,8 @@ from ..web import (
     SANDBOX_ID_HEADER,
     SANDBOX_PORT_HEADER,
     BadTarget,
+    client_host,
+    connect_websocket,
     forwarded_headers,
     relay_client,
     relay_http,
@@ -76,13 +77,17 @@ class GatewayProxy:
         except ClusterError as exc:
             await send_error(scope, send, 502, str(exc))
             return
+        # The client's Host goes on to the node: its proxy hands it to the sandbox (E2B).
+        host = client_host(scope)
         headers = forwarded_headers(scope)
+        if host:
+            headers.append((b"host", host.encode("latin-1")))
         headers += [(SANDBOX_ID_HEADER.encode(), sandbox_id.encode()),
                     (SANDBOX_PORT_HEADER.encode(), str(port).encode())]
         node_url = httpx.URL(node.url)
         url = upstream_url(scheme, node_url.host, node_url.port, scope)
         if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send, url, headers)
+            await self._websocket(scope, receive, send, url, headers, host)
             return
         try:
             await relay_http(self._http, scope, receive, send, url, headers,
@@ -91,18 +96,18 @@ class GatewayProxy:
             await send_error(scope, send, 502, f"node {node.node_id} did not answer: {exc}")
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send, url: httpx.URL,
-                         headers: list[tuple[bytes, bytes]]) -> None:
+                         headers: list[tuple[bytes, bytes]], host: str | None) -> None:
         first = await receive()
         if first["type"] != "websocket.connect":
             return
         skip = {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
-                "sec-websocket-protocol"}
+                "sec-websocket-protocol", "host"}
         extra = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
                  if k.decode("latin-1").lower() not in skip]
         try:
-            upstream = await ws_connect(str(url), additional_headers=extra,
-                                        subprotocols=scope.get("subprotocols") or None,
-                                        open_timeout=10, max_size=None, proxy=None)
+            upstream = await connect_websocket(url, host, extra,
+                                               subprotocols=scope.get("subprotocols") or None,
+                                               open_timeout=10)
         except websockets.InvalidStatus as exc:
             await send({"type": "websocket.close", "code": 1011,
                         "reason": f"node refused: HTTP {exc.response.status_code}"})

@@ -114,8 +114,7 @@ def create_app(config: Config) -> ASGIApp:
     serve_openapi(app, require_api_key)
     limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT,
                                                     config.http_body_timeout), app)
-    proxy = SandboxProxy(limited, manager.endpoint, config.domain,
-                         traffic_token=lambda sid: manager.get(sid).traffic_token)
+    proxy = SandboxProxy(limited, manager, config.domain)
     proxy_holder["proxy"] = proxy
     manager.on_removed.append(proxy.forget)
     return SignedFileRouter(proxy, manager.list, config.domain)

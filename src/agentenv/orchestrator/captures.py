@@ -43,6 +43,9 @@ class Captures(ManagerCore):
             # With the rest, enough for another node to rebuild the record (adopt_paused).
             "auto_pause": record.auto_pause,
             "auto_pause_memory": record.auto_pause_memory,
+            "auto_resume": record.auto_resume,
+            "resume_timeout": record.resume_timeout,
+            "mask_request_host": record.mask_request_host,
             "started_at": record.started_at,
             **self.specs.stamp(),
             "created_at": time.time(),

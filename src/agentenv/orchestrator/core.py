@@ -80,6 +80,9 @@ class ManagerCore:
         self._commits: dict[str, asyncio.Task] = {}
         # Paused sandboxes whose stopped runtime is still being freed.
         self._releasing: dict[str, asyncio.Task] = {}
+        # Resumes that traffic to a paused auto-resume sandbox started, by sandbox ID:
+        # requests arriving meanwhile wait for the same one.
+        self._auto_resumes: dict[str, asyncio.Task] = {}
         # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
         self._exits = ExitHandler(self._runtime_exited)
         # Called with a sandbox ID once it is gone (the proxy drops its connections).

@@ -74,7 +74,9 @@ class Forking(ManagerCore):
             ttl=ttl, auto_pause=source.auto_pause, auto_pause_memory=source.auto_pause_memory,
             internet=source.internet,
             network=source.network, private_ports=bool(source.traffic_token),
-            metadata=source.metadata, env_vars=source.env_vars)
+            metadata=source.metadata, env_vars=source.env_vars,
+            auto_resume=source.auto_resume, resume_timeout=ttl,
+            mask_request_host=source.mask_request_host)
         self._add(record)
         return await self._as_task(record, self._restore_new(
             record, image, source_token=source.envd_token, hostname_of=source.sandbox_id))
@@ -102,7 +104,7 @@ class Forking(ManagerCore):
             # A template build's sandbox metadata is not the template's sandboxes'.
             metadata={**({} if template else meta.get("metadata", {})), **req.metadata},
             env_vars={**meta.get("env_vars", {}), **dict(template.envs if template else ()),
-                      **req.env_vars})
+                      **req.env_vars}, **req.ingress(ttl))
         self._add(record)
         return await self._as_task(record, self._restore_new(
             record, image, source_token=meta["envd_token"],

@@ -124,7 +124,7 @@ class SandboxManager(Reconciling, Forking, Egress):
             ttl=ttl, auto_pause=req.auto_pause, auto_pause_memory=req.auto_pause_memory,
             internet=req.internet, network=req.network.to_json() if req.network else {},
             private_ports=not req.public_traffic, metadata=req.metadata,
-            env_vars={**dict(template.envs), **req.env_vars})
+            env_vars={**dict(template.envs), **req.env_vars}, **req.ingress(ttl))
         self._add(record)
         if member is not None:
             return await self._as_task(record, self._hand_out(record, member, template))

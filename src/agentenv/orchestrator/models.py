@@ -97,6 +97,13 @@ class SandboxRecord:
     traffic_token: str = ""
     # Why the sandbox is in ERROR ("was killed: out of memory: ...", "exited: ...").
     error: str = ""
+    # E2B's autoResume: while paused, a request to one of its ports through the proxy
+    # resumes it, for resume_timeout seconds (the create's timeout, as E2B does).
+    auto_resume: bool = False
+    resume_timeout: int = 0
+    # E2B's network.maskRequestHost: the Host its ports see ("${PORT}" replaced); ""
+    # = the client's own Host.
+    mask_request_host: str = ""
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.end_at

@@ -279,6 +279,38 @@ class Pausing(Captures):
             return await self.set_timeout(sandbox_id, ttl)
         return record
 
+    async def ensure_running(self, sandbox_id: str) -> SandboxRecord:
+        """The sandbox, running: a paused one created with auto-resume is resumed first
+        (E2B's resume on traffic). Concurrent callers share one resume; a sandbox that
+        cannot run raises as ``endpoint`` does (NotFound, Conflict), a failed resume
+        as ``resume`` does (it then stays paused)."""
+        record = self.get(sandbox_id)
+        if record.state is SandboxState.PAUSED and record.auto_resume:
+            task = self._auto_resumes.get(sandbox_id)
+            if task is None:
+                ttl = min(record.resume_timeout or self.config.default_timeout,
+                          self.config.max_timeout)
+                task = asyncio.create_task(self.resume(sandbox_id, ttl))
+                self._auto_resumes[sandbox_id] = task
+                task.add_done_callback(self._auto_resume_done)
+                log.info("sandbox %s: traffic arrived while paused; resuming it", sandbox_id)
+            try:
+                await asyncio.shield(task)
+            except Conflict:
+                pass  # resumed (or killed) by someone else meanwhile: see below
+            record = self.get(sandbox_id)
+        if record.state is not SandboxState.RUNNING or record.error:
+            raise not_running(record)
+        return record
+
+    def _auto_resume_done(self, task: asyncio.Task) -> None:
+        for sid, running in list(self._auto_resumes.items()):
+            if running is task:
+                del self._auto_resumes[sid]
+        # Read here: every request that waited for it may have hung up before it ended.
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("resume on traffic failed: %s", task.exception())
+
     async def _forget_paused(self, record: SandboxRecord) -> None:
         """Kill a paused sandbox: its snapshot (committed or staged) goes too, and a
         resident one's frozen runtime and slot."""
@@ -354,7 +386,9 @@ class Pausing(Captures):
                 auto_pause_memory=bool(meta.get("auto_pause_memory", True)),
                 internet=bool(meta.get("internet", True)), metadata=meta.get("metadata"),
                 env_vars=meta.get("env_vars"), envd_token=meta["envd_token"],
-                snapshot_id=snapshot_id)
+                snapshot_id=snapshot_id, auto_resume=bool(meta.get("auto_resume")),
+                resume_timeout=int(meta.get("resume_timeout") or 0),
+                mask_request_host=str(meta.get("mask_request_host") or ""))
             self._add(record)
             log.info("adopted paused sandbox %s from snapshot %s", sandbox_id, snapshot_id)
             return record

@@ -24,7 +24,9 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
                private_ports: bool = False, metadata: Mapping[str, str] | None = None,
                env_vars: Mapping[str, str] | None = None, sandbox_id: str = "",
                state: SandboxState = SandboxState.CREATING, envd_token: str = "",
-               snapshot_id: str = "", started_at: float | None = None) -> SandboxRecord:
+               snapshot_id: str = "", started_at: float | None = None,
+               auto_resume: bool = False, resume_timeout: int = 0,
+               mask_request_host: str = "") -> SandboxRecord:
     """A record with a fresh unguessable ID and envd token (unless given: an adopted
     pause keeps its own), ending ``ttl`` seconds from now."""
     now = time.time()
@@ -48,4 +50,7 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
         env_vars=dict(env_vars or {}),
         envd_token=envd_token or secrets.token_urlsafe(32),
         snapshot_id=snapshot_id,
+        auto_resume=auto_resume,
+        resume_timeout=resume_timeout,
+        mask_request_host=mask_request_host,
     )

@@ -32,6 +32,10 @@ class CreateRequest:
     network: EgressPolicy | None = None
     # False: the sandbox's ports want its traffic access token (E2B allowPublicTraffic).
     public_traffic: bool = True
+    # E2B's autoResume: traffic through the proxy resumes the sandbox while paused.
+    auto_resume: bool = False
+    # E2B's network.maskRequestHost (checked by the API: web.routing.check_mask_host).
+    mask_request_host: str = ""
     # Resources other than the template's (template builds ask for them): such a
     # sandbox boots, as no template image or pooled sandbox has them.
     cpu_count: int | None = None
@@ -40,6 +44,12 @@ class CreateRequest:
     @property
     def custom_resources(self) -> bool:
         return bool(self.cpu_count or self.memory_mb)
+
+    def ingress(self, ttl: int) -> dict:
+        """The record fields for traffic to the sandbox: a resume by traffic runs for the
+        create's timeout (E2B's autoResume timeout), and the Host its ports see."""
+        return {"auto_resume": self.auto_resume, "resume_timeout": ttl if self.auto_resume else 0,
+                "mask_request_host": self.mask_request_host}
 
 
 def check_create(req: CreateRequest, limits: ResourceLimits) -> None:

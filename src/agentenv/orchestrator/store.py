@@ -36,19 +36,26 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     network      TEXT NOT NULL DEFAULT '{}',
     traffic_token TEXT NOT NULL DEFAULT '',
     error        TEXT NOT NULL DEFAULT '',
-    auto_pause_memory INTEGER NOT NULL DEFAULT 1
+    auto_pause_memory INTEGER NOT NULL DEFAULT 1,
+    auto_resume  INTEGER NOT NULL DEFAULT 0,
+    resume_timeout INTEGER NOT NULL DEFAULT 0,
+    mask_request_host TEXT NOT NULL DEFAULT ''
 );
 """
 _COLUMNS = [
     "sandbox_id", "template_id", "alias", "state", "node_id", "cpu_count", "memory_mb",
     "disk_size_mb", "started_at", "end_at", "auto_pause", "internet", "metadata", "env_vars",
     "envd_token", "slot_index", "slot_address", "snapshot_id", "network",
-    "traffic_token", "error", "auto_pause_memory",
+    "traffic_token", "error", "auto_pause_memory", "auto_resume", "resume_timeout",
+    "mask_request_host",
 ]
 # Columns added after the first release, with their defaults (for old files).
 _ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL DEFAULT '{}'",
           "traffic_token": "TEXT NOT NULL DEFAULT ''", "error": "TEXT NOT NULL DEFAULT ''",
-          "auto_pause_memory": "INTEGER NOT NULL DEFAULT 1"}
+          "auto_pause_memory": "INTEGER NOT NULL DEFAULT 1",
+          "auto_resume": "INTEGER NOT NULL DEFAULT 0",
+          "resume_timeout": "INTEGER NOT NULL DEFAULT 0",
+          "mask_request_host": "TEXT NOT NULL DEFAULT ''"}
 
 
 class SandboxStore:
@@ -91,7 +98,8 @@ def _to_row(r: SandboxRecord) -> tuple:
         r.disk_size_mb, r.started_at, r.end_at, int(r.auto_pause), int(r.internet),
         json.dumps(r.metadata), json.dumps(r.env_vars), r.envd_token, r.slot_index,
         r.slot_address, r.snapshot_id, json.dumps(r.network),
-        r.traffic_token, r.error, int(r.auto_pause_memory),
+        r.traffic_token, r.error, int(r.auto_pause_memory), int(r.auto_resume),
+        r.resume_timeout, r.mask_request_host,
     )
 
 
@@ -101,6 +109,7 @@ def _from_row(row: tuple) -> SandboxRecord:
     d["auto_pause"] = bool(d["auto_pause"])
     d["auto_pause_memory"] = bool(d["auto_pause_memory"])
     d["internet"] = bool(d["internet"])
+    d["auto_resume"] = bool(d["auto_resume"])
     d["metadata"] = json.loads(d["metadata"])
     d["env_vars"] = json.loads(d["env_vars"])
     d["network"] = json.loads(d["network"] or "{}")

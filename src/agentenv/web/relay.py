@@ -7,9 +7,10 @@ Safety rules:
   authority. A target that is not origin-form (``/path?query``) is refused: before
   this rule, ``GET @127.0.0.1:18081/x`` turned a sandbox address into userinfo and
   the node fetched from its own loopback.
-- Hop-by-hop headers (RFC 9110 7.6.1), the client's ``Host`` and the routing
-  headers are never forwarded: a request sent on to the node's own address must
-  not be routed again.
+- Hop-by-hop headers (RFC 9110 7.6.1) and the routing headers are never forwarded:
+  a request sent on to the node's own address must not be routed again. The
+  client's ``Host`` is not copied along with the rest; a proxy sets the Host the
+  upstream sees explicitly (``web.hosts``: E2B passes the client's own on).
 - Bodies stream both ways; nothing is buffered whole. A client that hangs up
   mid-response closes the upstream request too.
 - An upstream that dies mid-response (a sandbox killed while a command streams)
@@ -24,11 +25,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Iterable
 
 import httpx
 import websockets
 from starlette.types import Receive, Scope, Send
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
 
 log = logging.getLogger(__name__)
 
@@ -188,12 +192,23 @@ async def client_gone(receive: Receive, body_read: asyncio.Event) -> None:
         pass
 
 
-async def send_error(scope: Scope, send: Send, status: int, message: str) -> None:
-    """An error as the API shapes it (``{"code", "message"}``); a WebSocket is closed."""
+def client_host(scope: Scope) -> str | None:
+    """The request's Host header, as sent."""
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"),
+                None)
+
+
+async def send_error(scope: Scope, send: Send, status: int, message: str,
+                     sandbox_id: str | None = None) -> None:
+    """An error as the API shapes it (``{"code", "message"}``, and ``sandboxId`` as E2B's
+    proxy adds it when one is named); a WebSocket is closed."""
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1011, "reason": message[:120]})
         return
-    body = json.dumps({"code": status, "message": message}).encode()
+    error: dict[str, object] = {"code": status, "message": message}
+    if sandbox_id is not None:
+        error["sandboxId"] = sandbox_id
+    body = json.dumps(error).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
@@ -248,6 +263,26 @@ async def relay_http(client: httpx.AsyncClient, scope: Scope, receive: Receive, 
             await send({"type": "http.response.body", "body": frame, "more_body": False})
     finally:
         await upstream.aclose()
+
+
+# What a Host header may hold to become a WebSocket URI's authority (no userinfo, path).
+_WS_HOST = re.compile(r"[A-Za-z0-9._~-]+(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
+
+
+async def connect_websocket(url: httpx.URL, host: str | None,
+                            headers: Iterable[tuple[str, str]] = (),
+                            subprotocols: list[str] | None = None,
+                            open_timeout: float = 10) -> ClientConnection:
+    """Open the upstream WebSocket at ``url`` with ``host`` as its Host header: the
+    handshake's URI names ``host`` while the connection dials ``url``'s address."""
+    uri = str(url)
+    if host and _WS_HOST.fullmatch(host):
+        authority = f"{url.scheme}://{url.netloc.decode('ascii')}"
+        uri = f"{url.scheme}://{host}{uri[len(authority):]}"
+    port = url.port or (443 if url.scheme == "wss" else 80)
+    return await ws_connect(uri, host=url.host, port=port, additional_headers=list(headers),
+                            subprotocols=subprotocols,  # type: ignore[arg-type]
+                            open_timeout=open_timeout, max_size=None, proxy=None)
 
 
 async def relay_websocket(receive: Receive, send: Send, upstream) -> None:

@@ -12,12 +12,16 @@ from .relay import SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER, BadTarget
 # new_sandbox_id() makes 20 of [a-z0-9]; a little room, and nothing else.
 _SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")
 _PORT = re.compile(r"[0-9]{1,5}")
+_PORT_SUFFIX = re.compile(r":[0-9]{1,5}$")
 
 
 class SandboxRouting:
     def __init__(self, domain: str) -> None:
+        # A domain may name the port its URLs use (``localhost:8000``): Hosts match by
+        # name, with any port (a TLS terminator in front may have dropped it).
+        name = domain.lower().rsplit(":", 1)[0] if _PORT_SUFFIX.search(domain) else domain
         self._host = re.compile(
-            r"(?P<port>[0-9]{1,5})-(?P<sid>[a-z0-9]{1,64})\." + re.escape(domain.lower())
+            r"(?P<port>[0-9]{1,5})-(?P<sid>[a-z0-9]{1,64})\." + re.escape(name.lower())
             + r"(:[0-9]{1,5})?"
         )
 

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from ...network import EgressPolicy, PolicyError, parse_policy
 from ...orchestrator import BadRequest, SandboxManager
+from ...web.hosts import BadMask, check_mask_host
 from ..models import _Body
 
 router = APIRouter()
@@ -42,6 +43,17 @@ def public_traffic(network: dict[str, Any] | None) -> bool:
     if value is not None and not isinstance(value, bool):
         raise BadRequest("network.allowPublicTraffic must be a boolean")
     return value is not False
+
+
+def mask_request_host(network: dict[str, Any] | None) -> str:
+    """E2B's network.maskRequestHost, checked: the Host header a sandbox's ports see."""
+    value = (network or {}).get("maskRequestHost")
+    if value is None or value == "":
+        return ""
+    try:
+        return check_mask_host(value)
+    except BadMask as exc:
+        raise BadRequest(f"network.maskRequestHost is not valid: {exc}") from exc
 
 
 @router.put("/sandboxes/{sandbox_id}/network", status_code=204)

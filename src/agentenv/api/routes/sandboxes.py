@@ -66,6 +66,8 @@ async def create_sandbox(body: models.NewSandbox, request: Request) -> models.Sa
             internet=_internet(body),
             network=network_routes.policy_of(body.network, body.allow_internet_access),
             public_traffic=network_routes.public_traffic(body.network),
+            auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+            mask_request_host=network_routes.mask_request_host(body.network),
         )
     )
     return models.created(record, _domain(request))
