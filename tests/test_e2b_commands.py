@@ -182,3 +182,11 @@ def _quiet(fn) -> None:
         fn()
     except Exception:
         pass
+
+
+def test_python_is_python3(sbx: Sandbox) -> None:
+    # E2B's base has `python` beside `python3`.
+    out = sbx.commands.run("python -c 'import sys; print(sys.version_info[0])'")
+    assert out.stdout == "3\n"
+    where = sbx.commands.run("readlink -f $(command -v python)").stdout
+    assert where.startswith("/usr/bin/python3"), where
