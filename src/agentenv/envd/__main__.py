@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     # Listen before the heavy imports: the node's health probe connects at once
     # and is answered the moment the app is up, instead of polling a closed port.
     listener = _listen(args.host, args.port)
+    if os.getpid() == 1:
+        # Before anything is forked: it alone needs CAP_SYS_ADMIN, then drops it.
+        from .bootid import prepare
+
+        prepare()
     if os.geteuid() == 0:
         # File operations run in per-user workers forked from this small process
         # (see userfs_fork), forked now, before the heavy imports make envd big.
