@@ -175,6 +175,11 @@ describe('e2b JS SDK against agentenv', () => {
     assert.equal(py.stdout, '3\n')
   })
 
+  test('sudo: the default user becomes root, passwordless', async () => {
+    assert.equal((await sbx.commands.run('sudo whoami')).stdout, 'root\n')
+    assert.equal((await sbx.commands.run('sudo -n true')).exitCode, 0)
+  })
+
   test('files: watchDir sees create, write, remove', async () => {
     await sbx.files.makeDir('/home/user/jswatch')
     const events = []

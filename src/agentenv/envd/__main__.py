@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         # envd is init inside the sandbox: reap every child, route ours their status.
         loop.add_signal_handler(signal.SIGCHLD, registry.reap)
         registry.reap()
+        if os.getpid() == 1 and os.geteuid() == 0:  # in a sandbox, never on a host
+            from .sudo import start as start_sudo_broker
+
+            start_sudo_broker(registry.children)
         print("envd start-up ms: " + ", ".join(f"{k} {v:.0f}" for k, v in marks),
               file=sys.stderr, flush=True)
         guard = guard_from_env()
