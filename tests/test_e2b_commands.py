@@ -234,3 +234,67 @@ def test_connect_timeout_raises_timeout_exception(sbx: Sandbox) -> None:
         assert handle.pid in [p.pid for p in sbx.commands.list()]
     finally:
         sbx.commands.kill(handle.pid)
+
+
+def test_python_is_python3(sbx: Sandbox) -> None:
+    # E2B's base has `python` beside `python3`.
+    out = sbx.commands.run("python -c 'import sys; print(sys.version_info[0])'")
+    assert out.stdout == "3\n"
+    where = sbx.commands.run("readlink -f $(command -v python)").stdout
+    assert where.startswith("/usr/bin/python3"), where
+
+
+def test_sudo_as_user(sbx: Sandbox) -> None:
+    # gVisor ignores setuid bits: envd runs the real sudo as root for users sudoers
+    # grants everything (`user`, passwordless, as on E2B).
+    assert sbx.commands.run("sudo whoami").stdout == "root\n"
+    assert sbx.commands.run("sudo -n true").exit_code == 0
+    assert sbx.commands.run("cd /tmp && sudo pwd").stdout == "/tmp\n"
+    assert sbx.commands.run("sudo -u nobody id -un").stdout == "nobody\n"
+    assert sbx.commands.run("echo piped | sudo cat").stdout == "piped\n"
+    out = sbx.commands.run("sudo touch /root/by-sudo && sudo stat -c %U /root/by-sudo")
+    assert out.stdout == "root\n" and out.stderr == ""  # no "unable to resolve host"
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run("sudo sh -c 'echo out; echo err >&2; exit 3'")
+    assert (failed.value.exit_code, failed.value.stdout, failed.value.stderr) == (
+        3, "out\n", "err\n")
+    # A user sudoers does not name is refused, as sudo would.
+    sbx.commands.run("sudo useradd --create-home other")
+    with pytest.raises(CommandExitException) as refused:
+        sbx.commands.run("sudo -n whoami", user="other")
+    assert refused.value.exit_code == 1 and "may not run sudo" in refused.value.stderr
+    # Killing the sudo a user started ends the command it runs as root.
+    handle = sbx.commands.run("sudo sleep 777", background=True)
+    time.sleep(1)
+    assert "sleep 777" in sbx.commands.run("ps -eo args", user="root").stdout
+    assert handle.kill() is True
+    end = time.monotonic() + 10
+    while "sleep 777" in sbx.commands.run("ps -eo args", user="root").stdout:
+        assert time.monotonic() < end, "the command outlived its sudo"
+        time.sleep(0.2)
+
+
+def test_sudo_in_a_pty(sbx: Sandbox) -> None:
+    chunks: list[bytes] = []
+    handle = sbx.pty.create(PtySize(rows=24, cols=80))
+    reader = threading.Thread(
+        target=lambda: _quiet(lambda: handle.wait(on_pty=lambda d: chunks.append(bytes(d)))),
+        daemon=True)
+    reader.start()
+
+    def wait_for(text: str, timeout: float = 15) -> None:
+        end = time.monotonic() + timeout
+        while text not in b"".join(chunks).decode(errors="replace"):
+            assert time.monotonic() < end, f"{text!r} not in {b''.join(chunks)[-500:]!r}"
+            time.sleep(0.05)
+
+    sbx.pty.send_stdin(handle.pid, b"sudo whoami; echo rc=$((40 + $?))\n")
+    wait_for("root\r\nrc=40")
+    # Ctrl-C reaches the command sudo runs (as root), and the shell carries on.
+    sbx.pty.send_stdin(handle.pid, b"sudo sleep 600\n")
+    time.sleep(1.5)
+    sbx.pty.send_stdin(handle.pid, b"\x03")
+    sbx.pty.send_stdin(handle.pid, b"sleep 0.5; pgrep -f 'sleep 600' || echo gone=$((1 + 1))\n")
+    wait_for("gone=2")
+    assert sbx.pty.kill(handle.pid) is True
+    reader.join(timeout=10)

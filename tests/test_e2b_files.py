@@ -284,3 +284,18 @@ def test_overwrite_replaces_file_metadata(sbx: Sandbox) -> None:
     with pytest.raises(InvalidArgumentException, match="metadata"):
         sbx.files.write(path, "six", metadata={"big": "x" * 5000})
     assert sbx.files.read(path) == "five"
+
+
+def test_read_of_proc_files_returns_their_content(node: Node, sbx: Sandbox) -> None:
+    # procfs files report size 0: the content is made on read, so envd reads to EOF.
+    uptime = sbx.files.read("/proc/uptime")
+    assert uptime.endswith("\n") and len(uptime.split()) == 2, repr(uptime)
+    assert float(uptime.split()[0]) > 0
+    boot_id = sbx.files.read("/proc/sys/kernel/random/boot_id")
+    assert boot_id == sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+    assert len(boot_id.strip()) == 36
+    raw = sbx.files.read("/proc/self/status", format="bytes")
+    assert b"\nUid:" in raw
+    # Through a signed URL too (the same GET /files).
+    r = httpx.get(sbx.download_url("/proc/uptime"), timeout=60)
+    assert r.status_code == 200 and len(r.text.split()) == 2, r.text

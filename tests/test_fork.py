@@ -126,3 +126,43 @@ def test_a_child_pauses_and_resumes(node: Node, api: httpx.Client, source) -> No
         assert memory(node, source.sandbox_id) == 3
     finally:
         api.delete(f"/sandboxes/{child}")
+
+
+BOOT_ID = "cat /proc/sys/kernel/random/boot_id"
+
+
+def test_boot_id_is_one_per_boot(node: Node, api: httpx.Client) -> None:
+    """Each created sandbox boots anew (its own boot ID, though restored from the
+    template's image); fork children and a resume continue their source's boot."""
+    # Once the template's image exists, so that both are restored from it (a create
+    # before that boots, and a booted kernel draws its own ID anyway).
+    Sandbox.create(template="base", timeout=60).kill()
+    end = time.monotonic() + 120
+    while "template base: image" not in node.log_path.read_text(errors="replace"):
+        assert time.monotonic() < end, "base's boot image was not built"
+        time.sleep(0.2)
+    a, b = Sandbox.create(template="base", timeout=300), Sandbox.create(template="base",
+                                                                         timeout=300)
+    children: list[str] = []
+    try:
+        boot_a = a.commands.run(BOOT_ID).stdout
+        assert len(boot_a.strip()) == 36
+        assert b.commands.run(BOOT_ID).stdout != boot_a
+        assert a.files.read("/proc/sys/kernel/random/boot_id") == boot_a
+        out = api.post(f"/sandboxes/{a.sandbox_id}/fork", json={"count": 2}).json()
+        children = [c["sandbox"]["sandboxID"] for c in out]
+        for child in children:
+            assert Sandbox.connect(child).commands.run(BOOT_ID).stdout == boot_a
+        a.beta_pause()
+        assert api.get(f"/sandboxes/{a.sandbox_id}").json()["state"] == "paused"
+        resumed = Sandbox.connect(a.sandbox_id)
+        assert resumed.commands.run(BOOT_ID).stdout == boot_a
+        # Only envd (pid 1) may mount: root's commands have no CAP_SYS_ADMIN, and
+        # envd itself gave it up after start-up.
+        status = resumed.commands.run("grep CapBnd /proc/self/status /proc/1/status",
+                                      user="root").stdout
+        for line in status.splitlines():
+            assert not int(line.split()[-1], 16) & (1 << 21), status
+    finally:
+        for sid in (a.sandbox_id, b.sandbox_id, *children):
+            api.delete(f"/sandboxes/{sid}")

@@ -241,6 +241,9 @@ async def test_fork_children_run_with_their_own_tokens_within_capacity(node: Nod
     assert len(tokens) == 3 and source.state is SandboxState.RUNNING
     assert all(node.envd.inits[c.slot_address]["current"] == source.envd_token
                for c in children)  # each child's envd rotated the source's token
+    # A create names a new boot; a child continues its source's (it names none).
+    assert len(node.envd.inits[source.slot_address]["boot_id"]) == 36
+    assert all(node.envd.inits[c.slot_address]["boot_id"] == "" for c in children)
     assert not list((node.config.run_dir / "images").iterdir())  # the capture is gone
 
 

@@ -166,6 +166,21 @@ describe('e2b JS SDK against agentenv', () => {
     assert.equal(await sbx.files.read('/home/user/js/up.txt'), 'via upload url')
   })
 
+  test('files: read of procfs files (size 0) returns their content; python is python3', async () => {
+    const uptime = await sbx.files.read('/proc/uptime')
+    assert.equal(uptime.trim().split(/\s+/).length, 2, uptime)
+    const bootId = await sbx.files.read('/proc/sys/kernel/random/boot_id')
+    assert.match(bootId, /^[0-9a-f-]{36}\n$/)
+    assert.equal((await sbx.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout, bootId)
+    const py = await sbx.commands.run("python -c 'import sys; print(sys.version_info[0])'")
+    assert.equal(py.stdout, '3\n')
+  })
+
+  test('sudo: the default user becomes root, passwordless', async () => {
+    assert.equal((await sbx.commands.run('sudo whoami')).stdout, 'root\n')
+    assert.equal((await sbx.commands.run('sudo -n true')).exitCode, 0)
+  })
+
   test('files: watchDir sees create, write, remove', async () => {
     await sbx.files.makeDir('/home/user/jswatch')
     const events = []

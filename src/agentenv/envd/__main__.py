@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     # Listen before the heavy imports: the node's health probe connects at once
     # and is answered the moment the app is up, instead of polling a closed port.
     listener = _listen(args.host, args.port)
+    if os.getpid() == 1:
+        # Before anything is forked: it alone needs CAP_SYS_ADMIN, then drops it.
+        from .bootid import prepare
+
+        prepare()
     if os.geteuid() == 0:
         # File operations run in per-user workers forked from this small process
         # (see userfs_fork), forked now, before the heavy imports make envd big.
@@ -67,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         # envd is init inside the sandbox: reap every child, route ours their status.
         loop.add_signal_handler(signal.SIGCHLD, registry.reap)
         registry.reap()
+        if os.getpid() == 1 and os.geteuid() == 0:  # in a sandbox, never on a host
+            from .sudo import start as start_sudo_broker
+
+            start_sudo_broker(registry.children)
         print("envd start-up ms: " + ", ".join(f"{k} {v:.0f}" for k, v in marks),
               file=sys.stderr, flush=True)
         guard = guard_from_env()

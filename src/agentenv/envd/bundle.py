@@ -184,6 +184,7 @@ def _build_into(root: Path) -> dict:
     if setpriv is None:
         raise RuntimeError("setpriv (util-linux) is needed to build the envd bundle")
     shutil.copy2(setpriv, root / "bin" / "setpriv")
+    _write_sudo(root / "bin" / "sudo")
 
     # stdlib (trimmed) and its extension modules
     for entry in sorted(stdlib_src.iterdir()):
@@ -302,6 +303,21 @@ def build_bundle(dest_root: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _write_sudo(path: Path, mp: str = "/.aenv") -> None:
+    """The ``sudo`` templates link to (see envd/sudo.py): the bundle's interpreter runs
+    the client; the caller's own PYTHONHOME is saved for the command sudo runs."""
+    path.write_text(
+        "#!/bin/sh\n"
+        "# sudo under gVisor: envd runs the real sudo as root (agentenv.envd.sudo).\n"
+        '[ -n "${PYTHONHOME+x}" ] && export AENV_SUDO_SAVED_PYTHONHOME="$PYTHONHOME"\n'
+        'case "$0" in *sudoedit) set -- -e "$@" ;; esac\n'
+        f'PYTHONHOME={mp}/python exec {mp}/lib/{LOADER} --library-path {mp}/lib '
+        f'{mp}/python/bin/python{PY_VER} -S -c '
+        f'"import sys; sys.path.insert(0, \'{mp}/site\'); '
+        'from agentenv.envd.sudo_client import main; sys.exit(main())" "$@"\n')
+    path.chmod(0o755)
 
 
 def envd_command(mount_point: str = "/.aenv", port: int = 49983

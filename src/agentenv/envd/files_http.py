@@ -24,6 +24,9 @@ from .userfs import UserFS, user_key
 from .userfs_protocol import Refused, WorkerGone
 
 FILE_CHUNK = 256 * 1024
+# A file that reports no size (procfs, sysfs: st_size 0) is read to its end, up to
+# this much, before answering: its length is known only then.
+MAX_UNSIZED = 16 * 1024 * 1024
 # Multipart uploads: header bytes of one part, and file parts of one upload
 # without a path (the SDK's write_files); an upload with a path takes one.
 MAX_PART_HEADERS = 16 * 1024
@@ -141,13 +144,17 @@ class FilesEndpoint:
         fd = await open_as_user(self.userfs, user, "open_read", path)
         try:
             size = os.fstat(fd).st_size
+            whole = b"" if size else _read_unsized(fd, path)
             name = quote(os.path.basename(path))
             headers = [
                 (b"content-type", b"application/octet-stream"),
                 (b"content-disposition", f"attachment; filename*=UTF-8''{name}".encode()),
-                (b"content-length", str(size).encode()),
+                (b"content-length", str(size or len(whole)).encode()),
             ]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
+            if whole:
+                await send({"type": "http.response.body", "body": whole})
+                return
             remaining = size
             while remaining > 0:
                 chunk = os.read(fd, min(FILE_CHUNK, remaining))
@@ -322,6 +329,20 @@ class FilesEndpoint:
                 sink.close()
         if not written:
             raise HTTPError(400, "no file in the multipart body")
+
+
+def _read_unsized(fd: int, path: str) -> bytes:
+    """All of a file whose size says nothing (procfs reports 0 for content it makes
+    on read), bounded by MAX_UNSIZED: an endless one (/dev/zero) is refused."""
+    parts: list[bytes] = []
+    got = 0
+    while chunk := os.read(fd, min(FILE_CHUNK, MAX_UNSIZED + 1 - got)):
+        parts.append(chunk)
+        got += len(chunk)
+        if got > MAX_UNSIZED:
+            raise HTTPError(413, f"'{path}' reports no size and has more than "
+                                 f"{MAX_UNSIZED} bytes")
+    return b"".join(parts)
 
 
 async def _gunzip(chunks):

@@ -23,6 +23,8 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
+from .sudo import Children
+
 READ_CHUNK = 64 * 1024
 # A subscriber queue this deep pauses reading the process's output (back-pressure);
 # reading resumes once every queue has drained below LOW_WATER.
@@ -274,6 +276,8 @@ class Proc:
 class Registry:
     def __init__(self) -> None:
         self.by_pid: dict[int, Proc] = {}
+        # The sudo broker's processes (started outside the process service).
+        self.children = Children()
 
     def add(self, proc: Proc) -> None:
         self.by_pid[proc.pid] = proc
@@ -283,18 +287,21 @@ class Registry:
 
     def reap(self) -> None:
         """Collect every exited child: ours get their status, orphans are reaped."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            except InterruptedError:
-                continue
-            if pid == 0:
-                return
-            proc = self.by_pid.get(pid)
-            if proc is not None:
-                proc.on_exit(status)
+        with self.children.lock:
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    return
+                except InterruptedError:
+                    continue
+                if pid == 0:
+                    return
+                proc = self.by_pid.get(pid)
+                if proc is not None:
+                    proc.on_exit(status)
+                else:
+                    self.children.exited(pid, status)
 
     def select(self, sel: pb.ProcessSelector | None) -> Proc:
         match sel.selector if sel is not None else None:

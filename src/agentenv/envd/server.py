@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from .asgi import HTTPError, header, read_small_body, send_error, send_json, send_response
+from .bootid import canonical, set_boot_id
 from .disk_capture import PREFIX as DISK_PREFIX
 from .disk_capture import DiskCapture
 from .files_http import FilesEndpoint
@@ -156,6 +157,13 @@ class EnvdApp:
             raise HTTPError(400, "body is not valid JSON") from None
         if not isinstance(body, dict):
             raise HTTPError(400, "body must be a JSON object")
+        # A new boot (a created sandbox) names its boot ID; a fork or a resume none.
+        boot_id = body.get("bootID")
+        if boot_id is not None:
+            try:
+                boot_id = canonical(boot_id)
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
         env_vars = body.get("envVars")
         if env_vars is not None:
             if not isinstance(env_vars, dict) or not all(
@@ -171,6 +179,11 @@ class EnvdApp:
                 raise HTTPError(400, f"{key} must be a string")
             if value:
                 setattr(self.state, attr, value)
+        if boot_id is not None:
+            try:
+                set_boot_id(boot_id)
+            except OSError as e:
+                log.warning("init: boot ID not set: %s", e)
         log.info("init: %d env vars, token %s, default user %s", len(env_vars or {}),
                  "set" if self.state.access_token else "unset", self.state.default_user)
         await send_response(send, 204)

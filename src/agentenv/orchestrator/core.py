@@ -18,6 +18,7 @@ import asyncio
 import builtins
 import logging
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -196,21 +197,24 @@ class ManagerCore:
 
     def _plan(self, record: SandboxRecord, template: Template, *, hostname_of: str,
               image=None, current_token: str = "", init: bool = True,
-              start_command: bool = False, purpose: str = "", files=None) -> LaunchPlan:
+              start_command: bool = False, purpose: str = "", files=None,
+              new_boot: bool = False) -> LaunchPlan:
         return LaunchPlan(
             sandbox_id=record.sandbox_id, template=template, cpu_count=record.cpu_count,
             memory_mb=record.memory_mb, hostname_of=hostname_of, image=image,
             internet=record.internet, network=record.network,
-            init=self._envd_init(record, template, current_token) if init else None,
+            init=self._envd_init(record, template, current_token, new_boot) if init else None,
             files=files, start_command=start_command, purpose=purpose)
 
     @staticmethod
-    def _envd_init(record: SandboxRecord, template: Template, current_token: str = ""
-                   ) -> EnvdInit:
-        """What envd is told for this record: its token, env vars, the template's user."""
+    def _envd_init(record: SandboxRecord, template: Template, current_token: str = "",
+                   new_boot: bool = False) -> EnvdInit:
+        """What envd is told for this record: its token, env vars, the template's user,
+        and for a new boot (a create, not a fork or a resume) a boot ID of its own."""
         return EnvdInit(record.envd_token, record.env_vars,
                         default_user=template.default_user or "user",
-                        default_workdir=template.default_workdir, current_token=current_token)
+                        default_workdir=template.default_workdir, current_token=current_token,
+                        boot_id=str(uuid.uuid4()) if new_boot else "")
 
     async def _bring_up(self, record: SandboxRecord, plan: LaunchPlan) -> SandboxRecord:
         """Launch a ``creating`` record's sandbox; it holds the slot and runs after.

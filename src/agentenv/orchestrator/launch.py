@@ -46,6 +46,8 @@ class EnvdInit:
     default_workdir: str = ""
     # The token envd already holds (a restored image's): it authorises the rotation.
     current_token: str = ""
+    # A new boot's ID (a create); empty for a fork or a resume, which continue theirs.
+    boot_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ class Launcher:
         await self.envd.init(address, init.token, dict(init.env_vars),
                              default_user=init.default_user or "user",
                              default_workdir=init.default_workdir,
-                             current_token=init.current_token or None)
+                             current_token=init.current_token or None,
+                             boot_id=init.boot_id)
 
     async def run_start_command(self, template: Template, address: str, token: str) -> None:
         """The template's start command, then its ready check until it passes."""

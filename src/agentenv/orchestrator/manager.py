@@ -151,11 +151,11 @@ class SandboxManager(Reconciling, Forking, Egress):
         try:
             await self.launcher.apply_egress(record.sandbox_id, member.slot, record.network,
                                              record.internet)
-            init = self._envd_init(record, template, member.envd_token)
+            init = self._envd_init(record, template, member.envd_token, new_boot=True)
             await self.envd.init(member.slot.address, init.token, dict(init.env_vars),
                                  default_user=init.default_user,
                                  default_workdir=init.default_workdir,
-                                 current_token=init.current_token)
+                                 current_token=init.current_token, boot_id=init.boot_id)
             self._transition(record, SandboxState.RUNNING)
         except Exception as exc:
             log.warning("handing out pooled sandbox %s failed: %s", record.sandbox_id, exc)
@@ -173,7 +173,7 @@ class SandboxManager(Reconciling, Forking, Egress):
             with self.boot_images.using(image):
                 await self._bring_up(record, self._plan(
                     record, template, image=image.path, current_token=image.envd_token,
-                    hostname_of=image.hostname_of or template.template_id))
+                    hostname_of=image.hostname_of or template.template_id, new_boot=True))
         except CapacityExceeded:
             raise
         except OrchestratorError as exc:
@@ -192,7 +192,7 @@ class SandboxManager(Reconciling, Forking, Egress):
             raise NotFound(f"snapshot of template '{template.template_id}' is not available")
         t0 = time.perf_counter()
         await self._bring_up(record, self._plan(record, template, hostname_of=record.sandbox_id,
-                                                start_command=True))
+                                                start_command=True, new_boot=True))
         log.info("created %s in %.0f ms (booted)", record.sandbox_id,
                  (time.perf_counter() - t0) * 1000)
         return record

@@ -239,7 +239,7 @@ class Pausing(Captures):
             if disk_pause.is_disk_capture(image):
                 plan = self._plan(record, self._bootable_template(record), files=image,
                                   hostname_of=record.sandbox_id, start_command=True,
-                                  purpose="resume")
+                                  purpose="resume", new_boot=True)
             elif not memory:
                 raise BadRequest(f"sandbox '{sandbox_id}' was paused with its memory: "
                                  "resuming from its disk state alone is not supported")

@@ -8,11 +8,13 @@ from typing import Any
 from .base import SandboxSpec
 
 # Docker's default capability set minus NET_RAW: root inside keeps the
-# privileges package managers and sudo need, and no raw sockets.
+# privileges package managers and sudo need, and no raw sockets. Plus SYS_ADMIN
+# for envd (pid 1) alone: it mounts the boot ID's tmpfs at start-up, then drops it
+# from all its sets, bounding included, before it forks anything (envd/bootid.py).
 CAPABILITIES = [
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD",
     "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE", "CAP_SYS_ADMIN",
 ]
 # A short CFS period: a throttled sandbox waits at most ~10 ms, not 100, so a
 # busy neighbour costs others little latency.
