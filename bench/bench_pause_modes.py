@@ -1,20 +1,23 @@
-"""Pause with memory against a filesystem-only pause (E2B's ``memory: false``), same
-node, same run, through the official e2b SDK.
+"""The pause modes, same node, same run, through the official e2b SDK:
+
+  - memory, resident: a pause freezes the sandbox and answers (its capture follows in
+    the background); a resume right after is a thaw. Floor: bare `runsc pause` and
+    `runsc resume` of a sandbox of the same node, in the same run.
+  - memory, evicted: resumed after the node evicted it (idle past
+    AENV_RESIDENT_PAUSE_IDLE_S): a restore from its capture.
+  - filesystem (E2B's ``memory: false``): the files only; a resume reboots the
+    template and brings the files back.
 
 For sandboxes that wrote 0, 16 and 64 MiB of new files (random bytes: no compression
-helps), each round pauses one sandbox each way and resumes it:
-  - pause and resume times (SDK call to answer; a filesystem resume reboots the
-    template and brings the files back)
-  - the pause snapshot's size: total bytes, and bytes newly stored in the repository
-    (after chunk dedup and zstd)
-Bare runsc (checkpoint and restore of the same rootfs, bench_snapshots' floor) is not
-repeated here: the memory pause's figures are that comparison's subject.
+helps): pause and resume-plus-a-command times, and each pause snapshot's size (total
+bytes, and bytes newly stored in the repository after chunk dedup and zstd).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +30,21 @@ from agentenv.testing import Node, leaks
 from common import summary, table, write
 
 MIB = 1 << 20
+IDLE_S = 4
+MODES = ("memory, resident", "memory, evicted", "filesystem")
+
+
+def runsc_ids(home: Path) -> list[str]:
+    return subprocess.run(["runsc", f"--root={home}/run/runsc", "list", "-quiet"],
+                          capture_output=True, text=True).stdout.split()
+
+
+def bare(home: Path, verb: str, sandbox_id: str) -> float:
+    flags = [f"--root={home}/run/runsc", "--platform=systrap", "--network=sandbox",
+             "--overlay2=root:memory"]
+    t0 = time.perf_counter()
+    subprocess.run(["runsc", *flags, verb, sandbox_id], check=True, capture_output=True)
+    return time.perf_counter() - t0
 
 
 def pause_snapshot(store: SnapshotStore, sandbox_id: str, memory: bool):
@@ -43,7 +61,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
 
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-pause-"))
-    node = Node(home, "abp", "10.23.0.0/16", AENV_TEMPLATE_SNAPSHOTS="false")
+    node = Node(home, "abp", "10.23.0.0/16", AENV_RESIDENT_PAUSE_IDLE_S=str(IDLE_S))
     node.start()
     os.environ.update(node.e2b_env())
     store = SnapshotStore(open_repository(Config(home=home).snapshot_repository()),
@@ -53,26 +71,36 @@ def main() -> None:
     try:
         for size in sizes:
             for _ in range(args.rounds):
-                for memory in (True, False):
-                    kind = "memory" if memory else "filesystem"
+                for mode in MODES:
+                    memory = mode != "filesystem"
                     sbx = Sandbox.create("base", timeout=600)
                     if size:
                         sbx.commands.run(f"head -c {size * MIB} /dev/urandom > "
                                          "/home/user/data.bin")
                     sbx.commands.run("sleep 4242", background=True)
+                    if mode == "memory, resident":  # the floor, on this very sandbox
+                        samples.setdefault(f"{size} MiB: bare runsc pause", []).append(
+                            bare(home, "pause", sbx.sandbox_id))
+                        samples.setdefault(f"{size} MiB: bare runsc resume", []).append(
+                            bare(home, "resume", sbx.sandbox_id))
                     t0 = time.perf_counter()
                     sbx.pause(mode="full" if memory else "filesystem")
-                    samples.setdefault(f"{size} MiB: pause, {kind}", []).append(
+                    samples.setdefault(f"{size} MiB: pause, {mode}", []).append(
                         time.perf_counter() - t0)
+                    if mode == "memory, evicted":
+                        deadline = time.time() + 120
+                        while sbx.sandbox_id in runsc_ids(home) and time.time() < deadline:
+                            time.sleep(0.2)
                     t0 = time.perf_counter()
                     Sandbox.connect(sbx.sandbox_id, timeout=600)
                     sbx.commands.run("true")
-                    samples.setdefault(f"{size} MiB: resume + a command, {kind}", []).append(
+                    samples.setdefault(f"{size} MiB: resume + a command, {mode}", []).append(
                         time.perf_counter() - t0)
-                    m = pause_snapshot(store, sbx.sandbox_id, memory)
-                    sizes_out[f"{size} MiB: snapshot, {kind}"] = {
-                        "total_MB": round(m.total_bytes / 1e6, 1),
-                        "stored_MB": round(m.stored_bytes / 1e6, 1)}
+                    if mode != "memory, resident":
+                        m = pause_snapshot(store, sbx.sandbox_id, memory)
+                        sizes_out[f"{size} MiB: snapshot, {'memory' if memory else mode}"] = {
+                            "total_MB": round(m.total_bytes / 1e6, 1),
+                            "stored_MB": round(m.stored_bytes / 1e6, 1)}
                     sbx.kill()
     finally:
         node.stop()

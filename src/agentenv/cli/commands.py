@@ -163,9 +163,21 @@ def rm(sandboxes: IdsArg) -> None:
 
 
 @cli.command()
-def pause(sandboxes: IdsArg) -> None:
+def pause(
+    sandboxes: IdsArg,
+    files_only: Annotated[bool, typer.Option(
+        "--files-only", help="Keep the files only: a resume reboots the sandbox.")] = False,
+    evict: Annotated[bool, typer.Option(
+        "--evict", help="Free the sandbox's memory now (a resume then restores it), "
+        "not at its idle time.")] = False,
+) -> None:
     """Pause sandboxes: memory, processes and files are saved."""
-    _each(sandboxes, lambda c, sid: c.request("POST", f"/sandboxes/{sid}/pause"))
+    def one(c: Client, sid: str) -> None:
+        c.request("POST", f"/sandboxes/{sid}/pause", json={"memory": not files_only})
+        if evict and not files_only:
+            c.request("POST", f"/sandboxes/{sid}/evict")
+
+    _each(sandboxes, one)
 
 
 @cli.command()

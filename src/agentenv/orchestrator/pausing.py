@@ -184,6 +184,24 @@ class Pausing(Captures):
         await asyncio.shield(task)
         return True
 
+    async def evict(self, sandbox_id: str) -> SandboxRecord:
+        """A paused sandbox's memory and slot freed now (once its capture is made); a
+        later resume restores it. Idempotent; a running sandbox is a Conflict."""
+        record = self.get(sandbox_id)
+        if record.state is not SandboxState.PAUSED:
+            raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
+        entry = self._resident.get(sandbox_id) if self._resident is not None else None
+        if entry is None:
+            return record
+        if entry.capture is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(entry.capture)
+        if not entry.captured and self._resident is not None and sandbox_id in self._resident:
+            raise OrchestratorError(f"sandbox '{sandbox_id}' is paused in memory but its "
+                                    "capture failed (retried); it cannot be evicted yet")
+        await self._evict(sandbox_id)
+        return record
+
     async def make_room(self) -> bool:
         """A launch found no slot free: evict the least recently paused resident."""
         if self._resident is None:

@@ -107,8 +107,17 @@ def _info(manifest) -> SnapshotInfo:
 async def pause_sandbox(sandbox_id: str, request: Request,
                         body: PauseRequest | None = None) -> Response:
     """Save the sandbox's memory, processes and files (``memory: false``: its files
-    only); it holds nothing while paused."""
+    only). A memory pause answers once the sandbox is frozen; it stays in memory
+    (a resume is a thaw) until evicted."""
     await snapshot_call(_manager(request).pause(sandbox_id, memory=body.memory if body else True))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/evict", status_code=204)
+async def evict_sandbox(sandbox_id: str, request: Request) -> Response:
+    """agentenv's extension: free a paused sandbox's memory and slot now (once its
+    capture is made) instead of at its idle time; a resume then restores it."""
+    await snapshot_call(_manager(request).evict(sandbox_id))
     return Response(status_code=204)
 
 
