@@ -51,11 +51,11 @@ async def body_chunks(receive):
             return
 
 
-async def read_small_body(receive) -> bytes:
+async def read_small_body(receive, limit: int = MAX_JSON_BODY) -> bytes:
     buf = bytearray()
     async for chunk in body_chunks(receive):
         buf += chunk
-        if len(buf) > MAX_JSON_BODY:
+        if len(buf) > limit:
             raise HTTPError(413, "request body too large")
     return bytes(buf)
 

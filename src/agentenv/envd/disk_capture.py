@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator
 from typing import IO
 
-from .asgi import HTTPError, body_chunks, send_response
+from .asgi import HTTPError, body_chunks, read_small_body, send_response
 
 PREFIX = "/aenv/fs/"
 # Not the sandbox's own files: kernel views, devices, envd's bundle.
@@ -211,7 +211,7 @@ class DiskCapture:
         elif (op, method) == ("export", "POST"):
             await self._export(receive, send)
         elif (op, method) == ("prune", "POST"):
-            keep = set(await asyncio.to_thread(_paths, await _read(receive)))
+            keep = set(await asyncio.to_thread(_paths, await read_small_body(receive, MAX_PATHS_BODY)))
             removed = await asyncio.to_thread(prune, keep, other_mounts())
             await send_response(send, 200, json.dumps({"removed": removed}).encode(),
                                 "application/json")
@@ -234,7 +234,7 @@ class DiskCapture:
         await self._stream(send, pipe, produce, "application/jsonl")
 
     async def _export(self, receive, send) -> None:
-        paths = await asyncio.to_thread(_paths, await _read(receive))
+        paths = await asyncio.to_thread(_paths, await read_small_body(receive, MAX_PATHS_BODY))
         pipe = _Pipe()
 
         def produce() -> None:
@@ -289,12 +289,3 @@ class DiskCapture:
             raise HTTPError(500, f"extracting the sandbox's files failed: {result['error']}")
         await send_response(send, 200, json.dumps({"extracted": result["count"]}).encode(),
                             "application/json")
-
-
-async def _read(receive) -> bytes:
-    buf = bytearray()
-    async for chunk in body_chunks(receive):
-        buf += chunk
-        if len(buf) > MAX_PATHS_BODY:
-            raise HTTPError(413, "request body too large")
-    return bytes(buf)
