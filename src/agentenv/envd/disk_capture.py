@@ -211,7 +211,8 @@ class DiskCapture:
         elif (op, method) == ("export", "POST"):
             await self._export(receive, send)
         elif (op, method) == ("prune", "POST"):
-            keep = set(await asyncio.to_thread(_paths, await read_small_body(receive, MAX_PATHS_BODY)))
+            body = await read_small_body(receive, MAX_PATHS_BODY)
+            keep = set(await asyncio.to_thread(_paths, body))
             removed = await asyncio.to_thread(prune, keep, other_mounts())
             await send_response(send, 200, json.dumps({"removed": removed}).encode(),
                                 "application/json")
