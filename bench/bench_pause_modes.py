@@ -3,8 +3,8 @@
   - memory, resident: a pause freezes the sandbox and answers (its capture follows in
     the background); a resume right after is a thaw. Floor: bare `runsc pause` and
     `runsc resume` of a sandbox of the same node, in the same run.
-  - memory, evicted: resumed after the node evicted it (idle past
-    AENV_RESIDENT_PAUSE_IDLE_S): a restore from its capture.
+  - memory, evicted: resumed after POST /sandboxes/{id}/evict freed it (as its idle
+    time or the memory budget would): a restore from its capture.
   - filesystem (E2B's ``memory: false``): the files only; a resume reboots the
     template and brings the files back.
 
@@ -20,6 +20,7 @@ import os
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from e2b import Sandbox
@@ -30,13 +31,7 @@ from agentenv.testing import Node, leaks
 from common import summary, table, write
 
 MIB = 1 << 20
-IDLE_S = 4
 MODES = ("memory, resident", "memory, evicted", "filesystem")
-
-
-def runsc_ids(home: Path) -> list[str]:
-    return subprocess.run(["runsc", f"--root={home}/run/runsc", "list", "-quiet"],
-                          capture_output=True, text=True).stdout.split()
 
 
 def bare(home: Path, verb: str, sandbox_id: str) -> float:
@@ -53,15 +48,43 @@ def pause_snapshot(store: SnapshotStore, sandbox_id: str, memory: bool):
     return max(mine, key=lambda m: m.created_at)
 
 
+def evict(node: Node, ids: list[str]) -> None:
+    """Out of memory now (POST /sandboxes/{id}/evict waits for each capture)."""
+    with node.client() as api:
+        for sid in ids:
+            api.post(f"/sandboxes/{sid}/evict").raise_for_status()
+
+
+def fleet(n: int, mode: str, node: Node, samples: dict[str, list[float]]) -> None:
+    """``n`` sandboxes paused at once, then resumed at once: wall time of each burst."""
+    boxes = [Sandbox.create("base", timeout=600) for _ in range(n)]
+    memory = mode != "filesystem"
+    with ThreadPoolExecutor(n) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(lambda b: b.pause(mode="full" if memory else "filesystem"), boxes))
+        samples.setdefault(f"fleet of {n}: pause all, {mode}", []).append(
+            time.perf_counter() - t0)
+        if mode == "memory, evicted":
+            evict(node, [b.sandbox_id for b in boxes])
+        t0 = time.perf_counter()
+        list(pool.map(lambda b: (Sandbox.connect(b.sandbox_id, timeout=600),
+                                 b.commands.run("true")), boxes))
+        samples.setdefault(f"fleet of {n}: resume all + a command each, {mode}", []).append(
+            time.perf_counter() - t0)
+        list(pool.map(lambda b: b.kill(), boxes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes", default="0,16,64", help="MiB of new files per sandbox")
+    ap.add_argument("--fleet", type=int, default=8,
+                    help="sandboxes paused and resumed at once, as a burst")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-pause-"))
-    node = Node(home, "abp", "10.23.0.0/16", AENV_RESIDENT_PAUSE_IDLE_S=str(IDLE_S))
+    node = Node(home, "abp", "10.23.0.0/16")
     node.start()
     os.environ.update(node.e2b_env())
     store = SnapshotStore(open_repository(Config(home=home).snapshot_repository()),
@@ -88,9 +111,7 @@ def main() -> None:
                     samples.setdefault(f"{size} MiB: pause, {mode}", []).append(
                         time.perf_counter() - t0)
                     if mode == "memory, evicted":
-                        deadline = time.time() + 120
-                        while sbx.sandbox_id in runsc_ids(home) and time.time() < deadline:
-                            time.sleep(0.2)
+                        evict(node, [sbx.sandbox_id])
                     t0 = time.perf_counter()
                     Sandbox.connect(sbx.sandbox_id, timeout=600)
                     sbx.commands.run("true")
@@ -102,6 +123,8 @@ def main() -> None:
                             "total_MB": round(m.total_bytes / 1e6, 1),
                             "stored_MB": round(m.stored_bytes / 1e6, 1)}
                     sbx.kill()
+        for mode in MODES:
+            fleet(args.fleet, mode, node, samples)
     finally:
         node.stop()
     left = leaks("abp", home)
