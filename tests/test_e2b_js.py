@@ -24,6 +24,6 @@ def test_js_sdk(node: Node) -> None:
            "NODE_NO_WARNINGS": "1"}
     files = sorted(str(p) for p in JS.glob("*.test.mjs"))
     proc = subprocess.run([node_bin, "--test", "--test-reporter=spec", *files], cwd=JS,
-                          env=env, capture_output=True, text=True, timeout=240)
+                          env=env, capture_output=True, text=True, timeout=420)
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, f"{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
