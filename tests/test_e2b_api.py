@@ -151,17 +151,20 @@ def test_list_by_template_start_time_and_order(node: Node) -> None:
     second = Sandbox.create(template="base", timeout=120, metadata={"order": tag})
     try:
         q = SandboxQuery(metadata={"order": tag}, template="base")
+        # newest first unless asked otherwise (E2B's default order)
         assert [s.sandbox_id for s in Sandbox.list(query=q).next_items()] == [
-            first.sandbox_id, second.sandbox_id]
+            second.sandbox_id, first.sandbox_id]
         newest_first = Sandbox.list(query=q, order="desc").next_items()
         assert [s.sandbox_id for s in newest_first] == [second.sandbox_id, first.sandbox_id]
+        oldest_first = Sandbox.list(query=q, order="asc").next_items()
+        assert [s.sandbox_id for s in oldest_first] == [first.sandbox_id, second.sandbox_id]
         other = SandboxQuery(metadata={"order": tag}, template="code-interpreter")
         assert Sandbox.list(query=other).next_items() == []
         for since, want in ((first, [first, second]), (second, [second])):
             after = SandboxQuery(metadata={"order": tag},
                                  started_after=since.get_info().started_at)
             assert [s.sandbox_id for s in Sandbox.list(query=after).next_items()] == [
-                w.sandbox_id for w in want]
+                w.sandbox_id for w in reversed(want)]
     finally:
         first.kill()
         second.kill()

@@ -100,7 +100,7 @@ async def list_sandboxes_v2(
         states=q.parse_states(state or []),
         template=template or None,
         started_after=_parse_time(started_after),
-        descending=order == "desc",
+        descending=order != "asc",  # E2B: newest first unless asked otherwise
     )
     result = q.page(manager(request).list(), query, limit=limit, next_token=next_token)
     if result.next_token:
