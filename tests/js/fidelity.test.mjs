@@ -41,3 +41,37 @@ test('Sandbox.list: newest first, pages stable by state, a create between pages'
     for (const s of made) await s.kill()
   }
 })
+
+test('snapshots: createSnapshot, listSnapshots, create from it, deleteSnapshot', async () => {
+  const sbx = await Sandbox.create('base', { timeoutMs: 300_000 })
+  let child
+  try {
+    await sbx.files.write('/home/user/js-state.txt', 'js snapshot')
+    const name = `js-keep-${sbx.sandboxId.slice(0, 8)}`
+    const snap = await sbx.createSnapshot({ name })
+    assert.deepEqual(snap.names, [name])
+    const pager = Sandbox.listSnapshots({ limit: 1 })
+    const listed = []
+    while (pager.hasNext) listed.push(...(await pager.nextItems()).map((s) => s.snapshotId))
+    assert.ok(listed.includes(snap.snapshotId))
+    assert.equal(listed.length, new Set(listed).size)
+    const named = await Sandbox.listSnapshots({ name: `${name}:default` }).nextItems()
+    assert.deepEqual(named.map((s) => s.snapshotId), [snap.snapshotId])
+    assert.deepEqual((await sbx.listSnapshots().nextItems()).map((s) => s.snapshotId),
+      [snap.snapshotId])
+    child = await Sandbox.create(snap.snapshotId, { timeoutMs: 120_000 })
+    assert.equal(await child.files.read('/home/user/js-state.txt'), 'js snapshot')
+
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
+    const left = await Sandbox.listSnapshots({ sandboxId: sbx.sandboxId }).nextItems()
+    assert.deepEqual(left, [])
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false)
+    assert.equal(await Sandbox.deleteSnapshot(name), false)
+    await assert.rejects(Sandbox.create(name, { timeoutMs: 60_000 }), /not found/)
+    // the sandbox restored from it runs on
+    assert.equal((await child.commands.run('cat /home/user/js-state.txt')).stdout, 'js snapshot')
+  } finally {
+    await child?.kill()
+    await sbx.kill()
+  }
+})

@@ -274,6 +274,8 @@ class TemplateBuilder:
                 await asyncio.to_thread(self.manager.snapshots.delete, snapshot_id)
             except Exception as exc:  # a stale snapshot costs disk only
                 log.warning("deleting template snapshot %s failed: %s", snapshot_id, exc)
+            else:
+                self.manager.snapshot_gc.request()  # its chunks, unless others use them
 
     # -- the build ------------------------------------------------------------------------
 

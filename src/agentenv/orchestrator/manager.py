@@ -31,12 +31,13 @@ from .models import (
 from .reconcile import Reconciling
 from .records import new_record
 from .requests import CreateRequest, check_create
+from .snapshots import SnapshotUse, resolve_snapshot
 
 log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 
 
-class SandboxManager(Reconciling, Forking, Egress):
+class SandboxManager(Reconciling, Forking, Egress, SnapshotUse):
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -73,6 +74,7 @@ class SandboxManager(Reconciling, Forking, Egress):
         for task in list(self._tasks):
             task.cancel()
         await self._exits.close()
+        await self.snapshot_gc.close()
         if self.boot_images is not None:
             await self.boot_images.close()
         if self._releasing:
@@ -135,7 +137,7 @@ class SandboxManager(Reconciling, Forking, Egress):
 
     async def _resolve(self, name: str, missing: str, cause: BaseException | None = None):
         try:
-            return await asyncio.to_thread(self.snapshots.resolve, name)
+            return await asyncio.to_thread(resolve_snapshot, self.snapshots, name)
         except SnapshotNotFound as exc:
             raise NotFound(missing) from (cause or exc)
         except SnapshotError as exc:

@@ -18,6 +18,7 @@ from ...builds import HASH, UPLOAD_URL_TTL, BuildError, TemplateBuilder
 from ...orchestrator import BadRequest, NotFound
 from ...templates import Template, TemplateNotFound, TemplateRegistry
 from .. import models
+from .lifecycle import snapshot_call
 
 router = APIRouter()
 # Context uploads carry a signed URL instead of the API key (the SDKs send them
@@ -218,10 +219,17 @@ async def cancel_build(template_id: str, build_id: str, request: Request) -> Res
 
 @router.delete("/templates/{template_id}", status_code=204)
 async def delete_template(template_id: str, request: Request) -> Response:
+    """A template, or a snapshot: E2B's snapshots are templates, and the SDKs'
+    ``delete_snapshot`` is this route with the snapshot's ID or name."""
     try:
         await _builder(request).delete_template(template_id)
     except BuildError as exc:
-        raise _fail(exc) from exc
+        if exc.status != 404:
+            raise _fail(exc) from exc
+        try:
+            await snapshot_call(request.app.state.manager.delete_snapshot(template_id))
+        except NotFound:
+            raise NotFound(f"template or snapshot '{template_id}' not found") from None
     return Response(status_code=204)
 
 
