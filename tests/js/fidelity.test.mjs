@@ -3,7 +3,7 @@
 import { test } from 'node:test'
 import assert from 'node:assert/strict'
 import { randomUUID } from 'node:crypto'
-import { Sandbox } from 'e2b'
+import { Sandbox, Template } from 'e2b'
 
 async function pages(paginator, between) {
   const out = []
@@ -73,5 +73,43 @@ test('snapshots: createSnapshot, listSnapshots, create from it, deleteSnapshot',
   } finally {
     await child?.kill()
     await sbx.kill()
+  }
+})
+
+test('template tags: assignTags, getTags, create by name:tag, move, removeTags', async () => {
+  const name = `xbt-jstag-${randomUUID().slice(0, 6)}`
+  const version = (text) =>
+    Template().fromTemplate('base').runCmd(`echo ${text} > /home/user/v.txt`)
+  const read = async (ref) => {
+    const sbx = await Sandbox.create(ref, { timeoutMs: 120_000 })
+    try {
+      return (await sbx.commands.run('cat /home/user/v.txt')).stdout.trim()
+    } finally {
+      await sbx.kill()
+    }
+  }
+  const tags = async () =>
+    Object.fromEntries((await Template.getTags(name)).map((t) => [t.tag, t.buildId]))
+  const one = await Template.build(version('one'), name)
+  try {
+    const assigned = await Template.assignTags(`${name}:default`, 'js1')
+    assert.deepEqual(assigned, { buildId: one.buildId, tags: ['js1'] })
+    const two = await Template.build(version('two'), name)
+    assert.deepEqual(await tags(), { default: two.buildId, js1: one.buildId })
+    assert.ok((await Template.getTags(name)).every((t) => !isNaN(t.createdAt.getTime())))
+    assert.equal(await read(`${name}:js1`), 'one')
+    assert.equal(await read(name), 'two')
+    // move the tag to the current build
+    assert.equal((await Template.assignTags(name, ['js1'])).buildId, two.buildId)
+    assert.equal(await read(`${name}:js1`), 'two')
+    await Template.removeTags(name, 'js1')
+    assert.deepEqual(await tags(), { default: two.buildId })
+    await assert.rejects(Sandbox.create(`${name}:js1`, { timeoutMs: 60_000 }), /no tag 'js1'/)
+    await assert.rejects(Template.assignTags(name, 'Not a tag!'), /400/)
+    await assert.rejects(Template.removeTags(name, 'default'), /default/)
+  } finally {
+    const res = await fetch(`${process.env.E2B_API_URL}/templates/${name}`, {
+      method: 'DELETE', headers: { 'X-API-Key': process.env.E2B_API_KEY } })
+    assert.equal(res.status, 204)
   }
 })

@@ -104,13 +104,15 @@ class Forking(ManagerCore):
         self._add(record)
         return await self._as_task(record, self._restore_new(
             record, image, source_token=meta["envd_token"],
-            hostname_of=meta.get("source_sandbox_id", record.sandbox_id)))
+            hostname_of=meta.get("source_sandbox_id", record.sandbox_id), template=template))
 
     async def _restore_new(self, record: SandboxRecord, image: Path, source_token: str,
-                           hostname_of: str) -> SandboxRecord:
-        """Bring a new record up from a capture, rotating envd's token to its own."""
+                           hostname_of: str, template: Template | None = None
+                           ) -> SandboxRecord:
+        """Bring a new record up from a capture, rotating envd's token to its own.
+        ``template``: the build the capture is of (a tag may name an older one)."""
         try:
-            template = self.templates.get(record.template_id)
+            template = template or self.templates.get(record.template_id)
         except TemplateNotFound as exc:
             raise NotFound(f"template of the snapshot is gone: {exc}") from exc
         return await self._bring_up(record, self._plan(

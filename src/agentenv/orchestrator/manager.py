@@ -17,10 +17,12 @@ import time
 
 from ..snapshot import SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound
+from ..templates.registry import InvalidTemplateRef
 from .boot_images import BootImage, PooledSandbox
 from .egress import Egress
 from .forking import Forking
 from .models import (
+    BadRequest,
     CapacityExceeded,
     Conflict,
     NotFound,
@@ -101,8 +103,15 @@ class SandboxManager(Reconciling, Forking, Egress, SnapshotUse):
         try:
             template = self.templates.get(req.template)
         except TemplateNotFound as exc:
-            manifest = await self._resolve(req.template, f"template or snapshot "
-                                           f"'{req.template}' not found", exc)
+            try:
+                manifest = await self._resolve(req.template, f"template or snapshot "
+                                               f"'{req.template}' not found", exc)
+            except NotFound:
+                if isinstance(exc, InvalidTemplateRef):
+                    raise BadRequest(str(exc)) from exc
+                if ":" in req.template:  # say which tag is missing
+                    raise NotFound(str(exc)) from exc
+                raise
             return await self._create_from_snapshot(req, manifest, ttl)
         pool = self.boot_images
         if template.snapshot_id and not (pool and pool.pool_size > 0):
