@@ -345,6 +345,24 @@ def test_sdk_snapshot_list_create_from_delete_and_collect(node: Node, api: httpx
         assert pause_snap not in {i.snapshot_id for i in Sandbox.list_snapshots().next_items()}
         back = Sandbox.connect(paused.sandbox_id)
         assert back.files.read("/home/user/state.txt") == "in the snapshot"
+        # killing a paused sandbox deletes its snapshot, and its chunks are collected
+        back.pause()
+        with sqlite3.connect(node.home / "db") as db:
+            pause_snap = db.execute("SELECT snapshot_id FROM sandboxes WHERE sandbox_id=?",
+                                    (back.sandbox_id,)).fetchone()[0]
+        for _ in range(100):
+            if pause_snap in _manifest_ids(repo):
+                break
+            time.sleep(0.1)
+        own = _own_chunks(repo, pause_snap)
+        assert own
+        back.kill()
+        assert pause_snap not in _manifest_ids(repo)
+        for _ in range(300):
+            if not own & {d for d, _ in repo.list_chunks()}:
+                break
+            time.sleep(0.1)
+        assert not own & {d for d, _ in repo.list_chunks()}
     finally:
         for s in made:
             s.kill()

@@ -274,6 +274,7 @@ class Pausing(ManagerCore):
             await asyncio.gather(pending, return_exceptions=True)
         with contextlib.suppress(SnapshotError):
             await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
+            self.snapshot_gc.request()  # its chunks, unless other snapshots use them
         await asyncio.to_thread(self.snapshots.discard_staging, record.snapshot_id)
         self._forget(record)
 
