@@ -140,6 +140,11 @@ def test_bad_requests_are_400(node: Node) -> None:
         assert r.status_code == 400 and r.json()["code"] == 400
         r = api.get("/v2/sandboxes", params={"order": "sideways"})
         assert r.status_code == 400
+        # a template filter names a template, not a build (E2B: a 400)
+        r = api.get("/v2/sandboxes", params={"template": "base:default"})
+        assert r.status_code == 400 and "tag" in r.json()["message"]
+    with pytest.raises(SandboxException, match="tags are not supported"):
+        Sandbox.list(query=SandboxQuery(template="base:v1")).next_items()
     with pytest.raises(SandboxException, match="400"):
         Sandbox.list(query=SandboxQuery(metadata={"a": "b"}), limit=1000).next_items()
 
