@@ -1,4 +1,4 @@
-// E2B fidelity (issue 14) through the JavaScript SDK, unchanged (run by
+// E2B fidelity (issue 14, items 2-4) through the JavaScript SDK, unchanged (run by
 // tests/test_e2b_js.py): list order and paging, snapshots as templates, template tags.
 import { test } from 'node:test'
 import assert from 'node:assert/strict'
