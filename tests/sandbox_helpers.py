@@ -97,3 +97,24 @@ def start_host_echo(sbx: Sandbox, port: int) -> None:
     sbx.files.write("/home/user/host_echo.py", _HOST_ECHO)
     sbx.commands.run(f"python3 /home/user/host_echo.py {port}", background=True)
     wait_port(sbx, port)
+
+
+def lose_pause_snapshot(node, api, sandbox_id: str) -> None:
+    """Take a paused sandbox out of memory, then remove its committed pause snapshot
+    underneath the node (the API refuses to: the paused sandbox needs it)."""
+    import shutil
+    import sqlite3
+
+    assert api.post(f"/sandboxes/{sandbox_id}/evict").status_code == 204
+    with sqlite3.connect(node.home / "db") as db:
+        snap = db.execute("SELECT snapshot_id FROM sandboxes WHERE sandbox_id=?",
+                          (sandbox_id,)).fetchone()[0]
+    for _ in range(100):  # its background commit
+        if api.get(f"/snapshots/{snap}").status_code == 200:
+            break
+        time.sleep(0.1)
+    r = api.delete(f"/snapshots/{snap}")
+    assert r.status_code == 409 and sandbox_id in r.json()["message"], r.text
+    (node.home / "snapshots" / "manifests" / f"{snap}.json").unlink()
+    for cached in (node.home / "cache" / "snapshots").glob(f"*{snap}*"):
+        shutil.rmtree(cached, ignore_errors=True) if cached.is_dir() else cached.unlink()

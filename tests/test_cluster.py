@@ -114,12 +114,17 @@ def test_e2b_sdk_through_the_gateway(cluster: Cluster, api: httpx.Client) -> Non
             token = r.headers.get("x-next-token")
             if not token:
                 break
-        assert sorted(seen) == sorted(s.sandbox_id for s in sandboxes)
+        # newest first across nodes (E2B's default order)
+        assert seen == [s.sandbox_id for s in reversed(sandboxes)]
         paginator = Sandbox.list(limit=2)
         listed = []
         while paginator.has_next:
             listed += [i.sandbox_id for i in paginator.next_items()]
-        assert sorted(listed) == sorted(seen)
+        assert listed == seen
+        r = api.get("/v2/sandboxes", params={"limit": 1})
+        r = api.get("/v2/sandboxes", params={"order": "asc",
+                                             "nextToken": r.headers["x-next-token"]})
+        assert r.status_code == 400 and "order" in r.json()["message"]
         assert {i["sandboxID"] for i in api.get("/sandboxes").json()} == set(seen)
     finally:
         for s in sandboxes:

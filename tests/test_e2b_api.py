@@ -140,6 +140,11 @@ def test_bad_requests_are_400(node: Node) -> None:
         assert r.status_code == 400 and r.json()["code"] == 400
         r = api.get("/v2/sandboxes", params={"order": "sideways"})
         assert r.status_code == 400
+        # a template filter names a template, not a build (E2B: a 400)
+        r = api.get("/v2/sandboxes", params={"template": "base:default"})
+        assert r.status_code == 400 and "tag" in r.json()["message"]
+    with pytest.raises(SandboxException, match="tags are not supported"):
+        Sandbox.list(query=SandboxQuery(template="base:v1")).next_items()
     with pytest.raises(SandboxException, match="400"):
         Sandbox.list(query=SandboxQuery(metadata={"a": "b"}), limit=1000).next_items()
 
@@ -151,17 +156,20 @@ def test_list_by_template_start_time_and_order(node: Node) -> None:
     second = Sandbox.create(template="base", timeout=120, metadata={"order": tag})
     try:
         q = SandboxQuery(metadata={"order": tag}, template="base")
+        # newest first unless asked otherwise (E2B's default order)
         assert [s.sandbox_id for s in Sandbox.list(query=q).next_items()] == [
-            first.sandbox_id, second.sandbox_id]
+            second.sandbox_id, first.sandbox_id]
         newest_first = Sandbox.list(query=q, order="desc").next_items()
         assert [s.sandbox_id for s in newest_first] == [second.sandbox_id, first.sandbox_id]
+        oldest_first = Sandbox.list(query=q, order="asc").next_items()
+        assert [s.sandbox_id for s in oldest_first] == [first.sandbox_id, second.sandbox_id]
         other = SandboxQuery(metadata={"order": tag}, template="code-interpreter")
         assert Sandbox.list(query=other).next_items() == []
         for since, want in ((first, [first, second]), (second, [second])):
             after = SandboxQuery(metadata={"order": tag},
                                  started_after=since.get_info().started_at)
             assert [s.sandbox_id for s in Sandbox.list(query=after).next_items()] == [
-                w.sandbox_id for w in want]
+                w.sandbox_id for w in reversed(want)]
     finally:
         first.kill()
         second.kill()

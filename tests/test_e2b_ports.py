@@ -17,7 +17,13 @@ from e2b import Sandbox
 from websockets.sync.client import connect as ws_connect
 
 from agentenv.testing import Node
-from sandbox_helpers import HOST_ECHO_LOG, start_host_echo, start_ws_echo, wait_port
+from sandbox_helpers import (
+    HOST_ECHO_LOG,
+    lose_pause_snapshot,
+    start_host_echo,
+    start_ws_echo,
+    wait_port,
+)
 
 HOST_PORT = 8082  # start_host_echo's server: answers with the Host it received
 
@@ -306,21 +312,7 @@ def test_auto_resume_that_fails_is_a_clear_502(node: Node, api: httpx.Client) ->
     sbx = _paused_with_server(lifecycle=AUTO_RESUME)
     sid = sbx.sandbox_id
     try:
-        # Out of memory (a resident one thaws without its snapshot), capture committed.
-        assert api.post(f"/sandboxes/{sid}/evict").status_code == 204
-        import shutil
-        import sqlite3
-
-        with sqlite3.connect(node.home / "db") as db:
-            snap = db.execute("SELECT snapshot_id FROM sandboxes WHERE sandbox_id=?",
-                              (sid,)).fetchone()[0]
-        for _ in range(100):  # the background commit, then the snapshot goes
-            if api.get(f"/snapshots/{snap}").status_code == 200:
-                break
-            time.sleep(0.1)
-        assert api.delete(f"/snapshots/{snap}").status_code == 204
-        for cached in (node.home / "cache" / "snapshots").glob(f"*{snap}*"):
-            shutil.rmtree(cached, ignore_errors=True) if cached.is_dir() else cached.unlink()
+        lose_pause_snapshot(node, api, sid)
         r = httpx.get(f"{node.url}/", headers={"Host": _host_and_port(sbx, node, HOST_PORT)},
                       timeout=60)
         assert r.status_code == 502, r.text

@@ -152,9 +152,8 @@ def test_list_paginates_with_next_token(node: Node) -> None:
         second = pager.next_items()
         assert len(second) == 1 and not pager.has_next
         seen = [s.sandbox_id for s in first + second]
-        assert sorted(seen) == sorted(s.sandbox_id for s in made)
-        # oldest first, like E2B's default order
-        assert seen == [s.sandbox_id for s in made]
+        # newest first, E2B's default order
+        assert seen == [s.sandbox_id for s in reversed(made)]
 
         # a token taken from one paginator resumes in another
         one = Sandbox.list(query=SandboxQuery(metadata={"page": tag}), limit=1)
@@ -165,6 +164,59 @@ def test_list_paginates_with_next_token(node: Node) -> None:
         assert not resumed.has_next
     finally:
         for s in made:
+            s.kill()
+
+
+def test_list_newest_first_pages_stable_by_state(node: Node) -> None:
+    """No ``order``: newest ``startedAt`` first (E2B's default), and the pages of each
+    state filter neither repeat nor skip a sandbox, also when one is created between
+    two pages (it is newer than the cursor: not on a later page)."""
+    tag = uuid.uuid4().hex
+    query = {"metadata": {"stable": tag}}
+    made = [Sandbox.create(template="base", timeout=120, metadata={"stable": tag})
+            for _ in range(4)]
+    late: list[Sandbox] = []
+    try:
+        for s in made[1::2]:
+            s.pause()
+        newest = [s.sandbox_id for s in reversed(made)]
+        paused = {s.sandbox_id for s in made[1::2]}
+
+        def pages(state: list[SandboxState] | None, limit: int,
+                  between=None) -> list[list[str]]:
+            pager = Sandbox.list(query=SandboxQuery(**query, state=state), limit=limit)
+            out = []
+            while pager.has_next:
+                out.append([i.sandbox_id for i in pager.next_items()])
+                if between is not None and len(out) == 1:
+                    between()
+            return out
+
+        both = pages(None, 3, between=lambda: late.append(
+            Sandbox.create(template="base", timeout=120, metadata={"stable": tag})))
+        assert both == [newest[:3], newest[3:]]
+        running = pages([SandboxState.RUNNING], 1)
+        want = [late[0].sandbox_id] + [i for i in newest if i not in paused]
+        assert running == [[i] for i in want]
+        assert pages([SandboxState.PAUSED], 1) == [[i] for i in newest if i in paused]
+        assert pages([SandboxState.RUNNING, SandboxState.PAUSED], 2) == [
+            [late[0].sandbox_id, *newest[:1]], newest[1:3], newest[3:]]
+        oldest = Sandbox.list(query=SandboxQuery(**query), order="asc").next_items()
+        assert [i.sandbox_id for i in oldest] == [*reversed(newest), late[0].sandbox_id]
+        # a token is for the order it was issued in: replayed in the other, a clear 400
+        with node.client() as api:
+            r = api.get("/v2/sandboxes", params={"limit": 1,
+                                                 "metadata": f"stable={tag}"})
+            assert r.json()[0]["sandboxID"] == late[0].sandbox_id
+            token = r.headers["x-next-token"]
+            r = api.get("/v2/sandboxes", params={"nextToken": token, "order": "asc"})
+            assert r.status_code == 400 and "order" in r.json()["message"]
+            # the first listing (no paging) is newest first too
+            first = [i["sandboxID"] for i in api.get("/sandboxes").json()
+                     if i.get("metadata", {}).get("stable") == tag]
+            assert first == [late[0].sandbox_id] + [i for i in newest if i not in paused]
+    finally:
+        for s in made + late:
             s.kill()
 
 

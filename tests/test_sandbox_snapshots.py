@@ -13,7 +13,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.testing import Node, leaks, sdk_env
-from sandbox_helpers import COUNTER, count, counting, start_host_echo
+from sandbox_helpers import COUNTER, count, counting, lose_pause_snapshot, start_host_echo
 from test_snapshot_store import S3Server
 
 
@@ -164,24 +164,7 @@ def test_resume_after_its_snapshot_is_gone_is_404(node: Node, api: httpx.Client)
     sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
     try:
         assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
-        # Out of memory (a resident one thaws without its snapshot), capture committed.
-        assert api.post(f"/sandboxes/{sid}/evict").status_code == 204
-        manager_db = node.home / "db"
-        import sqlite3
-
-        with sqlite3.connect(manager_db) as db:
-            snap = db.execute("SELECT snapshot_id FROM sandboxes WHERE sandbox_id=?",
-                              (sid,)).fetchone()[0]
-        # Wait for the background commit, then remove the snapshot underneath.
-        for _ in range(100):
-            if api.get(f"/snapshots/{snap}").status_code == 200:
-                break
-            time.sleep(0.1)
-        assert api.delete(f"/snapshots/{snap}").status_code == 204
-        for cached in (node.home / "cache" / "snapshots").glob(f"*{snap}*"):
-            import shutil
-
-            shutil.rmtree(cached, ignore_errors=True) if cached.is_dir() else cached.unlink()
+        lose_pause_snapshot(node, api, sid)
         r = api.post(f"/sandboxes/{sid}/resume")
         assert r.status_code == 404, r.text
         assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
@@ -251,3 +234,131 @@ def test_paused_sandbox_survives_a_restart(tmp_path: Path, monkeypatch) -> None:
     finally:
         node.stop()
     assert leaks("aep", node.home) == []
+
+
+def _repository(node: Node):
+    from agentenv.snapshot import open_repository
+
+    return open_repository({"backend": "posix_fs", "path": str(node.home / "snapshots")})
+
+
+def _manifest_ids(repo) -> set[str]:
+    return {k.removeprefix("manifests/").removesuffix(".json")
+            for k in repo.list_objects("manifests/")}
+
+
+def _own_chunks(repo, snapshot_id: str) -> set[str]:
+    """The chunks only this snapshot references (what deleting it must free)."""
+    from agentenv.snapshot import Manifest
+
+    def digests(sid: str) -> set[str]:
+        return Manifest.from_json(repo.get_object(f"manifests/{sid}.json")).digests()
+
+    others: set[str] = set()
+    for sid in _manifest_ids(repo) - {snapshot_id}:
+        others |= digests(sid)
+    return digests(snapshot_id) - others
+
+
+def test_sdk_snapshot_list_create_from_delete_and_collect(node: Node, api: httpx.Client
+                                                          ) -> None:
+    """Sandbox.create_snapshot -> list_snapshots -> create from it -> delete_snapshot
+    (DELETE /templates/{snapshotID}, as the SDK sends it): gone from the list, its
+    manifest, alias and own chunks gone from the repository, a second delete is the
+    SDK's not-found (False). A sandbox restored from it runs on; a paused sandbox's own
+    snapshot is refused (409) and the sandbox still resumes."""
+    from e2b import SandboxException
+
+    sbx = Sandbox.create(template="base", timeout=300)
+    made: list[Sandbox] = []
+    repo = _repository(node)
+    try:
+        sbx.files.write("/home/user/state.txt", "in the snapshot")
+        name = f"keep-{sbx.sandbox_id[:8]}"
+        snap = sbx.create_snapshot(name=name)
+        other = Sandbox.create_snapshot(sbx.sandbox_id)  # unnamed, deleted by E2B's form
+        assert snap.names == [name] and snap.snapshot_id != other.snapshot_id
+        pager = Sandbox.list_snapshots(limit=1)
+        listed: list[str] = []
+        while pager.has_next:
+            page = pager.next_items()
+            assert len(page) <= 1
+            listed += [i.snapshot_id for i in page]
+        # newest first, each once
+        assert listed.index(other.snapshot_id) < listed.index(snap.snapshot_id)
+        assert len(listed) == len(set(listed))
+        for ref in (name, f"{name}:default", snap.snapshot_id):
+            named = Sandbox.list_snapshots(name=ref).next_items()
+            assert [(i.snapshot_id, i.names) for i in named] == [(snap.snapshot_id, [name])]
+        mine = {i.snapshot_id for i in sbx.list_snapshots().next_items()}
+        assert mine == {snap.snapshot_id, other.snapshot_id}
+
+        for ref in (snap.snapshot_id, name):
+            child = Sandbox.create(ref, timeout=120)
+            made.append(child)
+            assert child.files.read("/home/user/state.txt") == "in the snapshot"
+        own = _own_chunks(repo, snap.snapshot_id)
+        assert own
+
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(f"{other.snapshot_id}:default") is True
+        left = {i.snapshot_id for i in Sandbox.list_snapshots().next_items()}
+        assert not left & {snap.snapshot_id, other.snapshot_id}
+        assert Sandbox.list_snapshots(name=name).next_items() == []
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+        assert Sandbox.delete_snapshot(name) is False
+        with pytest.raises(SandboxException, match="not found"):
+            Sandbox.create(snap.snapshot_id, timeout=60)
+        # restored sandboxes do not need it any more
+        assert made[0].commands.run("cat /home/user/state.txt").stdout == "in the snapshot"
+        # nothing of it is left in the repository once collected
+        assert not {snap.snapshot_id, other.snapshot_id} & _manifest_ids(repo)
+        assert f"aliases/{name}" not in repo.list_objects("aliases/")
+        for _ in range(300):
+            if not own & {d for d, _ in repo.list_chunks()}:
+                break
+            time.sleep(0.1)
+        assert not own & {d for d, _ in repo.list_chunks()}
+        assert not (node.home / "cache" / "snapshots" / snap.snapshot_id).exists()
+
+        # A paused sandbox's own snapshot is needed: refused clearly, the sandbox fine.
+        paused = made[0]
+        paused.pause()
+        import sqlite3
+
+        with sqlite3.connect(node.home / "db") as db:
+            pause_snap = db.execute("SELECT snapshot_id FROM sandboxes WHERE sandbox_id=?",
+                                    (paused.sandbox_id,)).fetchone()[0]
+        for _ in range(100):  # its commit runs in the background
+            if pause_snap in _manifest_ids(repo):
+                break
+            time.sleep(0.1)
+        with pytest.raises(SandboxException, match=r"^409: .*paused sandbox") as refused:
+            Sandbox.delete_snapshot(pause_snap)
+        assert refused.value.status_code == 409
+        assert pause_snap in _manifest_ids(repo)
+        assert pause_snap not in {i.snapshot_id for i in Sandbox.list_snapshots().next_items()}
+        back = Sandbox.connect(paused.sandbox_id)
+        assert back.files.read("/home/user/state.txt") == "in the snapshot"
+        # killing a paused sandbox deletes its snapshot, and its chunks are collected
+        back.pause()
+        with sqlite3.connect(node.home / "db") as db:
+            pause_snap = db.execute("SELECT snapshot_id FROM sandboxes WHERE sandbox_id=?",
+                                    (back.sandbox_id,)).fetchone()[0]
+        for _ in range(100):
+            if pause_snap in _manifest_ids(repo):
+                break
+            time.sleep(0.1)
+        own = _own_chunks(repo, pause_snap)
+        assert own
+        back.kill()
+        assert pause_snap not in _manifest_ids(repo)
+        for _ in range(300):
+            if not own & {d for d, _ in repo.list_chunks()}:
+                break
+            time.sleep(0.1)
+        assert not own & {d for d, _ in repo.list_chunks()}
+    finally:
+        for s in made:
+            s.kill()
+        sbx.kill()

@@ -245,3 +245,108 @@ def test_build_routes_refuse_bad_requests(node: Node, api: httpx.Client) -> None
     assert backward == all_logs[::-1]
     assert api.delete(f"/templates/{tid}").status_code == 204
     assert httpx.get(node.url + "/health").status_code == 200
+
+
+def test_sdk_template_tags(node: Node, api: httpx.Client) -> None:
+    """E2B's tags through the SDK's Template.assign_tags / get_tags / remove_tags: a
+    tag names one build; ``name`` is ``name:default``, the latest build unless a build
+    names its own tags; ``name:tag`` works for creates and as a build's base; a build
+    no tag names any more loses its snapshot; bad tags are 400s."""
+    from e2b import SandboxException
+    from e2b.exceptions import TemplateException
+
+    name = _name("tags")
+
+    def version(text: str):
+        return Template().from_template("base").run_cmd(f"echo {text} > /home/user/v.txt")
+
+    def read(ref: str) -> str:
+        sb = Sandbox.create(ref, timeout=120)
+        try:
+            return sb.commands.run("cat /home/user/v.txt").stdout.strip()
+        finally:
+            sb.kill()
+
+    def tags() -> dict[str, str]:
+        return {t.tag: t.build_id for t in Template.get_tags(name)}
+
+    one = Template.build(version("one"), name)
+    assert tags() == {"default": one.build_id}
+    assigned = Template.assign_tags(f"{name}:default", "V1 ")  # E2B normalises case
+    assert assigned.tags == ["v1"] and assigned.build_id == one.build_id
+    first_snapshot = _snapshot_of(node, one.template_id)
+    two = Template.build(version("two"), name)
+    assert tags() == {"default": two.build_id, "v1": one.build_id}
+    assert [read(ref) for ref in (name, f"{name}:default", f"{name}:v1",
+                                  f"{one.template_id}:v1")] == ["two", "two", "one", "one"]
+    # the tagged build keeps its snapshot; a build from name:tag starts from that build
+    repo_snapshots = node.home / "snapshots" / "manifests"
+    assert (repo_snapshots / f"{first_snapshot}.json").exists()
+    child = Template.build(Template().from_template(f"{name}:v1")
+                           .run_cmd("cp /home/user/v.txt /home/user/base.txt"), f"{name}-kid")
+    sb = Sandbox.create(f"{name}-kid", timeout=120)
+    try:
+        assert sb.commands.run("cat /home/user/base.txt").stdout.strip() == "one"
+    finally:
+        sb.kill()
+    assert api.delete(f"/templates/{child.template_id}").status_code == 204
+
+    # a build naming its own tags leaves default where it was
+    three = Template.build(version("three"), f"{name}:v3")
+    assert tags() == {"default": two.build_id, "v1": one.build_id, "v3": three.build_id}
+    assert read(name) == "two" and read(f"{name}:v3") == "three"
+
+    # move v1 to the current build: the first build is named by no tag and goes
+    moved = Template.assign_tags(name, ["v1"])
+    assert moved.build_id == two.build_id
+    assert tags() == {"default": two.build_id, "v1": two.build_id, "v3": three.build_id}
+    assert read(f"{name}:v1") == "two"
+    assert not (repo_snapshots / f"{first_snapshot}.json").exists()
+
+    # delete a tag: creating by it is a clear 404, the build it named is gone
+    Template.remove_tags(name, "v3")
+    assert tags() == {"default": two.build_id, "v1": two.build_id}
+    with pytest.raises(SandboxException, match="no tag 'v3'") as gone:
+        Sandbox.create(f"{name}:v3", timeout=60)
+    assert getattr(gone.value, "status_code", 404) == 404
+    r = api.post("/sandboxes", json={"templateID": f"{name}:v3"})
+    assert r.status_code == 404 and "v3" in r.json()["message"]
+
+    # bad input: 400s naming the rule; unknown template or tag: 404
+    for bad in (["bad tag!"], ["-x"], ["x" * 65], [], [str(uuid.uuid4())]):
+        with pytest.raises(TemplateException, match=r"^400"):
+            Template.assign_tags(name, bad)
+    with pytest.raises(TemplateException, match=r"^400.*default"):
+        Template.remove_tags(name, "default")
+    with pytest.raises(TemplateException, match=r"^400"):
+        Template.remove_tags(f"{name}:v1", "v1")
+    with pytest.raises(TemplateException, match=r"^404"):
+        Template.assign_tags(f"{name}:nope", "x")
+    with pytest.raises(TemplateException, match=r"^404"):
+        Template.get_tags("xbt-no-such-template")
+    r = api.post("/sandboxes", json={"templateID": f"{name}:Bad Tag!"})
+    assert r.status_code == 400 and "tag" in r.json()["message"], r.text
+    r = api.post("/templates/tags", json={"target": name, "tags": ["t"] * 33})
+    assert r.status_code == 400
+    r = api.post("/templates/tags", json={"target": name,
+                                          "tags": [f"t{i}" for i in range(31)]})
+    assert r.status_code == 400 and "at most" in r.json()["message"], r.text
+    assert set(tags()) == {"default", "v1"}
+    # built-in templates take tags too
+    Template.assign_tags("base", "stable")
+    try:
+        sb = Sandbox.create("base:stable", timeout=60)
+        try:
+            assert sb.get_info().template_id == "base"
+        finally:
+            sb.kill()
+        assert {t.tag for t in Template.get_tags("base")} == {"default", "stable"}
+    finally:
+        Template.remove_tags("base", "stable")
+
+    # deleting the template (a tag in its name is ignored, as E2B) takes every build
+    kept = _snapshot_of(node, two.template_id)
+    assert api.delete(f"/templates/{name}:v1").status_code == 204
+    assert not (repo_snapshots / f"{kept}.json").exists()
+    assert not (node.home / "templates" / ".tags" / f"{two.template_id}.json").exists()
+    assert api.post("/sandboxes", json={"templateID": f"{name}:v1"}).status_code == 404

@@ -226,11 +226,14 @@ def metric(sample: dict[str, Any]) -> SandboxMetric:
 
 def template_build_id(template: Template) -> str:
     """The template's build ID as the SDKs parse it (a UUID); derived when not one."""
+    return build_uuid(template.template_id, template.build_id)
+
+
+def build_uuid(template_id: str, build_id: str) -> str:
     try:
-        return str(uuid.UUID(template.build_id))
+        return str(uuid.UUID(build_id))
     except ValueError:
-        return str(uuid.uuid5(uuid.NAMESPACE_URL,
-                              f"agentenv:template:{template.template_id}:{template.build_id}"))
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"agentenv:template:{template_id}:{build_id}"))
 
 
 def _template_times(template: Template) -> tuple[datetime, datetime]:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
 import secrets
 import shutil
@@ -31,12 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..resources import CPU, MEMORY, ResourceError
 from ..snapshot import SnapshotError, SnapshotNotFound
-from ..templates import TemplateNotFound, TemplateRegistry
+from ..templates import Template, TemplateNotFound, TemplateRegistry
+from ..templates.registry import BUILDS_DIR
+from ..templates.tags import DEFAULT_TAG, InvalidTag, normalize_tags
 from .base import resolve_base
 from .context_files import UPLOAD_URL_TTL, ContextFiles
 from .errors import BuildError, StepFailed
 from .runner import STEPS, BuildState, StepRunner, initial_state
 from .store import BUILDING, ERROR, READY, REASON_LOG_LINES, WAITING, Build, BuildStore, log_entry
+from .tagging import write_json
 
 if TYPE_CHECKING:
     from ..orchestrator import SandboxManager
@@ -109,6 +111,10 @@ class TemplateBuilder:
             raise BuildError(f"invalid template name '{name}': lowercase letters, digits, "
                              "'.', '_' and '-', starting with a letter or digit")
         try:
+            tags = normalize_tags([*(tags or []), *([tag] if tag else [])] or [DEFAULT_TAG])
+        except InvalidTag as exc:
+            raise BuildError(str(exc)) from exc
+        try:
             cpu_count = self.manager.limits.check(CPU, cpu_count)
             memory_mb = self.manager.limits.check(MEMORY, memory_mb)
         except ResourceError as exc:
@@ -116,8 +122,7 @@ class TemplateBuilder:
         self._check_waiting()
         template_id = self._template_id_for(alias)
         build = Build(build_id=str(uuid.uuid4()), template_id=template_id, names=[alias],
-                      tags=sorted({*(tags or []), *([tag] if tag else [])}) or ["default"],
-                      cpu_count=cpu_count, memory_mb=memory_mb)
+                      tags=sorted(tags), cpu_count=cpu_count, memory_mb=memory_mb)
         self.store.put(build)
         return build
 
@@ -242,9 +247,10 @@ class TemplateBuilder:
     # -- deleting -------------------------------------------------------------------------
 
     async def delete_template(self, name: str) -> str:
-        """Remove a built template, its snapshot and its builds; returns its ID."""
+        """Remove a built template, its snapshots, tags and builds; returns its ID. A
+        ``:tag`` (one the template has) is ignored, as E2B does: the whole template goes."""
         try:
-            template = self.registry.get(name)
+            template = self.registry.get(self.registry.get(name).template_id)
             template_id = template.template_id
         except TemplateNotFound:
             template, template_id = None, name
@@ -264,9 +270,21 @@ class TemplateBuilder:
             self.store.delete(build.build_id)
         if template is not None:
             async with self._publish_lock:
+                kept = self._kept_builds(template_id)
                 await asyncio.to_thread(shutil.rmtree, self.local_dir / template_id, True)
-            await self._delete_snapshot(template.snapshot_id)
+                self.registry.tags.drop(template_id)
+            for snapshot_id in {template.snapshot_id, *(b.snapshot_id for b in kept)}:
+                await self._delete_snapshot(snapshot_id)
         return template_id
+
+    def _kept_builds(self, template_id: str) -> list[Template]:
+        directory = self.local_dir / template_id / BUILDS_DIR
+        out = []
+        for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+            built = self.registry.load_build(template_id, path.stem)
+            if built is not None:
+                out.append(built)
+        return out
 
     async def _delete_snapshot(self, snapshot_id: str) -> None:
         if snapshot_id:
@@ -274,6 +292,8 @@ class TemplateBuilder:
                 await asyncio.to_thread(self.manager.snapshots.delete, snapshot_id)
             except Exception as exc:  # a stale snapshot costs disk only
                 log.warning("deleting template snapshot %s failed: %s", snapshot_id, exc)
+            else:
+                self.manager.snapshot_gc.request()  # its chunks, unless others use them
 
     # -- the build ------------------------------------------------------------------------
 
@@ -296,7 +316,9 @@ class TemplateBuilder:
                              f" (template {base.template_id})", step="base")
             try:
                 record = await self.manager.create(CreateRequest(
-                    template=base.template_id, timeout=min(BUILD_SANDBOX_TTL,
+                    # the base's ID with the tag asked for (a tag names a build)
+                    template=_with_tag(base.template_id, spec.get("fromTemplate")),
+                    timeout=min(BUILD_SANDBOX_TTL,
                                                            self.manager.config.max_timeout),
                     metadata={BUILD_METADATA_KEY: build.build_id},
                     # (a record from disk is clamped into the node's bounds, not trusted)
@@ -319,7 +341,7 @@ class TemplateBuilder:
             manifest = await self.manager.snapshot(record.sandbox_id)
             build.snapshot_id = manifest.snapshot_id
             self.store.put(build)
-            await self._publish(build, record, state, spec)
+            await self._publish(build, base, record, state, spec)
             self._log(build, f"Template {build.template_id} ({', '.join(build.names)}) is ready "
                              f"in {time.monotonic() - t0:.1f}s", step="finalize")
             self._finish(build, READY)
@@ -350,11 +372,12 @@ class TemplateBuilder:
 
     # -- publishing ---------------------------------------------------------------------
 
-    async def _publish(self, build: Build, record, state: BuildState,
+    async def _publish(self, build: Build, base: Template, record, state: BuildState,
                        spec: dict[str, Any]) -> None:
-        """Write template.json atomically; the build it replaces loses its snapshot."""
-        base = self.registry.get(record.template_id)
-        base_meta = self._meta(record.template_id)
+        """Keep the build (``builds/<buildID>.json``) and point its tags at it; with
+        ``default`` (or as the first build) it becomes ``template.json`` atomically.
+        Builds no tag names any more lose their snapshots."""
+        base_meta = self._meta(base.template_id)
         meta = {
             "templateID": build.template_id, "aliases": build.names, "tags": build.tags,
             "buildID": build.build_id, "snapshotID": build.snapshot_id,
@@ -376,15 +399,41 @@ class TemplateBuilder:
             previous = None
             with contextlib.suppress(TemplateNotFound):
                 previous = self.registry.get(build.template_id)
-            directory.mkdir(parents=True, exist_ok=True)
-            tmp = directory / f".template.json.{build.build_id}"
-            tmp.write_text(json.dumps(meta, indent=1))
-            os.replace(tmp, directory / "template.json")
-        if previous is not None and previous.snapshot_id != build.snapshot_id:
-            await self._delete_snapshot(previous.snapshot_id)
+            write_json(self.registry.build_path(build.template_id, build.build_id), meta)
+            if DEFAULT_TAG in build.tags or previous is None:
+                write_json(directory / "template.json", meta)
+            self.registry.tags.assign(build.template_id, build.build_id,
+                                      [t for t in build.tags if t != DEFAULT_TAG])
+            stale = self._unreferenced(build.template_id, previous)
+        for snapshot_id in stale:
+            await self._delete_snapshot(snapshot_id)
+
+    def _unreferenced(self, template_id: str, previous: Template | None) -> set[str]:
+        """Forget the builds no tag names (the current one is ``default``'s); their
+        snapshots, unless a named build uses them too."""
+        current = self.registry.get(template_id)
+        named = {current.build_id, *(t.build_id for t in
+                                     self.registry.tags.read(template_id).values())}
+        builds = self._kept_builds(template_id)
+        if previous is not None and not any(b.build_id == previous.build_id for b in builds):
+            builds.append(previous)  # published before builds were kept
+        keep = {b.snapshot_id for b in builds if b.build_id in named}
+        stale = set()
+        for built in builds:
+            if built.build_id not in named:
+                self.registry.build_path(template_id, built.build_id).unlink(missing_ok=True)
+                if built.snapshot_id not in keep:
+                    stale.add(built.snapshot_id)
+        return stale
 
     def _meta(self, template_id: str) -> dict:
         for directory in self.registry.dirs:
             with contextlib.suppress(OSError, ValueError):
                 return json.loads((directory / template_id / "template.json").read_text())
         return {}
+
+
+def _with_tag(template_id: str, ref: str | None) -> str:
+    """``ref``'s tag on the template's ID (a tag names one build of it)."""
+    _, sep, tag = (ref or "").partition(":")
+    return f"{template_id}:{tag}" if sep and tag else template_id

@@ -60,17 +60,28 @@ def _started(item: dict[str, Any]) -> datetime:
                                   .replace("Z", "+00:00"))
 
 
-def _cursor(item: dict[str, Any]) -> str:
-    raw = json.dumps([item["startedAt"], item["sandboxID"]]).encode()
+def _order(desc: bool) -> str:
+    return "desc" if desc else "asc"
+
+
+def _cursor(item: dict[str, Any], desc: bool) -> str:
+    raw = json.dumps([item["startedAt"], item["sandboxID"], _order(desc)]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def _decode_cursor(token: str) -> tuple[datetime, str]:
+def _decode_cursor(token: str, desc: bool) -> tuple[datetime, str]:
+    """The cursor of a page listed in the same order (replayed in the other order it
+    would hand out again what was seen: refused, as E2B and the nodes do)."""
     try:
-        started, sid = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-        return _started({"startedAt": started}), str(sid)
+        started, sid, order = json.loads(
+            base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        cursor = _started({"startedAt": started}), str(sid)
     except (ValueError, TypeError, binascii.Error):
         raise ClusterError(400, "invalid nextToken") from None
+    if order != _order(desc):
+        raise ClusterError(400, f"invalid nextToken: it was issued for order={order}, "
+                                f"not order={_order(desc)}")
+    return cursor
 
 
 def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
@@ -163,7 +174,7 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     @app.get("/sandboxes", dependencies=auth)
     async def list_v1(request: Request) -> list[dict[str, Any]]:
         items = await _gather(request, "/sandboxes", dict(request.query_params))
-        return sorted(items, key=lambda i: (_started(i), i["sandboxID"]))
+        return sorted(items, key=lambda i: (_started(i), i["sandboxID"]), reverse=True)
 
     @app.get("/v2/sandboxes", dependencies=auth)
     async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
@@ -175,18 +186,18 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
         limit = int(raw_limit) if raw_limit and raw_limit.isdigit() else MAX_PAGE
         if not 1 <= limit <= MAX_PAGE:
             raise ClusterError(400, f"limit must be between 1 and {MAX_PAGE}")
-        desc = request.query_params.get("order") == "desc"
+        desc = request.query_params.get("order") != "asc"  # E2B: newest first by default
         params["limit"] = str(MAX_PAGE)
         items = sorted(await _gather(request, "/v2/sandboxes", params),
                        key=lambda i: (_started(i), i["sandboxID"]), reverse=desc)
         token = request.query_params.get("nextToken")
         if token:
-            cursor = _decode_cursor(token)
+            cursor = _decode_cursor(token, desc)
             items = [i for i in items if ((_started(i), i["sandboxID"]) < cursor if desc
                                           else (_started(i), i["sandboxID"]) > cursor)]
         page = items[:limit]
         if len(items) > limit and page:
-            response.headers["x-next-token"] = _cursor(page[-1])
+            response.headers["x-next-token"] = _cursor(page[-1], desc)
         return page
 
     @app.get("/sandboxes/metrics", dependencies=auth)

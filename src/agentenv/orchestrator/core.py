@@ -30,6 +30,7 @@ from ..runtime import Runtime
 from ..snapshot import SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
 from .boot_images import BootImages
+from .collect import SnapshotCollector
 from .disk_pause import TemplateListings
 from .envd_client import EnvdClient
 from .exits import ExitHandler
@@ -64,6 +65,8 @@ class ManagerCore:
         self.templates = templates
         self.store = store
         self.snapshots = snapshots
+        # Chunks of deleted snapshots are collected in the background after a delete.
+        self.snapshot_gc = SnapshotCollector(snapshots)
         self.envd = envd or EnvdClient()
         # Resource bounds: requests beyond are refused, values from disk clamped.
         self.limits = config.resource_limits

@@ -108,18 +108,21 @@ class Forking(ManagerCore):
         self._add(record)
         return await self._as_task(record, self._restore_new(
             record, image, source_token=meta["envd_token"],
-            hostname_of=meta.get("source_sandbox_id", record.sandbox_id), new_boot=True))
+            hostname_of=meta.get("source_sandbox_id", record.sandbox_id), new_boot=True,
+            template=template))
 
     async def _restore_new(self, record: SandboxRecord, image: Path, source_token: str,
-                           hostname_of: str, new_boot: bool = False) -> SandboxRecord:
+                           hostname_of: str, new_boot: bool = False,
+                           template: Template | None = None) -> SandboxRecord:
         """Bring a new record up from a capture, rotating envd's token to its own; a
-        create (``new_boot``) gets a boot ID of its own, a fork child keeps its source's."""
+        create (``new_boot``) gets a boot ID of its own, a fork child keeps its source's.
+        ``template``: the build the capture is of (a tag may name an older one)."""
         if disk_pause.is_disk_capture(image):  # files only: a boot, then the files
             return await self._bring_up(record, self._plan(
-                record, self._bootable_template(record), files=image,
+                record, template or self._bootable_template(record), files=image,
                 hostname_of=record.sandbox_id, start_command=True, new_boot=True))
         try:
-            template = self.templates.get(record.template_id)
+            template = template or self.templates.get(record.template_id)
         except TemplateNotFound as exc:
             raise NotFound(f"template of the snapshot is gone: {exc}") from exc
         return await self._bring_up(record, self._plan(

@@ -17,10 +17,12 @@ import time
 
 from ..snapshot import SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound
+from ..templates.registry import InvalidTemplateRef
 from .boot_images import BootImage, PooledSandbox
 from .egress import Egress
 from .forking import Forking
 from .models import (
+    BadRequest,
     CapacityExceeded,
     Conflict,
     NotFound,
@@ -31,12 +33,13 @@ from .models import (
 from .reconcile import Reconciling
 from .records import new_record
 from .requests import CreateRequest, check_create
+from .snapshots import SnapshotUse, resolve_snapshot
 
 log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 
 
-class SandboxManager(Reconciling, Forking, Egress):
+class SandboxManager(Reconciling, Forking, Egress, SnapshotUse):
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -73,6 +76,7 @@ class SandboxManager(Reconciling, Forking, Egress):
         for task in list(self._tasks):
             task.cancel()
         await self._exits.close()
+        await self.snapshot_gc.close()
         if self.boot_images is not None:
             await self.boot_images.close()
         if self._releasing:
@@ -99,8 +103,15 @@ class SandboxManager(Reconciling, Forking, Egress):
         try:
             template = self.templates.get(req.template)
         except TemplateNotFound as exc:
-            manifest = await self._resolve(req.template, f"template or snapshot "
-                                           f"'{req.template}' not found", exc)
+            try:
+                manifest = await self._resolve(req.template, f"template or snapshot "
+                                               f"'{req.template}' not found", exc)
+            except NotFound:
+                if isinstance(exc, InvalidTemplateRef):
+                    raise BadRequest(str(exc)) from exc
+                if ":" in req.template:  # say which tag is missing
+                    raise NotFound(str(exc)) from exc
+                raise
             return await self._create_from_snapshot(req, manifest, ttl)
         pool = self.boot_images
         if template.snapshot_id and not (pool and pool.pool_size > 0):
@@ -135,7 +146,7 @@ class SandboxManager(Reconciling, Forking, Egress):
 
     async def _resolve(self, name: str, missing: str, cause: BaseException | None = None):
         try:
-            return await asyncio.to_thread(self.snapshots.resolve, name)
+            return await asyncio.to_thread(resolve_snapshot, self.snapshots, name)
         except SnapshotNotFound as exc:
             raise NotFound(missing) from (cause or exc)
         except SnapshotError as exc:

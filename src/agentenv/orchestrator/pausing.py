@@ -349,6 +349,7 @@ class Pausing(Captures):
         for snapshot_id in doomed:
             with contextlib.suppress(SnapshotError):
                 await asyncio.to_thread(self.snapshots.delete, snapshot_id)
+                self.snapshot_gc.request()  # its chunks, unless other snapshots use them
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
         self._forget(record)
 

@@ -1,8 +1,9 @@
 """Filtering and cursor pagination over a node's sandbox records.
 
-A page is a slice of the records sorted by (start time, sandbox ID); the cursor
-names the last record handed out, so sandboxes created or removed between two
-pages neither repeat nor shift the next page.
+A page is a slice of the records sorted by (start time, sandbox ID), newest first
+unless asked otherwise (E2B's default order); the cursor names the last record
+handed out and the order it was handed out in, so sandboxes created or removed
+between two pages neither repeat nor shift the next page.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class SandboxQuery:
     template: str | None = None
     # Microseconds since the epoch, as the API shows start times (``epoch_micros``).
     started_after: int | None = None
-    descending: bool = False
+    # Newest first, as E2B lists unless ``order=asc``.
+    descending: bool = True
 
     def matches(self, record: SandboxRecord) -> bool:
         if public_state(record) not in self.states:
@@ -104,18 +106,29 @@ def _sort_key(record: SandboxRecord) -> tuple[float, str]:
     return (record.started_at, record.sandbox_id)
 
 
-def encode_token(record: SandboxRecord) -> str:
-    raw = json.dumps([record.started_at, record.sandbox_id], separators=(",", ":")).encode()
+def _order(descending: bool) -> str:
+    return "desc" if descending else "asc"
+
+
+def encode_token(record: SandboxRecord, descending: bool) -> str:
+    raw = json.dumps([record.started_at, record.sandbox_id, _order(descending)],
+                     separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def decode_token(token: str) -> tuple[float, str]:
+def decode_token(token: str, descending: bool) -> tuple[float, str]:
+    """The cursor, which must come from a listing in the same order: replayed in the
+    other one it would hand out again what the caller has seen (E2B refuses it too)."""
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        started_at, sandbox_id = json.loads(raw)
-        return float(started_at), str(sandbox_id)
+        started_at, sandbox_id, order = json.loads(raw)
+        cursor = float(started_at), str(sandbox_id)
     except (ValueError, TypeError, binascii.Error):
         raise BadRequest("invalid nextToken") from None
+    if order != _order(descending):
+        raise BadRequest(f"invalid nextToken: it was issued for order={order}, "
+                         f"not order={_order(descending)}")
+    return cursor
 
 
 def select(records: Iterable[SandboxRecord], query: SandboxQuery) -> list[SandboxRecord]:
@@ -132,12 +145,12 @@ def page(records: Iterable[SandboxRecord], query: SandboxQuery, limit: int | Non
         raise BadRequest(f"limit must be between 1 and {MAX_PAGE}")
     chosen = select(records, query)
     if next_token:
-        cursor = decode_token(next_token)
+        cursor = decode_token(next_token, query.descending)
         if query.descending:
             chosen = [r for r in chosen if _sort_key(r) < cursor]
         else:
             chosen = [r for r in chosen if _sort_key(r) > cursor]
     items = chosen[:limit]
     more = len(chosen) > limit
-    return Page(items, encode_token(items[-1]) if more and items else None)
+    return Page(items, encode_token(items[-1], query.descending) if more and items else None)
 

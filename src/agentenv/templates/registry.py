@@ -6,15 +6,23 @@ read-only to the node) and the node's own, which pulls and builds write.
 
 from __future__ import annotations
 
+import builtins
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..resources import CPU, DISK, MEMORY, ResourceLimits
+from .tags import DEFAULT_TAG, InvalidTag, TagInfo, TemplateTags, split_ref
+
+BUILDS_DIR = "builds"  # <template dir>/builds/<buildID>.json: each kept build's metadata
 
 
 class TemplateNotFound(LookupError):
     pass
+
+
+class InvalidTemplateRef(TemplateNotFound):
+    """A ``name:tag`` whose tag breaks the rule (a 400 where nothing else matches)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,8 @@ class TemplateRegistry:
         self.rootfs_dir = rootfs_dir or self.local_dir / ".rootfs"
         # The node's resource bounds: a template.json asking for more is clamped.
         self.limits: ResourceLimits | None = None
+        # Tags other than ``default`` (which is each template's current build).
+        self.tags = TemplateTags(self.local_dir / ".tags")
 
     @property
     def dirs(self) -> list[Path]:
@@ -98,7 +108,42 @@ class TemplateRegistry:
         return list(found.values())
 
     def get(self, name: str) -> Template:
-        """By template ID, or by alias; raises TemplateNotFound."""
+        """By template ID or alias, either with a ``:tag`` (the build that tag names;
+        none or ``default``: the current build); raises TemplateNotFound."""
+        try:
+            base, tag = split_ref(name)
+        except InvalidTag as exc:
+            raise InvalidTemplateRef(f"template '{name[:200]}': {exc}") from None
+        template = self._get(base)
+        if tag is None or tag == DEFAULT_TAG:
+            return template
+        info = self.tags.read(template.template_id).get(tag)
+        if info is None:
+            raise TemplateNotFound(f"template '{base}' has no tag '{tag}'")
+        if info.build_id == template.build_id:
+            return template
+        built = self.load_build(template.template_id, info.build_id)
+        if built is None:
+            raise TemplateNotFound(f"template '{base}': the build of tag '{tag}' is gone")
+        return built
+
+    def tag_list(self, template: Template) -> builtins.list[TagInfo]:
+        """``default`` (the current build) first, then the others by name."""
+        default = TagInfo(DEFAULT_TAG, template.build_id, template.created_at)
+        others = self.tags.read(template.template_id)
+        others.pop(DEFAULT_TAG, None)
+        return [default, *sorted(others.values(), key=lambda t: t.tag)]
+
+    def build_path(self, template_id: str, build_id: str) -> Path:
+        return self.local_dir / template_id / BUILDS_DIR / f"{build_id}.json"
+
+    def load_build(self, template_id: str, build_id: str) -> Template | None:
+        """A kept build of a template this node built (None if not kept)."""
+        if not build_id or "/" in build_id or build_id.startswith("."):
+            return None
+        return self._load(self.local_dir / template_id, self.build_path(template_id, build_id))
+
+    def _get(self, name: str) -> Template:
         if name and "/" not in name and not name.startswith("."):
             for directory in self.dirs:
                 template = self._load(directory / name)
@@ -119,10 +164,12 @@ class TemplateRegistry:
         except (TypeError, ValueError, OverflowError):
             return default
 
-    def _load(self, directory: Path) -> Template | None:
+    def _load(self, directory: Path, meta_path: Path | None = None) -> Template | None:
         try:
-            meta = json.loads((directory / "template.json").read_text())
+            meta = json.loads((meta_path or directory / "template.json").read_text())
         except (OSError, ValueError):
+            return None
+        if not isinstance(meta, dict):
             return None
         rootfs = directory / "rootfs"
         if meta.get("snapshotID") and meta.get("rootfs"):

@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import json
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import Field, field_validator
 
-from ...orchestrator import Conflict, NotFound, OrchestratorError, SandboxManager, StorageFull
+from ...orchestrator import (
+    BadRequest,
+    Conflict,
+    NotFound,
+    OrchestratorError,
+    SandboxManager,
+    StorageFull,
+)
 from ...orchestrator.requests import MAX_FORK
+from ...orchestrator.snapshots import resolve_snapshot
 from ...snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound
 from ...snapshot import StorageFull as SnapshotStorageFull
 from ...snapshot.manifest import NAME_MAX_LENGTH, NAME_PATTERN, check_name
 from ...templates import TemplateNotFound
+from ...templates.tags import DEFAULT_TAG
 from .. import models
 
 router = APIRouter()
+MAX_PAGE = 100
 
 
 class ForkRequest(models._Body):
@@ -148,28 +161,65 @@ async def snapshot_sandbox(sandbox_id: str, request: Request,
 @router.get("/snapshots", response_model=list[SnapshotInfo], response_model_by_alias=True,
             response_model_exclude_none=True)
 async def list_snapshots(
-    request: Request, sandbox_id: str | None = Query(None, alias="sandboxID"),
+    request: Request, response: Response,
+    sandbox_id: str | None = Query(None, alias="sandboxID"),
     name: str | None = None,
+    limit: int = Query(default=MAX_PAGE, ge=1, le=MAX_PAGE),
+    next_token: str | None = Query(default=None, alias="nextToken"),
 ) -> list[SnapshotInfo]:
-    store = _manager(request).snapshots
-    manifests = await snapshot_call(asyncio.to_thread(store.list, sandbox_id))
-    # Pause snapshots and template images are the node's own; list what users took.
-    out = [_info(m) for m in manifests if m.metadata.get("kind") not in ("pause", "template")]
-    return [i for i in out if name is None or name in i.names]
+    """Users' snapshots, newest first (as E2B lists them), a page at a time."""
+    mgr = _manager(request)
+    manifests = await snapshot_call(asyncio.to_thread(mgr.snapshots.list, sandbox_id))
+    # Pause snapshots, boot images and template builds are needed by what holds them.
+    chosen = [m for m in manifests if mgr.user_snapshot_holder(m) is None]
+    if name is not None:
+        chosen = [m for m in chosen if _named(m, name)]
+    chosen.sort(key=_page_key, reverse=True)
+    if next_token:
+        cursor = _decode_cursor(next_token)
+        chosen = [m for m in chosen if _page_key(m) < cursor]
+    if len(chosen) > limit:
+        response.headers["x-next-token"] = _encode_cursor(chosen[limit - 1])
+    return [_info(m) for m in chosen[:limit]]
+
+
+def _named(manifest, name: str) -> bool:
+    """E2B's filter: the name or ID, either possibly with the ``:default`` tag."""
+    wanted = {name}
+    stem, sep, tag = name.rpartition(":")
+    if sep and tag.lower() == DEFAULT_TAG:
+        wanted.add(stem)
+    return manifest.snapshot_id in wanted or manifest.alias in wanted
+
+
+def _page_key(manifest) -> tuple[float, str]:
+    return (manifest.created_at, manifest.snapshot_id)
+
+
+def _encode_cursor(manifest) -> str:
+    raw = json.dumps(list(_page_key(manifest)), separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(token: str) -> tuple[float, str]:
+    try:
+        created, sid = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        return float(created), str(sid)
+    except (ValueError, TypeError, binascii.Error):
+        raise BadRequest("invalid nextToken") from None
 
 
 @router.get("/snapshots/{snapshot_id}", response_model=SnapshotInfo,
             response_model_by_alias=True, response_model_exclude_none=True)
 async def get_snapshot(snapshot_id: str, request: Request) -> SnapshotInfo:
     store = _manager(request).snapshots
-    return _info(await snapshot_call(asyncio.to_thread(store.resolve, snapshot_id)))
+    return _info(await snapshot_call(asyncio.to_thread(resolve_snapshot, store, snapshot_id)))
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204)
 async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
-    store = _manager(request).snapshots
-    manifest = await snapshot_call(asyncio.to_thread(store.resolve, snapshot_id))
-    await snapshot_call(asyncio.to_thread(store.delete, manifest.snapshot_id))
+    """A user's snapshot (by ID or name); 409 while a paused sandbox or a template needs it."""
+    await snapshot_call(_manager(request).delete_snapshot(snapshot_id))
     return Response(status_code=204)
 
 

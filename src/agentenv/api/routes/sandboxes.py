@@ -98,12 +98,15 @@ async def list_sandboxes_v2(
     """A page of sandboxes; ``x-next-token`` names the next page when there is one."""
     if order not in (None, "", "asc", "desc"):
         raise BadRequest(f"invalid order {order!r}: expected 'asc' or 'desc'")
+    if template and ":" in template:  # as E2B: a sandbox records its template, not a build
+        raise BadRequest(f"invalid template {template[:200]!r}: tags are not supported here "
+                         "because sandboxes are not tag-scoped")
     query = q.SandboxQuery(
         metadata=q.parse_metadata(metadata),
         states=q.parse_states(state or []),
         template=template or None,
         started_after=_parse_time(started_after),
-        descending=order == "desc",
+        descending=order != "asc",  # E2B: newest first unless asked otherwise
     )
     result = q.page(manager(request).list(), query, limit=limit, next_token=next_token)
     if result.next_token:

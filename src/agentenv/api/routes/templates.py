@@ -11,13 +11,16 @@ from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Query, Request, Response
+from pydantic import Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ...builds import HASH, UPLOAD_URL_TTL, BuildError, TemplateBuilder
+from ...builds import HASH, UPLOAD_URL_TTL, BuildError, TemplateBuilder, tagging
 from ...orchestrator import BadRequest, NotFound
 from ...templates import Template, TemplateNotFound, TemplateRegistry
+from ...templates.tags import MAX_TAGS, TAG_MAX_LENGTH
 from .. import models
+from .lifecycle import snapshot_call
 
 router = APIRouter()
 # Context uploads carry a signed URL instead of the API key (the SDKs send them
@@ -94,6 +97,50 @@ async def template_by_alias(alias: str, request: Request) -> models.TemplateAlia
 async def get_template(template_id: str, request: Request) -> models.TemplateWithBuilds:
     template = _get(request, template_id)
     return models.template_with_builds(template, _spawned(request).get(template.template_id, 0))
+
+
+# -- tags (E2B's: a tag names one build; ``default`` is the current one) ----------------------
+
+class AssignTags(models._Body):
+    target: str = Field(min_length=1, max_length=256, description='"name:tag" of the build')
+    tags: list[Annotated[str, Field(max_length=TAG_MAX_LENGTH + 8)]] = Field(
+        max_length=MAX_TAGS)
+
+
+class DeleteTags(models._Body):
+    name: str = Field(min_length=1, max_length=256)
+    tags: list[Annotated[str, Field(max_length=TAG_MAX_LENGTH + 8)]] = Field(
+        max_length=MAX_TAGS)
+
+
+@router.post("/templates/tags", status_code=201)
+async def assign_template_tags(body: AssignTags, request: Request) -> dict:
+    try:
+        build, tags = await tagging.assign_tags(_builder(request), body.target, body.tags)
+    except BuildError as exc:
+        raise _fail(exc) from exc
+    return {"tags": tags, "buildID": models.template_build_id(build)}
+
+
+@router.delete("/templates/tags", status_code=204)
+async def delete_template_tags(body: DeleteTags, request: Request) -> Response:
+    try:
+        await tagging.remove_tags(_builder(request), body.name, body.tags)
+    except BuildError as exc:
+        raise _fail(exc) from exc
+    return Response(status_code=204)
+
+
+@router.get("/templates/{template_id}/tags")
+async def list_template_tags(template_id: str, request: Request) -> list[dict]:
+    """The template's tags (a tag given with the name is ignored, as E2B does)."""
+    template = _get(request, template_id.partition(":")[0])
+    out = []
+    for info in _registry(request).tag_list(template):
+        created = info.created_at or models.template_info(template).created_at.isoformat()
+        out.append({"tag": info.tag, "createdAt": created,
+                    "buildID": models.build_uuid(template.template_id, info.build_id)})
+    return out
 
 
 # -- builds ---------------------------------------------------------------------------------
@@ -218,10 +265,17 @@ async def cancel_build(template_id: str, build_id: str, request: Request) -> Res
 
 @router.delete("/templates/{template_id}", status_code=204)
 async def delete_template(template_id: str, request: Request) -> Response:
+    """A template, or a snapshot: E2B's snapshots are templates, and the SDKs'
+    ``delete_snapshot`` is this route with the snapshot's ID or name."""
     try:
         await _builder(request).delete_template(template_id)
     except BuildError as exc:
-        raise _fail(exc) from exc
+        if exc.status != 404:
+            raise _fail(exc) from exc
+        try:
+            await snapshot_call(request.app.state.manager.delete_snapshot(template_id))
+        except NotFound:
+            raise NotFound(f"template or snapshot '{template_id}' not found") from None
     return Response(status_code=204)
 
 
