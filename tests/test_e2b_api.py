@@ -170,6 +170,20 @@ def test_list_by_template_start_time_and_order(node: Node) -> None:
                                  started_after=since.get_info().started_at)
             assert [s.sandbox_id for s in Sandbox.list(query=after).next_items()] == [
                 w.sandbox_id for w in reversed(want)]
+        # startedBefore (the API's; the SDK has no field for it): "at or before", so a
+        # window of one sandbox's own startedAt holds just it, every time.
+        with node.client() as api:
+            for box in (first, second):
+                at = api.get(f"/sandboxes/{box.sandbox_id}").json()["startedAt"]
+                listed = api.get("/v2/sandboxes", params={
+                    "metadata": f"order={tag}", "startedAfter": at, "startedBefore": at}).json()
+                assert [s["sandboxID"] for s in listed] == [box.sandbox_id]
+            at = api.get(f"/sandboxes/{first.sandbox_id}").json()["startedAt"]
+            listed = api.get("/v2/sandboxes", params={"metadata": f"order={tag}",
+                                                      "startedBefore": at}).json()
+            assert [s["sandboxID"] for s in listed] == [first.sandbox_id]
+            r = api.get("/v2/sandboxes", params={"startedBefore": "yesterday"})
+            assert r.status_code == 400 and "startedBefore" in r.json()["message"]
     finally:
         first.kill()
         second.kill()

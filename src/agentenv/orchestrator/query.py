@@ -43,6 +43,7 @@ class SandboxQuery:
     template: str | None = None
     # Microseconds since the epoch, as the API shows start times (``epoch_micros``).
     started_after: int | None = None
+    started_before: int | None = None
     # Newest first, as E2B lists unless ``order=asc``.
     descending: bool = True
 
@@ -51,9 +52,11 @@ class SandboxQuery:
             return False
         if self.template and self.template not in (record.template_id, record.alias):
             return False
-        # "at or after", to the microsecond that RFC 3339 times carry
-        if self.started_after is not None and \
-                epoch_micros(record.started_at) < self.started_after:
+        # "at or after" and "at or before", to the microsecond RFC 3339 times carry
+        started = epoch_micros(record.started_at)
+        if self.started_after is not None and started < self.started_after:
+            return False
+        if self.started_before is not None and started > self.started_before:
             return False
         return all(record.metadata.get(k) == v for k, v in self.metadata.items())
 

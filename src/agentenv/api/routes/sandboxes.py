@@ -90,7 +90,8 @@ async def list_sandboxes_v2(
     metadata: str | None = None,
     state: Annotated[list[str] | None, Query()] = None,
     template: str | None = None,
-    started_after: str | None = Query(default=None, alias="startedAfter"),
+    started_after: str | None = Query(default=None, alias="startedAfter", max_length=64),
+    started_before: str | None = Query(default=None, alias="startedBefore", max_length=64),
     order: str | None = None,
     limit: Annotated[int | None, Query(ge=1, le=q.MAX_PAGE)] = None,
     next_token: str | None = Query(default=None, alias="nextToken"),
@@ -105,7 +106,8 @@ async def list_sandboxes_v2(
         metadata=q.parse_metadata(metadata),
         states=q.parse_states(state or []),
         template=template or None,
-        started_after=_parse_time(started_after),
+        started_after=_parse_time(started_after, "startedAfter"),
+        started_before=_parse_time(started_before, "startedBefore"),
         descending=order != "asc",  # E2B: newest first unless asked otherwise
     )
     result = q.page(manager(request).list(), query, limit=limit, next_token=next_token)
@@ -114,7 +116,7 @@ async def list_sandboxes_v2(
     return [models.listed(r) for r in result.items]
 
 
-def _parse_time(raw: str | None) -> int | None:
+def _parse_time(raw: str | None, name: str) -> int | None:
     if not raw:
         return None
     from datetime import datetime
@@ -122,7 +124,7 @@ def _parse_time(raw: str | None) -> int | None:
     try:
         when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
     except ValueError:
-        raise BadRequest(f"invalid startedAfter {raw!r}: expected an RFC 3339 time") from None
+        raise BadRequest(f"invalid {name} {raw!r}: expected an RFC 3339 time") from None
     if when.tzinfo is None:  # RFC 3339 wants a zone; a time without one is taken as UTC
         from datetime import UTC
 
