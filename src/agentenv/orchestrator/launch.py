@@ -9,7 +9,8 @@ command runs (``start_command``). The steps are always the same:
     rootfs -> slot -> egress -> spec -> start | restore -> envd ready -> init -> files
     -> start command
 
-and every step that holds something pushes its undo onto one rollback stack. Should
+A reset launches into the slot its sandbox already holds (``slot``: the caller
+keeps it). Every step that holds something pushes its undo onto one rollback stack. Should
 any later step fail, or the launch be cancelled, the stack unwinds in reverse order
 (shielded from a second cancellation) and nothing the launch took stays held. On
 success the caller owns the slot and the running sandbox.
@@ -26,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..network import CompiledPolicy, EgressPolicy, Slot, SlotPoolExhausted, compile_policy
+from ..network import (
+    CompiledPolicy,
+    EgressPolicy,
+    Slot,
+    SlotError,
+    SlotPoolExhausted,
+    compile_policy,
+)
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
 from ..templates import Template
 from . import disk_pause
@@ -71,6 +79,9 @@ class LaunchPlan:
     # What the launch is for, as errors and logs name it ("resume"); by default
     # "start" or "restore".
     purpose: str = ""
+    # A slot the caller holds and keeps, whose sandbox is gone (a reset): launched
+    # into as it is, egress policy and all, instead of a slot from the pool.
+    slot: Slot | None = None
 
     @property
     def verb(self) -> str:
@@ -85,6 +96,8 @@ class SlotSource(Protocol):
     async def release(self, slot: Slot) -> None: ...
 
     async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None: ...
+
+    async def reuse(self, slot: Slot) -> None: ...
 
 
 SpecBuilder = Callable[[LaunchPlan, str], SandboxSpec]
@@ -113,12 +126,16 @@ class Launcher:
         async with contextlib.AsyncExitStack() as undo:
             try:
                 await self.ensure_rootfs(plan.template)
-                try:
-                    slot = await self.slots.acquire(internet=plan.internet)
-                except SlotPoolExhausted as exc:
-                    raise CapacityExceeded(f"no network slot free: {exc}") from exc
-                undo.push_async_callback(_shielded, self.slots.release, slot)
-                await self.apply_egress(plan.sandbox_id, slot, plan.network, plan.internet)
+                if plan.slot is not None:  # the caller's, and it stays the caller's
+                    slot = plan.slot
+                    await self.slots.reuse(slot)
+                else:
+                    try:
+                        slot = await self.slots.acquire(internet=plan.internet)
+                    except SlotPoolExhausted as exc:
+                        raise CapacityExceeded(f"no network slot free: {exc}") from exc
+                    undo.push_async_callback(_shielded, self.slots.release, slot)
+                    await self.apply_egress(plan.sandbox_id, slot, plan.network, plan.internet)
                 marks.append(("slot", time.perf_counter()))
                 spec = self.spec(plan, slot.netns_path)
                 # From here the engine may hold something even if start/restore fails.
@@ -142,7 +159,7 @@ class Launcher:
                 marks.append(("init", time.perf_counter()))
             except BaseException as exc:
                 log.warning("%s of %s failed: %s", plan.verb, plan.sandbox_id, exc)
-                if isinstance(exc, RuntimeFailure | EnvdUnavailable):
+                if isinstance(exc, RuntimeFailure | EnvdUnavailable | SlotError):
                     raise OrchestratorError(f"sandbox failed to {plan.verb}: {exc}") from exc
                 raise
             undo.pop_all()  # success: the caller holds the slot and the sandbox now
