@@ -71,8 +71,8 @@ class Resetting(Pausing):
                  if m.metadata.get("kind") == "snapshot"]
         if not taken:
             raise Conflict(f"sandbox '{record.sandbox_id}' has no snapshot to reset to: take "
-                           f"one (POST /sandboxes/{record.sandbox_id}/snapshots) or name one "
-                           "({\"snapshotID\": ...})")
+                           "one first (POST /sandboxes/{id}/snapshots, `aenv snapshot "
+                           "create`), or name the snapshot to reset to")
         return taken[-1]  # oldest first
 
     def _check_resettable(self, record: SandboxRecord, manifest: Manifest) -> None:
