@@ -27,14 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..network import (
-    CompiledPolicy,
-    EgressPolicy,
-    Slot,
-    SlotError,
-    SlotPoolExhausted,
-    compile_policy,
-)
+from ..network import CompiledPolicy, EgressPolicy, Slot, SlotPoolExhausted, compile_policy
 from ..runtime import Runtime, RuntimeFailure, SandboxSpec
 from ..templates import Template
 from . import disk_pause
@@ -79,8 +72,9 @@ class LaunchPlan:
     # What the launch is for, as errors and logs name it ("resume"); by default
     # "start" or "restore".
     purpose: str = ""
-    # A slot the caller holds and keeps, whose sandbox is gone (a reset): launched
-    # into as it is, egress policy and all, instead of a slot from the pool.
+    # A slot the caller holds and keeps, whose sandbox is gone and which the caller
+    # readied again (a reset: SlotPool.reuse): launched into as it is, egress policy
+    # and all, instead of a slot from the pool.
     slot: Slot | None = None
 
     @property
@@ -96,8 +90,6 @@ class SlotSource(Protocol):
     async def release(self, slot: Slot) -> None: ...
 
     async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None: ...
-
-    async def reuse(self, slot: Slot) -> None: ...
 
 
 SpecBuilder = Callable[[LaunchPlan, str], SandboxSpec]
@@ -126,9 +118,8 @@ class Launcher:
         async with contextlib.AsyncExitStack() as undo:
             try:
                 await self.ensure_rootfs(plan.template)
-                if plan.slot is not None:  # the caller's, and it stays the caller's
+                if plan.slot is not None:  # the caller's, readied, and it stays theirs
                     slot = plan.slot
-                    await self.slots.reuse(slot)
                 else:
                     try:
                         slot = await self.slots.acquire(internet=plan.internet)
@@ -159,7 +150,7 @@ class Launcher:
                 marks.append(("init", time.perf_counter()))
             except BaseException as exc:
                 log.warning("%s of %s failed: %s", plan.verb, plan.sandbox_id, exc)
-                if isinstance(exc, RuntimeFailure | EnvdUnavailable | SlotError):
+                if isinstance(exc, RuntimeFailure | EnvdUnavailable):
                     raise OrchestratorError(f"sandbox failed to {plan.verb}: {exc}") from exc
                 raise
             undo.pop_all()  # success: the caller holds the slot and the sandbox now

@@ -27,6 +27,7 @@ import logging
 import time
 from pathlib import Path
 
+from ..network import Slot, SlotError
 from ..snapshot import Manifest
 from ..templates import Template, TemplateNotFound
 from . import disk_pause
@@ -127,6 +128,7 @@ class Resetting(Pausing):
                                   hostname_of=meta.get("source_sandbox_id") or sandbox_id,
                                   current_token=meta.get("envd_token") or "")
             t0 = time.perf_counter()
+            destroyed_ms = 0.0
             if paused:
                 await self._settled(sandbox_id)
                 # On failure the launch has undone itself: the sandbox stays paused.
@@ -135,7 +137,8 @@ class Resetting(Pausing):
                 self._transition(record, SandboxState.RUNNING)
             else:
                 try:
-                    await self.runtime.destroy(sandbox_id)
+                    await self._drop_runtime(sandbox_id, slot)
+                    destroyed_ms = (time.perf_counter() - t0) * 1000
                     # Connections to the old processes are dead: the proxy drops them.
                     for listener in self.on_removed:
                         listener(sandbox_id)
@@ -155,11 +158,25 @@ class Resetting(Pausing):
                 record.end_at = time.time() + (
                     seconds if seconds is not None else self.config.default_timeout)
             self.store.put(record)
-            log.info("reset %s to snapshot %s in %.0f ms (%s)", sandbox_id,
-                     manifest.snapshot_id, (time.perf_counter() - t0) * 1000,
+            log.info("reset %s to snapshot %s in %.0f ms (%s; old runtime destroyed in "
+                     "%.0f ms)", sandbox_id, manifest.snapshot_id,
+                     (time.perf_counter() - t0) * 1000,
                      "rebooted with its files" if files else
-                     "restored into a new slot" if paused else "restored in place")
+                     "restored into a new slot" if paused else "restored in place", destroyed_ms)
             return record
+
+    async def _drop_runtime(self, sandbox_id: str, slot: Slot | None) -> None:
+        """Destroy the sandbox's runtime and ready its slot for the restore, at the same
+        time: the addresses can go back on eth0 while the old sandbox ends (its
+        connections are being dropped anyway), which takes the slot off the path."""
+        steps = [self.runtime.destroy(sandbox_id)]
+        if slot is not None:
+            steps.append(self.slots.reuse(slot))
+        for result in await asyncio.gather(*steps, return_exceptions=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, SlotError | OSError | ValueError):
+                    raise OrchestratorError(f"network slot of the sandbox: {result}") from result
+                raise result
 
     async def _reset_failed(self, record: SandboxRecord, manifest: Manifest,
                             exc: BaseException) -> None:
