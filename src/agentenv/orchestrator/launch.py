@@ -10,10 +10,10 @@ command runs (``start_command``). The steps are always the same:
     -> start command
 
 A reset launches into the slot its sandbox already holds (``slot``: the caller
-keeps it). Every step that holds something pushes its undo onto one rollback stack. Should
-any later step fail, or the launch be cancelled, the stack unwinds in reverse order
-(shielded from a second cancellation) and nothing the launch took stays held. On
-success the caller owns the slot and the running sandbox.
+keeps it). Every step that holds something pushes its undo onto one rollback stack.
+Should any later step fail, or the launch be cancelled, the stack unwinds in reverse
+order (shielded from a second cancellation) and nothing the launch took stays held.
+On success the caller owns the slot and the running sandbox.
 """
 
 from __future__ import annotations
