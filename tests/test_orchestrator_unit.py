@@ -257,7 +257,14 @@ async def test_reset_in_place_keeps_the_slot_and_a_failed_one_ends_in_error(node
     assert record.state is SandboxState.RUNNING and record.end_at == expiry
     assert record.slot_index == slot and list(node.slots.holding) == [slot]  # the same slot
     assert node.runtime.calls[-2:] == [("destroy", sid), ("restore", sid)]
-    assert node.envd.inits[record.slot_address]["current"] == record.envd_token
+    # Its own snapshot: envd wakes with this token and env already, so no /init.
+    assert node.envd.inits[record.slot_address]["current"] is None
+    # Another sandbox's snapshot: envd wakes with that one's token and gets this one's.
+    other = await mgr.create(CreateRequest("base"))
+    await mgr.reset(sid, (await mgr.snapshot(other.sandbox_id)).snapshot_id)
+    init = node.envd.inits[record.slot_address]
+    assert (init["current"], init["token"]) == (other.envd_token, record.envd_token)
+    await mgr.kill(other.sandbox_id)
 
     # Refused before anything is touched: the sandbox runs on as it was.
     custom = await mgr.create(CreateRequest("base", memory_mb=512))

@@ -124,9 +124,12 @@ class Resetting(Pausing):
                 plan = self._plan(record, template, files=image, hostname_of=sandbox_id,
                                   start_command=True, purpose="reset", slot=slot)
             else:  # envd wakes with the snapshot's token and is given the record's
+                # (unless it has them already: a snapshot of this very sandbox)
+                same = meta.get("envd_token") == record.envd_token and \
+                    meta.get("env_vars") == record.env_vars
                 plan = self._plan(record, template, image=image, purpose="reset", slot=slot,
                                   hostname_of=meta.get("source_sandbox_id") or sandbox_id,
-                                  current_token=meta.get("envd_token") or "")
+                                  init=not same, current_token=meta.get("envd_token") or "")
             t0 = time.perf_counter()
             destroyed_ms = 0.0
             if paused:
