@@ -191,6 +191,29 @@ def test_fork_and_snapshots(cli_env, sid: str) -> None:
     assert r.returncode == 1 and "no snapshot" in r.stderr
 
 
+def test_reset_to_the_last_or_a_named_snapshot(cli_env, sid: str) -> None:
+    r = aenv(cli_env, "reset", sid, check=False)
+    assert r.returncode == 1 and "no snapshot to reset to" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
+    aenv(cli_env, "exec", sid, "--", "sh", "-c", "echo one > /home/user/reset.txt")
+    snap = aenv(cli_env, "snapshot", "create", sid, "--name", "cli-reset").stdout.strip()
+    try:
+        aenv(cli_env, "exec", sid, "--", "sh", "-c", "echo two > /home/user/reset.txt")
+        r = aenv(cli_env, "reset", sid[:8])
+        assert r.stdout.strip() == sid and snap in r.stderr and "expires in" in r.stderr
+        assert aenv(cli_env, "exec", sid, "--", "cat", "/home/user/reset.txt").stdout == "one\n"
+        aenv(cli_env, "exec", sid, "--", "sh", "-c", "echo two > /home/user/reset.txt")
+        r = aenv(cli_env, "reset", sid, "cli-reset", "--timeout", "600", "--json")
+        assert json.loads(r.stdout)["snapshotID"] == snap
+        assert json.loads(r.stdout)["sandboxID"] == sid
+        assert aenv(cli_env, "exec", sid, "--", "cat", "/home/user/reset.txt").stdout == "one\n"
+        r = aenv(cli_env, "reset", sid, "no-such-snapshot", check=False)
+        assert r.returncode == 1 and "no snapshot matches 'no-such-snapshot'" in r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        aenv(cli_env, "snapshot", "rm", snap)
+
+
 # -- files --------------------------------------------------------------------------
 
 def test_upload_download_file_and_directory(cli_env, sid: str, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from agentenv.config import Config
 from agentenv.orchestrator import (
+    BadRequest,
     CapacityExceeded,
     Conflict,
     CreateRequest,
@@ -393,3 +394,60 @@ async def test_a_restart_captures_what_it_finds_frozen(resident_node: Node) -> N
     assert mgr.snapshots.get(again.snapshot_id).metadata["source_sandbox_id"] == sid
     await mgr.resume(sid)
     assert ("restore", sid) not in node.runtime.calls and again.state is SandboxState.RUNNING
+
+
+async def test_reset_in_place_keeps_the_slot_and_a_failed_one_ends_in_error(node: Node) -> None:
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid, slot, expiry = record.sandbox_id, record.slot_index, record.end_at
+    manifest = await mgr.snapshot(sid, "start")
+    back, used = await mgr.reset(sid)
+    assert back is record and used.snapshot_id == manifest.snapshot_id
+    assert record.state is SandboxState.RUNNING and record.end_at == expiry
+    assert record.slot_index == slot and list(node.slots.holding) == [slot]  # the same slot
+    assert node.runtime.calls[-2:] == [("destroy", sid), ("restore", sid)]
+    # Its own snapshot: envd wakes with this token and env already, so no /init.
+    assert node.envd.inits[record.slot_address]["current"] is None
+    # Another sandbox's snapshot: envd wakes with that one's token and gets this one's.
+    other = await mgr.create(CreateRequest("base"))
+    await mgr.reset(sid, (await mgr.snapshot(other.sandbox_id)).snapshot_id)
+    init = node.envd.inits[record.slot_address]
+    assert (init["current"], init["token"]) == (other.envd_token, record.envd_token)
+    await mgr.kill(other.sandbox_id)
+
+    # Refused before anything is touched: the sandbox runs on as it was.
+    custom = await mgr.create(CreateRequest("base", memory_mb=512))
+    theirs = await mgr.snapshot(custom.sandbox_id)
+    with pytest.raises(BadRequest, match="its own resources"):
+        await mgr.reset(sid, theirs.snapshot_id)
+    with pytest.raises(SnapshotNotFound):
+        await mgr.reset(sid, "nope")
+    assert node.runtime.calls[-1] == ("checkpoint", custom.sandbox_id)
+
+    # The restore fails after the old runtime went: error, with why, holding nothing.
+    node.runtime.faults.fail("restore", RuntimeFailure("restore broke"))
+    with pytest.raises(OrchestratorError, match="failed and the sandbox ended"):
+        await mgr.reset(sid, "start")
+    assert record.state is SandboxState.ERROR and "restore broke" in record.error
+    assert sid not in node.runtime.sandboxes and slot not in node.slots.holding
+    with pytest.raises(Conflict, match="its reset to snapshot"):
+        mgr.endpoint(sid, 49983)
+    with pytest.raises(Conflict):
+        await mgr.reset(sid, "start")
+    await mgr.kill(sid)
+    await mgr.kill(custom.sandbox_id)
+    assert node.clean()
+
+
+async def test_a_paused_sandbox_whose_reset_fails_stays_paused(node: Node) -> None:
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    await mgr.snapshot(record.sandbox_id, "start")
+    await mgr.pause(record.sandbox_id)
+    node.runtime.faults.fail("restore", RuntimeFailure("restore broke"))
+    with pytest.raises(OrchestratorError, match="sandbox failed to reset"):
+        await mgr.reset(record.sandbox_id)
+    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    assert record.state is SandboxState.PAUSED and node.clean()
+    await mgr.reset(record.sandbox_id, ttl=60)
+    assert record.state is SandboxState.RUNNING and record.slot_index

@@ -190,6 +190,36 @@ def resume(
     _each(sandboxes, lambda c, sid: c.request("POST", f"/sandboxes/{sid}/resume", json=body))
 
 
+@cli.command()
+def reset(
+    sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],
+    snapshot: Annotated[str | None, typer.Argument(
+        help="Snapshot ID, unique prefix or name (default: the sandbox's last snapshot).")
+    ] = None,
+    timeout: Annotated[int | None, typer.Option(
+        help="New time to live in seconds (default: the sandbox keeps its expiry).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Bring a sandbox back to a snapshot's memory, processes and files, in place: same
+    ID and access tokens, so connected clients go on working."""
+    body: dict = {}
+    if timeout is not None:
+        body["timeout"] = timeout
+    with Client() as c:
+        sid = c.resolve(sandbox)
+        if snapshot is not None:
+            body["snapshotID"] = c.resolve_snapshot(snapshot)
+        what = f"snapshot {body['snapshotID']}" if snapshot is not None else "its last snapshot"
+        with output.err.status(f"Resetting {sid} to {what}..."):
+            result = c.json("POST", f"/sandboxes/{sid}/reset", json=body)
+    if as_json:
+        output.print_json(result)
+        return
+    output.err.print(f"Reset {sid} to snapshot {result['snapshotID']}; it expires "
+                     f"{output.until(result.get('endAt'))}.", markup=False)
+    typer.echo(sid)
+
+
 @cli.command("timeout")
 def set_timeout(
     sandbox: Annotated[str, typer.Argument(help="Sandbox ID or unique prefix.")],

@@ -22,16 +22,19 @@ from collections.abc import Callable
 from typing import Any
 
 from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
 
 from . import nsutil
 from .policy import CompiledPolicy
 from .rules import HostChains
 from .slot import (
     Slot,
+    SlotError,
     SlotLayout,
     apply_policy,
     create_slot,
     destroy_slot,
+    readdress_sandbox_side,
     reset_slot,
     set_egress,
 )
@@ -131,7 +134,7 @@ class SlotPool:
         self._counts = {"created": 0, "recycled": 0, "destroyed": 0, "failures": 0}
         self._timings: dict[str, deque[float]] = {
             k: deque(maxlen=200)
-            for k in ("create", "reset", "destroy", "set_internet", "apply_policy")
+            for k in ("create", "reset", "destroy", "set_internet", "apply_policy", "reuse")
         }
 
     # --- lifecycle ------------------------------------------------------------
@@ -227,6 +230,18 @@ class SlotPool:
             self._spawn(self._recycle_job(slot))
         else:
             self._spawn(self._destroy_job(slot))
+
+    async def reuse(self, slot: Slot) -> None:
+        """Ready an acquired slot, whose sandbox is gone, for its holder's next sandbox
+        (same addresses, same egress policy): a reset restores into the slot it had."""
+        if self._acquired.get(slot.index) is not slot:
+            raise ValueError(f"slot {slot.index} is not held by this caller in pool {self.prefix}")
+        t0 = time.perf_counter()
+        try:
+            await nsutil.run_in_thread(readdress_sandbox_side, slot)
+        except (OSError, NetlinkError) as exc:
+            raise SlotError(f"readying slot {slot.index} again: {exc}") from exc
+        self._timings["reuse"].append(time.perf_counter() - t0)
 
     async def set_internet(self, slot: Slot, allowed: bool) -> None:
         t0 = time.perf_counter()

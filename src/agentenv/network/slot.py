@@ -318,6 +318,31 @@ def reset_slot(slot: Slot, internet: bool) -> None:
     slot.internet = internet
 
 
+def readdress_sandbox_side(slot: Slot) -> None:
+    """Ready a held slot whose sandbox has just been destroyed for the next sandbox of
+    the same holder (a reset), keeping everything else: router, uplink, egress policy.
+
+    gVisor takes ``eth0``'s address and routes away from the host's view when it
+    starts, and runsc restores networking only into a netns with the addresses of
+    the checkpoint: they are put back. The router's conntrack is flushed, as the
+    connections it tracked belonged to processes that are gone.
+    """
+    with nsutil.entered(slot.netns), IPRoute() as ipr:
+        idx = _ifindex(ipr, SANDBOX_IF)
+        if idx is None:
+            raise SlotError(f"slot {slot.index}: interface {SANDBOX_IF} missing")
+        if not ipr.get_addr(index=idx, address=SANDBOX_IP):
+            ipr.addr("add", index=idx, address=SANDBOX_IP, prefixlen=INSIDE_PREFIXLEN)
+        ipr.link("set", index=idx, state="up")
+        try:
+            ipr.route("add", dst="0.0.0.0/0", gateway=GATEWAY_IP)
+        except NetlinkError as exc:
+            if exc.code != errno.EEXIST:
+                raise
+    with nsutil.entered(slot.router_netns), Conntrack() as ct:
+        ct.flush()
+
+
 def forget_host_conntrack(address: str) -> None:
     """Delete root-netns conntrack entries the slot originated (its egress).
 

@@ -2,9 +2,10 @@
 slots sandboxes hold, and the few primitives that change them.
 
 The manager is split by job (``manager``: create, kill, TTL; ``pausing``: snapshot,
-pause, resume; ``forking``; ``reconcile``: restart; ``egress``), each a class over
-this core, joined in ``SandboxManager``. Only this module changes ``_records``,
-``_slots`` and states (through ``_transition``), so the rules below hold everywhere:
+pause, resume; ``resetting``: reset in place; ``forking``; ``reconcile``: restart;
+``egress``), each a class over this core, joined in ``SandboxManager``. Only this
+module changes ``_records``, ``_slots`` and states (through ``_transition``), so the
+rules below hold everywhere:
 
 - a record is in the store before anything is started for it, so a crash at any
   point leaves something the next start can clean up;
@@ -201,13 +202,13 @@ class ManagerCore:
     def _plan(self, record: SandboxRecord, template: Template, *, hostname_of: str,
               image=None, current_token: str = "", init: bool = True,
               start_command: bool = False, purpose: str = "", files=None,
-              new_boot: bool = False) -> LaunchPlan:
+              new_boot: bool = False, slot: Slot | None = None) -> LaunchPlan:
         return LaunchPlan(
             sandbox_id=record.sandbox_id, template=template, cpu_count=record.cpu_count,
             memory_mb=record.memory_mb, hostname_of=hostname_of, image=image,
             internet=record.internet, network=record.network,
             init=self._envd_init(record, template, current_token, new_boot) if init else None,
-            files=files, start_command=start_command, purpose=purpose)
+            files=files, start_command=start_command, purpose=purpose, slot=slot)
 
     @staticmethod
     def _envd_init(record: SandboxRecord, template: Template, current_token: str = "",

@@ -9,10 +9,11 @@ command runs (``start_command``). The steps are always the same:
     rootfs -> slot -> egress -> spec -> start | restore -> envd ready -> init -> files
     -> start command
 
-and every step that holds something pushes its undo onto one rollback stack. Should
-any later step fail, or the launch be cancelled, the stack unwinds in reverse order
-(shielded from a second cancellation) and nothing the launch took stays held. On
-success the caller owns the slot and the running sandbox.
+A reset launches into the slot its sandbox already holds (``slot``: the caller
+keeps it). Every step that holds something pushes its undo onto one rollback stack.
+Should any later step fail, or the launch be cancelled, the stack unwinds in reverse
+order (shielded from a second cancellation) and nothing the launch took stays held.
+On success the caller owns the slot and the running sandbox.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class LaunchPlan:
     # What the launch is for, as errors and logs name it ("resume"); by default
     # "start" or "restore".
     purpose: str = ""
+    # A slot the caller holds and keeps, whose sandbox is gone and which the caller
+    # readied again (a reset: SlotPool.reuse): launched into as it is, egress policy
+    # and all, instead of a slot from the pool.
+    slot: Slot | None = None
 
     @property
     def verb(self) -> str:
@@ -118,9 +123,12 @@ class Launcher:
         async with contextlib.AsyncExitStack() as undo:
             try:
                 await self.ensure_rootfs(plan.template)
-                slot = await self._acquire(plan.internet)
-                undo.push_async_callback(_shielded, self.slots.release, slot)
-                await self.apply_egress(plan.sandbox_id, slot, plan.network, plan.internet)
+                if plan.slot is not None:  # the caller's, readied, and it stays theirs
+                    slot = plan.slot
+                else:
+                    slot = await self._acquire(plan.internet)
+                    undo.push_async_callback(_shielded, self.slots.release, slot)
+                    await self.apply_egress(plan.sandbox_id, slot, plan.network, plan.internet)
                 marks.append(("slot", time.perf_counter()))
                 spec = self.spec(plan, slot.netns_path)
                 # From here the engine may hold something even if start/restore fails.

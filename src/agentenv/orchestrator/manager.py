@@ -2,8 +2,8 @@
 
 States move creating -> running -> (paused <-> running) -> killed, or running ->
 error when a sandbox's runtime dies; every move is checked against ``TRANSITIONS``.
-The jobs live in their own modules (pausing, forking, reconcile, egress) over the
-shared core; ``SandboxManager`` joins them into the one object the API calls.
+The jobs live in their own modules (pausing, resetting, forking, reconcile, egress)
+over the shared core; ``SandboxManager`` joins them into the one object the API calls.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ from .models import (
 from .reconcile import Reconciling
 from .records import new_record
 from .requests import CreateRequest, check_create
+from .resetting import Resetting
 from .snapshots import SnapshotUse, resolve_snapshot
 
 log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 
 
-class SandboxManager(Reconciling, Forking, Egress, SnapshotUse):
+class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -167,6 +167,11 @@ class FakeSlots:
         del self.holding[slot.index]
         self.policies.pop(slot.index, None)
 
+    async def reuse(self, slot: Slot) -> None:
+        await self.faults.check("reuse")
+        if self.holding.get(slot.index) is not slot:
+            raise RuntimeError(f"slot {slot.index} is not held by this caller")
+
     async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None:
         await self.faults.check("egress")
         self.policies[slot.index] = compiled

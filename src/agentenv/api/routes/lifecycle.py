@@ -1,4 +1,4 @@
-"""Routes that branch and freeze sandboxes: fork, pause/resume, snapshots."""
+"""Routes that branch, freeze and rewind sandboxes: fork, pause/resume, snapshots, reset."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import base64
 import binascii
 import json
+from datetime import UTC, datetime
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import Field, field_validator
@@ -96,6 +97,29 @@ class SnapshotRequest(models._Body):
         return name
 
 
+class ResetRequest(models._Body):
+    # A snapshot ID or name; none: the last snapshot taken of this sandbox.
+    snapshot_id: str | None = Field(default=None, alias="snapshotID", min_length=1,
+                                    max_length=NAME_MAX_LENGTH)
+    # Seconds to live from now; none: a running sandbox keeps its expiry.
+    timeout: int | None = Field(default=None, ge=0)
+
+    @field_validator("snapshot_id")
+    @classmethod
+    def _valid_ref(cls, ref: str | None) -> str | None:
+        if ref is not None:
+            try:
+                check_name("snapshot ID or name", ref)
+            except SnapshotError as exc:
+                raise ValueError(str(exc)) from None
+        return ref
+
+
+class SandboxReset(models.SandboxCreated):
+    snapshot_id: str = Field(serialization_alias="snapshotID")
+    end_at: datetime = Field(serialization_alias="endAt")
+
+
 class SnapshotInfo(models._Body):
     snapshot_id: str = Field(serialization_alias="snapshotID")
     names: list[str] = Field(default_factory=list)
@@ -143,6 +167,21 @@ async def resume_sandbox(sandbox_id: str, request: Request,
     record = await _manager(request).resume(sandbox_id, body.timeout, body.auto_pause,
                                             memory=body.memory)
     return models.created(record, request.app.state.config.domain)
+
+
+@router.post("/sandboxes/{sandbox_id}/reset", response_model=SandboxReset,
+             response_model_by_alias=True, response_model_exclude_none=True)
+async def reset_sandbox(sandbox_id: str, request: Request,
+                        body: ResetRequest | None = None) -> SandboxReset:
+    """agentenv extension (E2B has none): bring a running or paused sandbox back to a
+    snapshot's memory, processes and files, keeping its ID, envd access token and
+    traffic token. Without ``snapshotID``: the last snapshot taken of it."""
+    body = body or ResetRequest()
+    record, manifest = await snapshot_call(
+        _manager(request).reset(sandbox_id, body.snapshot_id, body.timeout))
+    created = models.created(record, request.app.state.config.domain)
+    return SandboxReset(**created.model_dump(), snapshot_id=manifest.snapshot_id,
+                        end_at=datetime.fromtimestamp(record.end_at, tz=UTC))
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo,

@@ -1,0 +1,202 @@
+"""Reset in place: a sandbox back to a snapshot's exact state under the same identity.
+
+An agentenv extension (E2B has no reset), for RL loops that return an environment to
+its start state many times. A reset keeps the sandbox's record: its ID, envd access
+token (the SDK's Sandbox object goes on working), traffic token, proxy routes,
+metadata, env vars, egress policy and ``started_at``; its TTL is kept unless the
+call gives a new one. What runs inside is replaced whole by the snapshot's memory,
+processes and files.
+
+A running sandbox keeps its network slot: its runtime is destroyed and the snapshot
+restored into the same network namespace (the addresses gVisor took are put back,
+the egress policy stays), which saves a slot and a new record over kill + create.
+A paused sandbox is restored into a fresh slot, as a resume would. A files-only
+snapshot (``memory: false``) reboots the template with the snapshot's files.
+
+Everything that can be refused is checked before the sandbox is touched: unknown
+snapshot (404), one of another template or other resources, or not a user snapshot
+(400), one this node cannot restore (409). Should the restore itself fail, a paused
+sandbox stays paused; a running one, whose old runtime is gone, goes to ``error``
+with the reason (what it held is freed), as a sandbox whose runtime died does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from ..network import Slot, SlotError
+from ..snapshot import Manifest
+from ..templates import Template, TemplateNotFound
+from . import disk_pause
+from .models import (
+    BadRequest,
+    Conflict,
+    NotFound,
+    OrchestratorError,
+    SandboxRecord,
+    SandboxState,
+    not_running,
+)
+from .pausing import Pausing
+
+log = logging.getLogger(__name__)
+
+
+class Resetting(Pausing):
+    async def reset(self, sandbox_id: str, snapshot: str | None = None,
+                    ttl: int | None = None) -> tuple[SandboxRecord, Manifest]:
+        """Bring a running or paused sandbox back to ``snapshot`` (an ID or name; by
+        default the last snapshot taken of it), same ID and tokens. ``ttl``: it then
+        expires that many seconds from now; None keeps a running sandbox's expiry (a
+        paused one gets the default, as a resume does)."""
+        seconds = None if ttl is None else self._check_timeout(ttl)
+        record = self.get(sandbox_id)
+        manifest = await (self._resolve_snapshot(snapshot) if snapshot
+                          else self._last_snapshot(record))
+        self._check_resettable(record, manifest)
+        if record.state is SandboxState.PAUSED:
+            # Frozen in memory: out first (once its capture is made), so that the reset
+            # restores into a fresh slot and a failure leaves it paused, as for any other.
+            await self.evict(sandbox_id)
+        image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
+        # A client hanging up must not stop a reset half-way: it runs as its own task.
+        task = asyncio.create_task(self._reset_locked(sandbox_id, manifest, image, seconds))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task), manifest
+
+    async def _resolve_snapshot(self, name: str) -> Manifest:
+        return await asyncio.to_thread(self.snapshots.resolve, name)
+
+    async def _last_snapshot(self, record: SandboxRecord) -> Manifest:
+        taken = [m for m in await asyncio.to_thread(self.snapshots.list, record.sandbox_id)
+                 if m.metadata.get("kind") == "snapshot"]
+        if not taken:
+            raise Conflict(f"sandbox '{record.sandbox_id}' has no snapshot to reset to: take "
+                           "one first (POST /sandboxes/{id}/snapshots, `aenv snapshot "
+                           "create`), or name the snapshot to reset to")
+        return taken[-1]  # oldest first
+
+    def _check_resettable(self, record: SandboxRecord, manifest: Manifest) -> None:
+        meta = manifest.metadata
+        sid = manifest.snapshot_id
+        if meta.get("kind") != "snapshot":
+            raise BadRequest(f"'{sid}' is not a sandbox snapshot (it is a {meta.get('kind')} "
+                             "capture): reset to a snapshot taken with "
+                             "POST /sandboxes/{id}/snapshots")
+        if meta.get("template_id") != record.template_id:
+            raise BadRequest(f"snapshot '{sid}' is of template '{meta.get('template_id')}'; "
+                             f"sandbox '{record.sandbox_id}' is of template "
+                             f"'{record.template_id}': a sandbox resets only to snapshots "
+                             "of its own template")
+        theirs = self._resources(meta.get("cpu_count"), meta.get("memory_mb"),
+                                 meta.get("disk_size_mb"))
+        ours = (record.cpu_count, record.memory_mb, record.disk_size_mb)
+        if (theirs.cpu_count, theirs.memory_mb, theirs.disk_size_mb) != ours:
+            raise BadRequest(
+                f"snapshot '{sid}' has {theirs.cpu_count} CPUs, {theirs.memory_mb} MB of "
+                f"memory and {theirs.disk_size_mb} MB of disk; sandbox '{record.sandbox_id}' "
+                f"has {ours[0]}, {ours[1]} and {ours[2]}: a sandbox resets only to snapshots "
+                "with its own resources")
+        self.specs.check_restorable(meta)
+
+    def _reset_template(self, record: SandboxRecord, files: bool) -> Template:
+        if files:  # a boot: the template must be bootable
+            return self._bootable_template(record)
+        try:
+            return self.templates.get(record.template_id)
+        except TemplateNotFound as exc:
+            raise NotFound(f"template of the sandbox is gone: {exc}") from exc
+
+    async def _reset_locked(self, sandbox_id: str, manifest: Manifest, image: Path,
+                            seconds: int | None) -> SandboxRecord:
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            paused = record.state is SandboxState.PAUSED
+            if record.state is SandboxState.CREATING:
+                raise Conflict(f"sandbox '{sandbox_id}' is still being created")
+            if not paused and (record.state is not SandboxState.RUNNING or record.error):
+                raise not_running(record)
+            files = disk_pause.is_disk_capture(image)
+            template = self._reset_template(record, files)
+            meta = manifest.metadata
+            slot = None if paused else self._slots.get(sandbox_id)
+            if files:  # a boot of the template, then the snapshot's files
+                plan = self._plan(record, template, files=image, hostname_of=sandbox_id,
+                                  start_command=True, purpose="reset", slot=slot)
+            else:  # envd wakes with the snapshot's token and is given the record's
+                # (unless it has them already: a snapshot of this very sandbox)
+                same = meta.get("envd_token") == record.envd_token and \
+                    meta.get("env_vars") == record.env_vars
+                plan = self._plan(record, template, image=image, purpose="reset", slot=slot,
+                                  hostname_of=meta.get("source_sandbox_id") or sandbox_id,
+                                  init=not same, current_token=meta.get("envd_token") or "")
+            t0 = time.perf_counter()
+            destroyed_ms = 0.0
+            if paused:
+                await self._settled(sandbox_id)
+                # On failure the launch has undone itself: the sandbox stays paused.
+                slot = await self.launcher.launch(plan)
+                self._hold(record, slot)
+                self._transition(record, SandboxState.RUNNING)
+            else:
+                try:
+                    await self._drop_runtime(sandbox_id, slot)
+                    destroyed_ms = (time.perf_counter() - t0) * 1000
+                    # Connections to the old processes are dead: the proxy drops them.
+                    for listener in self.on_removed:
+                        listener(sandbox_id)
+                    # The same slot back (a new one only if it somehow held none).
+                    self._hold(record, await self.launcher.launch(plan))
+                except BaseException as exc:
+                    await asyncio.shield(self._reset_failed(record, manifest, exc))
+                    if isinstance(exc, Exception):
+                        err = OrchestratorError(
+                            f"reset of sandbox '{sandbox_id}' to snapshot "
+                            f"'{manifest.snapshot_id}' failed and the sandbox ended (state "
+                            f"error): {exc}")
+                        err.status = getattr(exc, "status", 500)
+                        raise err from exc
+                    raise
+            if paused or seconds is not None:
+                record.end_at = time.time() + (
+                    seconds if seconds is not None else self.config.default_timeout)
+            self.store.put(record)
+            log.info("reset %s to snapshot %s in %.0f ms (%s; old runtime destroyed in "
+                     "%.0f ms)", sandbox_id, manifest.snapshot_id,
+                     (time.perf_counter() - t0) * 1000,
+                     "rebooted with its files" if files else
+                     "restored into a new slot" if paused else "restored in place", destroyed_ms)
+            return record
+
+    async def _drop_runtime(self, sandbox_id: str, slot: Slot | None) -> None:
+        """Destroy the sandbox's runtime and ready its slot for the restore, at the same
+        time: the addresses can go back on eth0 while the old sandbox ends (its
+        connections are being dropped anyway), which takes the slot off the path."""
+        steps = [self.runtime.destroy(sandbox_id)]
+        if slot is not None:
+            steps.append(self.slots.reuse(slot))
+        for result in await asyncio.gather(*steps, return_exceptions=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, SlotError | OSError | ValueError):
+                    raise OrchestratorError(f"network slot of the sandbox: {result}") from result
+                raise result
+
+    async def _reset_failed(self, record: SandboxRecord, manifest: Manifest,
+                            exc: BaseException) -> None:
+        """A running sandbox whose reset failed after its runtime went: ``error``, with
+        the reason, holding nothing (the launch destroyed what it had started)."""
+        record.error = f"ended: its reset to snapshot {manifest.snapshot_id} failed ({exc})"
+        log.error("sandbox %s %s; it is now in state error", record.sandbox_id, record.error)
+        self._transition(record, SandboxState.ERROR)
+        for listener in self.on_removed:
+            listener(record.sandbox_id)
+        try:
+            await self.runtime.destroy(record.sandbox_id)
+        except Exception:
+            log.exception("removing the runtime of %s after its failed reset", record.sandbox_id)
+        await self._release_slot(record)
+        self.store.put(record)
