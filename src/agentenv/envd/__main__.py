@@ -40,17 +40,21 @@ def main(argv: list[str] | None = None) -> None:
         from .userfs_fork import start_zygote
 
         start_zygote()
+        marks.append(("zygote", _since_process_start()))
     from .protos import ensure_importable
 
     ensure_importable()
+    marks.append(("protos path", _since_process_start()))
 
     from .oom import guard_from_env
     from .server import build_app
     from .state import State
 
+    marks.append(("server imports", _since_process_start()))
     state = State(access_token=os.environ.pop(TOKEN_ENV, None) or None)
     app = build_app(state)
 
+    marks.append(("app", _since_process_start()))
     import uvicorn
 
     config = uvicorn.Config(

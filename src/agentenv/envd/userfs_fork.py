@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 
-from .userfs_ops import WorkerServer
 from .userfs_protocol import MAX_FRAME
 
 log = logging.getLogger("agentenv.envd")
@@ -49,8 +48,10 @@ def _child_main(sock: socket.socket, uid: int, gid: int, groups: list[int]) -> N
         # Every descriptor of envd's (listener, client connections, pipes of
         # commands) closes here: holding one would keep a connection open.
         _close_all_but(keep)
-        # Everything to import, before the user may no longer read envd's files.
+        # Everything to import, before the user may no longer read envd's files
+        # (userfs_ops: already there in a zygote's worker).
         libc = _libc()
+        from .userfs_ops import WorkerServer
         if os.geteuid() == 0:
             os.setgroups(groups)
             os.setresgid(gid, gid, gid)
@@ -98,6 +99,9 @@ def _zygote_main(sock: socket.socket) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
         _close_all_but(sock.fileno())
         _libc()  # loaded here once, inherited by every worker
+        # Imported here, not in envd before the fork: envd's start-up (and its
+        # answer to the node's first health probe) does not wait for it.
+        from . import userfs_ops  # noqa: F401
         while True:
             try:
                 data = sock.recv(1024)
