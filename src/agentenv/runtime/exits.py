@@ -177,9 +177,6 @@ class PressureWatcher:
         os.close(entry[0])
         os.close(entry[1])
 
-    def arming(self, sandbox_id: str) -> bool:
-        return sandbox_id in self._arming
-
     def unwatch(self, sandbox_id: str) -> None:
         self._arming.pop(sandbox_id, None)  # its thread's callback closes its fds
         entry = self._watched.pop(sandbox_id, None)
