@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         registry.reap()
         print("envd start-up ms: " + ", ".join(f"{k} {v:.0f}" for k, v in marks),
               file=sys.stderr, flush=True)
+        if os.geteuid() == 0:
+            from .userfs_fork import warm_zygote
+
+            loop.call_later(0.2, warm_zygote)  # after the node's first requests
         guard = guard_from_env()
         guard_task = asyncio.create_task(guard.run()) if guard else None
         try:

@@ -99,9 +99,6 @@ def _zygote_main(sock: socket.socket) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
         _close_all_but(sock.fileno())
         _libc()  # loaded here once, inherited by every worker
-        # Imported here, not in envd before the fork: envd's start-up (and its
-        # answer to the node's first health probe) does not wait for it.
-        from . import userfs_ops  # noqa: F401
         while True:
             try:
                 data = sock.recv(1024)
@@ -111,6 +108,14 @@ def _zygote_main(sock: socket.socket) -> None:
                 return  # envd is gone
             try:
                 req = json.loads(data)
+                # The workers' code, imported here once (inherited by each worker),
+                # when envd is up and says so, or at the first worker: never in
+                # envd, nor beside envd's own start-up imports (CPU they share).
+                if req.get("warm"):
+                    with contextlib.suppress(Exception):
+                        from . import userfs_ops
+                    continue  # no reply
+                from . import userfs_ops  # noqa: F401
                 uid, gid = int(req["uid"]), int(req["gid"])
                 groups = [int(g) for g in req["groups"]]
                 mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -154,6 +159,13 @@ def start_zygote() -> None:
     child.close()
     parent.settimeout(10)
     _zygote, _zygote_pid = parent, pid
+
+
+def warm_zygote() -> None:
+    """Have the zygote import the workers' code now (envd has started: it is idle)."""
+    if _zygote is not None:
+        with contextlib.suppress(OSError):
+            _zygote.send(b'{"warm": true}')
 
 
 def _from_zygote(key: tuple) -> tuple[socket.socket, int] | None:
