@@ -154,25 +154,18 @@ class GVisorRuntime:
     async def _create(self, spec: SandboxSpec, *command: str) -> RuntimeSandbox:
         """Write the sandbox's OCI bundle and run a creating runsc command on it;
         on any failure nothing of the sandbox is left."""
-        t0 = time.perf_counter()
         bundle = self.bundle_dir(spec.sandbox_id)
         bundle.mkdir(parents=True, exist_ok=True, mode=0o700)
         config = build_spec(spec, self._cgroups_path(spec.sandbox_id))
         (bundle / "config.json").write_text(json.dumps(config))
-        t1 = time.perf_counter()
         try:
             await self._runsc_creating(bundle, *command, f"--bundle={bundle}", spec.sandbox_id)
         except BaseException:
             await asyncio.shield(self.destroy(spec.sandbox_id))
             raise
-        t2 = time.perf_counter()
-        # runsc's exited helpers: reaped in a thread, not waited for (a /proc scan,
-        # 5-30 ms on a busy host; housekeeping catches any left).
+        # runsc's exited helpers, reaped in a thread (a /proc scan: 5-30 ms here)
         asyncio.get_running_loop().run_in_executor(None, reap_runsc_orphans)
         pid = self._watch(spec.sandbox_id)
-        log.debug("runsc %s of %s: bundle %.0f ms, runsc %.0f ms, watch %.0f ms", command[0],
-                  spec.sandbox_id, (t1 - t0) * 1000, (t2 - t1) * 1000,
-                  (time.perf_counter() - t2) * 1000)
         return RuntimeSandbox(spec.sandbox_id, "running", pid)
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
