@@ -45,17 +45,21 @@ def main(argv: list[str] | None = None) -> None:
         from .userfs_fork import start_zygote
 
         start_zygote()
+        marks.append(("zygote", _since_process_start()))
     from .protos import ensure_importable
 
     ensure_importable()
+    marks.append(("protos path", _since_process_start()))
 
     from .oom import guard_from_env
     from .server import build_app
     from .state import State
 
+    marks.append(("server imports", _since_process_start()))
     state = State(access_token=os.environ.pop(TOKEN_ENV, None) or None)
     app = build_app(state)
 
+    marks.append(("app", _since_process_start()))
     import uvicorn
 
     config = uvicorn.Config(
@@ -78,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
             start_sudo_broker(registry.children)
         print("envd start-up ms: " + ", ".join(f"{k} {v:.0f}" for k, v in marks),
               file=sys.stderr, flush=True)
+        if os.geteuid() == 0:
+            from .userfs_fork import warm_zygote
+
+            loop.call_later(0.2, warm_zygote)  # after the node's first requests
         guard = guard_from_env()
         guard_task = asyncio.create_task(guard.run()) if guard else None
         try:

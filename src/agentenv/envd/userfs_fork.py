@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 
-from .userfs_ops import WorkerServer
 from .userfs_protocol import MAX_FRAME
 
 log = logging.getLogger("agentenv.envd")
@@ -49,8 +48,10 @@ def _child_main(sock: socket.socket, uid: int, gid: int, groups: list[int]) -> N
         # Every descriptor of envd's (listener, client connections, pipes of
         # commands) closes here: holding one would keep a connection open.
         _close_all_but(keep)
-        # Everything to import, before the user may no longer read envd's files.
+        # Everything to import, before the user may no longer read envd's files
+        # (userfs_ops: already there in a zygote's worker).
         libc = _libc()
+        from .userfs_ops import WorkerServer
         if os.geteuid() == 0:
             os.setgroups(groups)
             os.setresgid(gid, gid, gid)
@@ -107,6 +108,14 @@ def _zygote_main(sock: socket.socket) -> None:
                 return  # envd is gone
             try:
                 req = json.loads(data)
+                # The workers' code, imported here once (inherited by each worker),
+                # when envd is up and says so, or at the first worker: never in
+                # envd, nor beside envd's own start-up imports (CPU they share).
+                if req.get("warm"):
+                    with contextlib.suppress(Exception):
+                        from . import userfs_ops
+                    continue  # no reply
+                from . import userfs_ops  # noqa: F401
                 uid, gid = int(req["uid"]), int(req["gid"])
                 groups = [int(g) for g in req["groups"]]
                 mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -150,6 +159,13 @@ def start_zygote() -> None:
     child.close()
     parent.settimeout(10)
     _zygote, _zygote_pid = parent, pid
+
+
+def warm_zygote() -> None:
+    """Have the zygote import the workers' code now (envd has started: it is idle)."""
+    if _zygote is not None:
+        with contextlib.suppress(OSError):
+            _zygote.send(b'{"warm": true}')
 
 
 def _from_zygote(key: tuple) -> tuple[socket.socket, int] | None:

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,9 @@ class PressureWatcher:
     def __init__(self, on_pressure: Callable[[str], None]) -> None:
         self._on_pressure = on_pressure
         self._watched: dict[str, tuple[int, int, Path, int]] = {}  # efd, usage fd, cg, at
+        self._arming: dict[str, object] = {}  # thresholds being written (in a thread)
+        # its own threads: a slow arming must not hold up the loop's to_thread work
+        self._threads = ThreadPoolExecutor(8, thread_name_prefix="memory-thresholds")
         self._above: set[str] = set()
         self._last: dict[str, float] = {}
 
@@ -132,25 +136,49 @@ class PressureWatcher:
         return len(self._watched)
 
     def watch(self, sandbox_id: str, cgroup: Path, threshold: int, limit: int) -> bool:
+        """Arm the thresholds; False when the cgroup cannot be watched at all.
+
+        Each threshold write waits for an RCU grace period in the kernel (20-60 ms on
+        a busy host: 100-500 ms for eight, and a fork of 16 did 128 in a row), so they
+        are written in a thread, off the event loop and off the start's critical path;
+        a crossing meanwhile is not lost (the eventfd counts it, the loop reads it once
+        armed).
+        """
         self.unwatch(sandbox_id)
         try:
             usage_fd = os.open(cgroup / "memory.usage_in_bytes", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return False
         efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        try:
-            step = max(self.STEP, (limit - threshold) // self.LEVELS)
-            for level in range(threshold, max(limit, threshold + 1), step):
-                (cgroup / "cgroup.event_control").write_text(f"{efd} {usage_fd} {level}")
-        except OSError:
-            os.close(efd)
-            os.close(usage_fd)
-            return False
-        self._watched[sandbox_id] = (efd, usage_fd, cgroup, threshold)
-        asyncio.get_running_loop().add_reader(efd, self._crossed, sandbox_id)
+        step = max(self.STEP, (limit - threshold) // self.LEVELS)
+        levels = list(range(threshold, max(limit, threshold + 1), step))
+        token = object()
+        self._arming[sandbox_id] = token
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._threads, _arm, cgroup, efd, usage_fd, levels)
+        fut.add_done_callback(
+            lambda f: self._armed(f, sandbox_id, token, (efd, usage_fd, cgroup, threshold)))
         return True
 
+    def _armed(self, fut: asyncio.Future, sandbox_id: str, token: object,
+               entry: tuple[int, int, Path, int]) -> None:
+        if self._arming.get(sandbox_id) is token:
+            del self._arming[sandbox_id]
+            if not fut.cancelled() and fut.exception() is None:
+                self._watched[sandbox_id] = entry
+                with contextlib.suppress(RuntimeError):  # loop closing
+                    asyncio.get_running_loop().add_reader(entry[0], self._crossed, sandbox_id)
+                    return
+                del self._watched[sandbox_id]
+            else:
+                log.warning("sandbox %s: cannot watch its memory cgroup %s", sandbox_id,
+                            entry[2])
+        # unwatched (or failed) while arming: the fds were the thread's until now
+        os.close(entry[0])
+        os.close(entry[1])
+
     def unwatch(self, sandbox_id: str) -> None:
+        self._arming.pop(sandbox_id, None)  # its thread's callback closes its fds
         entry = self._watched.pop(sandbox_id, None)
         self._above.discard(sandbox_id)
         self._last.pop(sandbox_id, None)
@@ -162,7 +190,7 @@ class PressureWatcher:
         os.close(entry[1])
 
     def close(self) -> None:
-        for sandbox_id in list(self._watched):
+        for sandbox_id in [*self._watched, *self._arming]:
             self.unwatch(sandbox_id)
 
     def _crossed(self, sandbox_id: str) -> None:
@@ -197,6 +225,12 @@ class PressureWatcher:
             self._on_pressure(sandbox_id)
         except Exception:
             log.exception("handling memory pressure of sandbox %s failed", sandbox_id)
+
+
+def _arm(cgroup: Path, efd: int, usage_fd: int, levels: list[int]) -> None:
+    """Register each threshold (in a thread: each write waits for a grace period)."""
+    for level in levels:
+        (cgroup / "cgroup.event_control").write_text(f"{efd} {usage_fd} {level}")
 
 
 def working_set(cgroup: Path) -> int:

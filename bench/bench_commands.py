@@ -1,0 +1,173 @@
+"""What one command costs (issue 15, item 4): the SDK runs each as `bash -l -c CMD` as
+`user` in template base. Measured in one sandbox, beside bare runsc in the same run:
+
+- inside the sandbox, a bash loop timing each spawn with $EPOCHREALTIME (the floor
+  gVisor sets: fork + exec of /bin/true; a plain `bash -c`; the login shell; `id -u`,
+  which /etc/profile used to run);
+- from the host, the round trip through the node's proxy and envd (Process.Start
+  until the end event) of `/bin/true` as root and as user (envd starts a user's
+  command through setpriv) and of the SDK's `bash -l -c true`.
+
+`--profile-fix` also times the login shell with the base template's /etc/profile
+edited as scripts/build-base-template.sh now edits it (in that sandbox only), for a
+template built before the edit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from agentenv.testing import Node, leaks
+from bench_node import envd_headers, runsc_do_true
+from common import summary, table, write
+
+# The edit build-base-template.sh makes (bash knows its EUID: no `id` process).
+PROFILE_FIX = r"""sed -i 's/"\$(id -u)"/"${EUID:-$(id -u)}"/' /etc/profile"""
+
+
+def run(http: httpx.Client, sid: str, token: str, argv: list[str], user: str = "user",
+        envs: dict[str, str] | None = None) -> tuple[int, str]:
+    """Process.Start over Connect (JSON) through the node's proxy: (exit code, stdout)."""
+    msg = json.dumps({"process": {"cmd": argv[0], "args": argv[1:],
+                                  "envs": envs or {}}}).encode()
+    body = b"\x00" + struct.pack(">I", len(msg)) + msg
+    headers = {**envd_headers(sid, token), "Content-Type": "application/connect+json",
+               "Connect-Protocol-Version": "1",
+               "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+    out, code = b"", -1
+    with http.stream("POST", "/process.Process/Start", content=body, headers=headers) as r:
+        r.raise_for_status()
+        buf = r.read()
+    while buf:
+        flags, size = buf[0], struct.unpack(">I", buf[1:5])[0]
+        frame, buf = json.loads(buf[5:5 + size] or b"{}"), buf[5 + size:]
+        if flags & 0x02:
+            if frame.get("error"):
+                raise RuntimeError(frame["error"])
+            break
+        event = frame.get("event", {})
+        if "data" in event and "stdout" in event["data"]:
+            out += base64.b64decode(event["data"]["stdout"])
+        if "end" in event:
+            code = int(event["end"].get("exitCode", 0))
+    return code, out.decode()
+
+
+def inside(http: httpx.Client, sid: str, token: str, cmd: str, n: int) -> list[float]:
+    """Seconds per run of ``cmd``, timed inside the sandbox by bash itself."""
+    script = (f"for i in $(seq {n}); do a=$EPOCHREALTIME; {cmd} >/dev/null; b=$EPOCHREALTIME; "
+              "echo $a $b; done")
+    code, out = run(http, sid, token, ["/bin/bash", "-c", script])
+    if code != 0:
+        raise RuntimeError(f"{cmd}: exit {code}")
+    return [float(b) - float(a) for a, b in (line.split() for line in out.splitlines())]
+
+
+# Process.Start of /bin/true straight to envd from inside the sandbox (python3 of
+# base, http.client): envd's own cost, without the node's proxy and the host's network.
+DIRECT = r"""
+import http.client, json, os, struct, time
+msg = json.dumps({"process": {"cmd": "/bin/true"}}).encode()
+body = b"\x00" + struct.pack(">I", len(msg)) + msg
+hdr = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+       "X-Access-Token": os.environ["TOKEN"], "Authorization": "Basic dXNlcjo="}
+c = http.client.HTTPConnection("127.0.0.1", 49983)
+for _ in range(int(os.environ["N"])):
+    t0 = time.perf_counter()
+    c.request("POST", "/process.Process/Start", body, hdr)
+    r = c.getresponse(); data = r.read()
+    assert r.status == 200 and b'"end"' in data, data[:200]
+    print(time.perf_counter() - t0)
+"""
+
+
+def direct(http: httpx.Client, sid: str, token: str, n: int) -> list[float]:
+    code, out = run(http, sid, token, ["/usr/bin/python3", "-c", DIRECT], "user",
+                    {"TOKEN": token, "N": str(n)})
+    if code != 0:
+        raise RuntimeError(f"direct Process.Start: exit {code}")
+    return [float(x) for x in out.split()]
+
+
+def round_trips(http: httpx.Client, sid: str, token: str, argv: list[str], user: str,
+                n: int) -> list[float]:
+    xs = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        code, _ = run(http, sid, token, argv, user)
+        xs.append(time.perf_counter() - t0)
+        if code != 0:
+            raise RuntimeError(f"{argv}: exit {code}")
+    return xs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=60, help="runs of each command")
+    ap.add_argument("--profile-fix", action="store_true",
+                    help="also time the login shell with /etc/profile edited in the sandbox")
+    ap.add_argument("--name", default="commands", help="results file name")
+    args = ap.parse_args()
+
+    prefix = "aec"
+    home = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
+    node = Node(home, prefix, "10.17.0.0/16", AENV_TEMPLATE_SNAPSHOTS="false")
+    node.start()
+    rows: dict[str, dict] = {}
+    try:
+        with node.client() as api, httpx.Client(base_url=node.url, timeout=120) as http:
+            r = api.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+            r.raise_for_status()
+            sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+            rows["baseline: runsc do /bin/true (host)"] = summary(
+                [runsc_do_true() for _ in range(10)])
+            for label, cmd in (("inside: /bin/true (fork + exec)", "/bin/true"),
+                               ("inside: id -u", "id -u"),
+                               ("inside: bash -c true", "bash -c true"),
+                               ("inside: bash -l -c true (login shell)", "bash -l -c true")):
+                rows[label] = summary(inside(http, sid, token, cmd, args.n))
+            rows["inside: envd Process.Start of /bin/true as user (direct, keep-alive)"] = \
+                summary(direct(http, sid, token, args.n))
+            for label, argv, user in (
+                    ("round trip: /bin/true as root", ["/bin/true"], "root"),
+                    ("round trip: /bin/true as user (setpriv)", ["/bin/true"], "user"),
+                    ("round trip: bash -l -c true as user (SDK style)",
+                     ["/bin/bash", "-l", "-c", "true"], "user")):
+                rows[label] = summary(round_trips(http, sid, token, argv, user, args.n))
+            if args.profile_fix:
+                code, _ = run(http, sid, token, ["/bin/bash", "-c", PROFILE_FIX], "root")
+                if code != 0:
+                    raise RuntimeError("editing /etc/profile failed")
+                rows["inside: bash -l -c true, /etc/profile edited"] = summary(
+                    inside(http, sid, token, "bash -l -c true", args.n))
+                rows["round trip: bash -l -c true as user, /etc/profile edited"] = summary(
+                    round_trips(http, sid, token, ["/bin/bash", "-l", "-c", "true"], "user",
+                                args.n))
+            rows["baseline: runsc do /bin/true (host), after"] = summary(
+                [runsc_do_true() for _ in range(10)])
+            api.delete(f"/sandboxes/{sid}")
+    finally:
+        node.stop()
+    base = statistics.median([rows["baseline: runsc do /bin/true (host)"]["p50_ms"],
+                              rows["baseline: runsc do /bin/true (host), after"]["p50_ms"]])
+    for s in rows.values():
+        if "p50_ms" in s:
+            s["p50_over_runsc_do"] = round(s["p50_ms"] / base, 3)
+    text = table("Per command: one sandbox of template base (user `user`)", rows)
+    left = leaks(prefix, home)
+    if left:
+        text += f"\nLeft behind: {left}\n"
+    write(args.name, {"rows": rows, "leaks": left}, text)
+
+
+if __name__ == "__main__":
+    main()
