@@ -157,6 +157,9 @@ class Captures(ManagerCore):
     def pause_committed(self, record: SandboxRecord) -> bool:
         """Whether a paused sandbox's snapshot is in the repository (not only staged here)."""
         sid = record.snapshot_id
+        entry = self._resident.get(record.sandbox_id) if self._resident is not None else None
+        if entry is not None and not entry.captured:
+            return False  # frozen, its capture not made yet
         return bool(sid) and sid not in self._commits and \
             not self.snapshots.staging.is_pending(sid)
 
