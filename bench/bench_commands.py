@@ -16,10 +16,7 @@ template built before the edit.
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import statistics
-import struct
 import tempfile
 import time
 from pathlib import Path
@@ -27,39 +24,12 @@ from pathlib import Path
 import httpx
 
 from agentenv.testing import Node, leaks
-from bench_node import envd_headers, runsc_do_true
+from bench_node import run_native as run
+from bench_node import runsc_do_true
 from common import summary, table, write
 
 # The edit build-base-template.sh makes (bash knows its EUID: no `id` process).
 PROFILE_FIX = r"""sed -i 's/"\$(id -u)"/"${EUID:-$(id -u)}"/' /etc/profile"""
-
-
-def run(http: httpx.Client, sid: str, token: str, argv: list[str], user: str = "user",
-        envs: dict[str, str] | None = None) -> tuple[int, str]:
-    """Process.Start over Connect (JSON) through the node's proxy: (exit code, stdout)."""
-    msg = json.dumps({"process": {"cmd": argv[0], "args": argv[1:],
-                                  "envs": envs or {}}}).encode()
-    body = b"\x00" + struct.pack(">I", len(msg)) + msg
-    headers = {**envd_headers(sid, token), "Content-Type": "application/connect+json",
-               "Connect-Protocol-Version": "1",
-               "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
-    out, code = b"", -1
-    with http.stream("POST", "/process.Process/Start", content=body, headers=headers) as r:
-        r.raise_for_status()
-        buf = r.read()
-    while buf:
-        flags, size = buf[0], struct.unpack(">I", buf[1:5])[0]
-        frame, buf = json.loads(buf[5:5 + size] or b"{}"), buf[5 + size:]
-        if flags & 0x02:
-            if frame.get("error"):
-                raise RuntimeError(frame["error"])
-            break
-        event = frame.get("event", {})
-        if "data" in event and "stdout" in event["data"]:
-            out += base64.b64decode(event["data"]["stdout"])
-        if "end" in event:
-            code = int(event["end"].get("exitCode", 0))
-    return code, out.decode()
 
 
 def inside(http: httpx.Client, sid: str, token: str, cmd: str, n: int) -> list[float]:

@@ -36,13 +36,17 @@ def envd_headers(sid: str, token: str) -> dict[str, str]:
             "Authorization": "Basic " + base64.b64encode(b"user:").decode()}
 
 
-def exec_native(http: httpx.Client, sid: str, token: str, argv: list[str]) -> int:
-    """Process.Start over the Connect protocol (JSON), through the node's proxy."""
-    msg = json.dumps({"process": {"cmd": argv[0], "args": argv[1:]}}).encode()
+def run_native(http: httpx.Client, sid: str, token: str, argv: list[str], user: str = "user",
+               envs: dict[str, str] | None = None) -> tuple[int, str]:
+    """Process.Start over the Connect protocol (JSON), through the node's proxy:
+    (exit code, stdout)."""
+    msg = json.dumps({"process": {"cmd": argv[0], "args": argv[1:],
+                                  "envs": envs or {}}}).encode()
     body = b"\x00" + struct.pack(">I", len(msg)) + msg
     headers = {**envd_headers(sid, token), "Content-Type": "application/connect+json",
-               "Connect-Protocol-Version": "1"}
-    exit_code = -1
+               "Connect-Protocol-Version": "1",
+               "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+    out, code = b"", -1
     with http.stream("POST", "/process.Process/Start", content=body, headers=headers) as r:
         r.raise_for_status()
         buf = r.read()
@@ -53,10 +57,17 @@ def exec_native(http: httpx.Client, sid: str, token: str, argv: list[str]) -> in
             if frame.get("error"):
                 raise RuntimeError(frame["error"])
             break
-        end = frame.get("event", {}).get("end")
-        if end is not None:
-            exit_code = int(end.get("exitCode", 0))
-    return exit_code
+        event = frame.get("event", {})
+        if "data" in event and "stdout" in event["data"]:
+            out += base64.b64decode(event["data"]["stdout"])
+        if "end" in event:
+            code = int(event["end"].get("exitCode", 0))
+    return code, out.decode()
+
+
+def exec_native(http: httpx.Client, sid: str, token: str, argv: list[str]) -> int:
+    """A command's exit code (run_native)."""
+    return run_native(http, sid, token, argv)[0]
 
 
 def idle_memory(prefix: str, sid: str) -> tuple[int, int]:

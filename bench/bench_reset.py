@@ -47,7 +47,7 @@ from bench_snapshots import (
     run_in,
     until_command,
 )
-from common import summary, table, write
+from common import finish, summary
 
 COUNTER = ("python3 -c 'import itertools, time\nfor i in itertools.count():\n"
            "    open(\"/tmp/count\", \"w\").write(str(i)); time.sleep(0.05)'")
@@ -201,22 +201,14 @@ def main() -> int:
     if reset_p50 and kc_p50:
         rows["reset / (kill + create), until a command runs"] = {
             "p50_ratio": round(reset_p50 / kc_p50, 2), "saved_ms": round(kc_p50 - reset_p50, 1)}
-    text = table("Reset in place vs kill + create from the snapshot (template base, 512 MiB)",
-                 rows, TARGETS)
-    text += (f"\nn = samples: {args.n} rounds, each one reset and one kill + create (alternating "
-             "which goes first), back to one snapshot of a base sandbox running a counter "
-             f"process (snapshot: {raw.get('snapshot')}). Node abr: template boot images on, "
-             "no warm pool. Bare runsc baseline measured in the same run: `sleep infinity`, "
-             "overlay root in memory, no network, no compression (its image is far smaller "
-             "than the sandbox's).\n")
-    if watch.overlapped:
-        text += ("\nA pytest run went on during these steps (their timings are noisy): "
-                 + ", ".join(watch.overlapped) + "\n")
-    if failures:
-        text += "\nFailures:\n" + "\n".join(f"- {f}" for f in failures[:30]) + "\n"
-    text += f"\nLeft behind: {left}\n"
-    write("reset", {"rows": rows, "raw": raw, "failures": failures, "leaks": left,
-                    "pytest_overlapped_steps": watch.overlapped}, text)
+    finish("reset", "Reset in place vs kill + create from the snapshot (template base, 512 MiB)",
+           rows, TARGETS,
+           f"\nn = samples: {args.n} rounds, each one reset and one kill + create (alternating "
+           "which goes first), back to one snapshot of a base sandbox running a counter "
+           f"process (snapshot: {raw.get('snapshot')}). Node abr: template boot images on, "
+           "no warm pool. Bare runsc baseline measured in the same run: `sleep infinity`, "
+           "overlay root in memory, no network, no compression (its image is far smaller "
+           "than the sandbox's).\n", watch.overlapped, failures, left, raw)
     return 1 if failures or left else 0
 
 

@@ -37,7 +37,7 @@ from agentenv.runtime.gvisor import reap_runsc_orphans
 from agentenv.testing import SHARED_HOME, Node, leaks
 from agentenv.testing.checkpoints import bare_sandbox
 from bench_node import exec_native
-from common import summary, table, write
+from common import finish, summary
 
 ROOTFS = SHARED_HOME / "images" / "templates" / "base" / "rootfs"
 MiB = 1 << 20
@@ -645,22 +645,14 @@ def main() -> int:
               "snapshot of", "fork", "write", "capture", "1 MiB", "baseline", "failures")
     order = sorted(rows, key=lambda k: next(
         (i for i, g in enumerate(groups) if k.startswith(g)), len(groups)))
-    text = table("Snapshots: pause/resume, creates, fork of 16, capture (template base, "
-                 "512 MiB)", {k: rows[k] for k in order}, TARGETS)
-    text += ("\nn = samples. Nodes: abs boots (AENV_TEMPLATE_SNAPSHOTS=0; pause/resume, "
-             "snapshots, fork, capture, cold creates), abi restores the template's boot image "
-             "(no pool), abw has a warm pool (AENV_WARM_POOL_SIZE=4; creates taken back to back "
-             "from a full pool, in groups of 4). Resume is measured after the pause's "
-             "background commit finished. Bare runsc baseline: `sleep infinity`, overlay root "
-             "in memory, no network, no compression.\n")
-    if watch.overlapped:
-        text += ("\nA pytest run went on during these steps (their timings are noisy): "
-                 + ", ".join(watch.overlapped) + "\n")
-    if failures:
-        text += "\nFailures:\n" + "\n".join(f"- {f}" for f in failures[:30]) + "\n"
-    text += f"\nLeft behind: {left}\n"
-    write("snapshots", {"rows": rows, "raw": raw, "failures": failures, "leaks": left,
-                        "pytest_overlapped_steps": watch.overlapped}, text)
+    finish("snapshots", "Snapshots: pause/resume, creates, fork of 16, capture (template base, "
+           "512 MiB)", {k: rows[k] for k in order}, TARGETS,
+           "\nn = samples. Nodes: abs boots (AENV_TEMPLATE_SNAPSHOTS=0; pause/resume, "
+           "snapshots, fork, capture, cold creates), abi restores the template's boot image "
+           "(no pool), abw has a warm pool (AENV_WARM_POOL_SIZE=4; creates taken back to back "
+           "from a full pool, in groups of 4). Resume is measured after the pause's "
+           "background commit finished. Bare runsc baseline: `sleep infinity`, overlay root "
+           "in memory, no network, no compression.\n", watch.overlapped, failures, left, raw)
     return 1 if failures or any(left.values()) else 0
 
 

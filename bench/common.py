@@ -55,6 +55,20 @@ def write(name: str, data: dict, text: str) -> None:
     print(text)
 
 
+def finish(name: str, title: str, rows: dict[str, dict], target: dict[str, str], note: str,
+           overlapped: list[str], failures: list[str], left, raw: dict) -> None:
+    """The table, its note, what disturbed it and what went wrong, as text and JSON."""
+    text = table(title, rows, target) + note
+    if overlapped:
+        text += ("\nA pytest run went on during these steps (their timings are noisy): "
+                 + ", ".join(overlapped) + "\n")
+    if failures:
+        text += "\nFailures:\n" + "\n".join(f"- {f}" for f in failures[:30]) + "\n"
+    text += f"\nLeft behind: {left}\n"
+    write(name, {"rows": rows, "raw": raw, "failures": failures, "leaks": left,
+                 "pytest_overlapped_steps": overlapped}, text)
+
+
 def _cpus() -> int:
     import os
 
