@@ -94,6 +94,22 @@ def test_envs_per_execution_and_from_create(sbx: Sandbox) -> None:
     assert sbx.run_code(code).text == "(None, 'visible')"
 
 
+def test_create_envs_reach_a_kernel_started_before_them(sbx: Sandbox) -> None:
+    """A sandbox made from a capture (a snapshot here; a template's boot image alike)
+    has its server and kernel running from before its create: the create's envs still
+    reach its code, as E2B's server asks envd for them."""
+    snap = sbx.create_snapshot()
+    child = Sandbox.create(snap.snapshot_id, timeout=120, envs={"FROM_CREATE": "child's"})
+    try:
+        code = "import os\nos.environ.get('PER_RUN'), os.environ.get('FROM_CREATE')"
+        assert child.run_code(code).text == "(None, \"child's\")"
+        assert child.run_code(code, envs={"FROM_CREATE": "per run"}).text == \
+            "(None, 'per run')"
+    finally:
+        child.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id)
+
+
 def test_contexts(sbx: Sandbox) -> None:
     ctx = sbx.create_code_context(cwd="/tmp")
     assert ctx.cwd == "/tmp" and ctx.language == "python"

@@ -38,6 +38,9 @@ from typing import Any
 log = logging.getLogger("code-interpreter")
 
 PORT = 49999
+ENVD_PORT = 49983
+ENVD_TIMEOUT = 2.0
+MAX_ENVS = 1 << 20
 DEFAULT_CWD = os.environ.get("CODE_INTERPRETER_CWD", "/home/user")
 MAX_BODY = 16 << 20
 KERNEL_START_TIMEOUT = 60.0
@@ -198,6 +201,34 @@ def _output(kind: str, content: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+async def envd_env_vars(token: str | None) -> dict[str, str]:
+    """envd's env vars (GET /envs on 127.0.0.1:49983); {} when envd does not say."""
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", ENVD_PORT), ENVD_TIMEOUT)
+        auth = f"X-Access-Token: {token}\r\n" if token and token.isprintable() else ""
+        writer.write(f"GET /envs HTTP/1.0\r\nHost: localhost\r\n{auth}\r\n".encode())
+        await writer.drain()
+        raw = b""
+        while chunk := await asyncio.wait_for(reader.read(65536), ENVD_TIMEOUT):
+            raw += chunk
+            if len(raw) > MAX_ENVS:
+                return {}
+        head, _, body = raw.partition(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.") or head.split(b" ", 2)[1:2] != [b"200"]:
+            return {}
+        envs = json.loads(body)
+        if isinstance(envs, dict):
+            return {k: v for k, v in envs.items() if isinstance(k, str) and isinstance(v, str)}
+    except (OSError, TimeoutError, ValueError, IndexError):
+        pass
+    finally:
+        if writer is not None:
+            writer.close()
+    return {}
+
+
 def _env_code(env: dict[str, str]) -> tuple[str, str]:
     """Code that sets ``env`` in the kernel, and code that puts the old values back."""
     payload = json.dumps(env)
@@ -294,7 +325,9 @@ class Server:
             else:
                 await _json(send, 503, {"code": 503, "message": "the kernel is starting"})
         elif path == "/execute" and method == "POST":
-            await self._execute(await _body_json(receive), receive, send)
+            token = next((v.decode("latin-1") for k, v in scope.get("headers", [])
+                          if k == b"x-access-token"), None)
+            await self._execute(await _body_json(receive), receive, send, token)
         elif path == "/contexts" and method == "GET":
             await _json(send, 200, [c.describe() for c in self.contexts.values()])
         elif path == "/contexts" and method == "POST":
@@ -315,7 +348,8 @@ class Server:
         else:
             raise HTTPError(404, f"{method} {path} not found")
 
-    async def _execute(self, body: dict[str, Any], receive, send) -> None:
+    async def _execute(self, body: dict[str, Any], receive, send,
+                       token: str | None = None) -> None:
         code = body.get("code")
         if not isinstance(code, str):
             raise HTTPError(400, "'code' must be a string")
@@ -323,6 +357,10 @@ class Server:
         if not isinstance(env, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise HTTPError(400, "'env_vars' must map strings to strings")
+        # The sandbox's own env vars (a create's envs) come first: this server may have
+        # started before they were given to envd (a sandbox restored from its
+        # template's image), so they are asked of envd, as E2B's server does.
+        env = {**await envd_env_vars(token), **env}
         if body.get("context_id"):
             if body.get("language"):
                 raise HTTPError(400, "give context_id or language, not both")
