@@ -23,7 +23,9 @@ def test_js_sdk(node: Node) -> None:
     env = {**os.environ, **node.e2b_env(), "AENV_NODE_PORT": str(node.port),
            "NODE_NO_WARNINGS": "1"}
     files = sorted(str(p) for p in JS.glob("*.test.mjs"))
-    proc = subprocess.run([node_bin, "--test", "--test-reporter=spec", *files], cwd=JS,
+    # Three files at a time: they wait on sandboxes far more than they compute.
+    proc = subprocess.run([node_bin, "--test", "--test-concurrency=3", "--test-reporter=spec",
+                           *files], cwd=JS,
                           env=env, capture_output=True, text=True, timeout=420)
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, f"{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
