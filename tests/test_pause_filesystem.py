@@ -81,8 +81,7 @@ def test_pause_without_memory_reboots_with_every_file_kept(node: Node) -> None:
         assert sbx.commands.run("whoami").stdout.strip() == "user"
         assert sbx.files.read("/home/user/work/deep/er/a.txt") == "kept one\n"
 
-        # Paused again, with memory (the SDK's deprecated spelling of the mode above is
-        # the lifecycle test's): the rebooted sandbox pauses and resumes as any other.
+        # Paused again, with memory: the rebooted sandbox pauses and resumes as any other.
         sbx.commands.run("sleep 4242", background=True)
         sbx.pause()
         Sandbox.connect(sbx.sandbox_id)
