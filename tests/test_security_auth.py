@@ -73,7 +73,8 @@ def test_envd_wants_the_access_token(node: Node, api: httpx.Client) -> None:
         assert token and len(token) >= 32
         assert _via_proxy(node, sid, ENVD_PORT, "/metrics").status_code == 401
         assert _via_proxy(node, sid, ENVD_PORT, "/metrics",
-                          **{"X-Access-Token": token[:-1] + "A"}).status_code == 401
+                          **{"X-Access-Token": token[:-1] + ("B" if token.endswith("A") else "A")}
+                          ).status_code == 401
         # The node's own API key is no envd token.
         assert _via_proxy(node, sid, ENVD_PORT, "/metrics",
                           **{"X-Access-Token": node.api_key}).status_code == 401
