@@ -162,9 +162,12 @@ class PressureWatcher:
 
     def _armed(self, fut: asyncio.Future, sandbox_id: str, token: object,
                entry: tuple[int, int, Path, int]) -> None:
+        # Read in every case: a sandbox gone while arming (its cgroup with it) must not
+        # leave an unretrieved exception for asyncio to log as an error.
+        failed = fut.cancelled() or fut.exception() is not None
         if self._arming.get(sandbox_id) is token:
             del self._arming[sandbox_id]
-            if not fut.cancelled() and fut.exception() is None:
+            if not failed:
                 self._watched[sandbox_id] = entry
                 with contextlib.suppress(RuntimeError):  # loop closing
                     asyncio.get_running_loop().add_reader(entry[0], self._crossed, sandbox_id)
