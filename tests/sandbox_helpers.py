@@ -116,5 +116,9 @@ def lose_pause_snapshot(node, api, sandbox_id: str) -> None:
     r = api.delete(f"/snapshots/{snap}")
     assert r.status_code == 409 and sandbox_id in r.json()["message"], r.text
     (node.home / "snapshots" / "manifests" / f"{snap}.json").unlink()
-    for cached in (node.home / "cache" / "snapshots").glob(f"*{snap}*"):
-        shutil.rmtree(cached, ignore_errors=True) if cached.is_dir() else cached.unlink()
+    # The commit turns its staged capture into the node's cache just after it answers:
+    # what lands there a moment later goes too.
+    for _ in range(10):
+        for cached in (node.home / "cache" / "snapshots").glob(f"*{snap}*"):
+            shutil.rmtree(cached, ignore_errors=True) if cached.is_dir() else cached.unlink()
+        time.sleep(0.1)
