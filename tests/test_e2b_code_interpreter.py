@@ -110,6 +110,23 @@ def test_create_envs_reach_a_kernel_started_before_them(sbx: Sandbox) -> None:
         Sandbox.delete_snapshot(snap.snapshot_id)
 
 
+def test_a_snapshot_taken_right_after_code_ran_makes_sandboxes_that_run_code(
+        sbx: Sandbox) -> None:
+    """The node's proxy had a keep-alive connection open to the server when the
+    capture was taken; a sandbox restored from it held that connection half-open and
+    its server, under gVisor, accepted no more connections (1 child in 3 hung until
+    the SDK's timeout). The proxy now closes its idle connections before a capture."""
+    for round_ in range(3):
+        sbx.run_code(f"round_ = {round_}")
+        snap = sbx.create_snapshot()
+        child = Sandbox.create(snap.snapshot_id, timeout=60)
+        try:
+            assert child.run_code("round_ + 1", timeout=20).text == str(round_ + 1)
+        finally:
+            child.kill()
+            Sandbox.delete_snapshot(snap.snapshot_id)
+
+
 def test_contexts(sbx: Sandbox) -> None:
     ctx = sbx.create_code_context(cwd="/tmp")
     assert ctx.cwd == "/tmp" and ctx.language == "python"

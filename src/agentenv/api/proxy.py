@@ -59,12 +59,27 @@ class SandboxProxy:
         self.sandboxes = sandboxes
         self.routing = SandboxRouting(domain)
         self._clients: dict[str, httpx.AsyncClient] = {}
+        # Requests in flight on each pooled client (a client closes once it has none).
+        self._in_flight: dict[httpx.AsyncClient, int] = {}
 
     def forget(self, sandbox_id: str) -> None:
         """Drop pooled connections of a sandbox that is gone (its slot will be reused)."""
         client = self._clients.pop(sandbox_id, None)
         if client is not None:
             asyncio.get_running_loop().create_task(client.aclose())
+
+    async def release_idle(self, sandbox_id: str) -> None:
+        """Close the idle connections kept to a sandbox before its state is captured.
+
+        A capture holds the sandbox side of every open connection; a copy restored
+        from it (a fork, a snapshot's sandbox, a resume in another slot) holds them
+        half-open to a peer that is not there, and under gVisor such a copy's server
+        was seen to stop accepting connections (the code-interpreter's, 1 restore in
+        3). Requests still in flight keep their client until they end.
+        """
+        client = self._clients.pop(sandbox_id, None)
+        if client is not None and not self._in_flight.get(client):
+            await client.aclose()
 
     async def close(self) -> None:
         for client in self._clients.values():
@@ -184,8 +199,10 @@ class SandboxProxy:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str,
                     url: httpx.URL, headers: list[tuple[bytes, bytes]]) -> None:
+        client = self._client(sandbox_id)
+        self._in_flight[client] = self._in_flight.get(client, 0) + 1
         try:
-            await relay_http(self._client(sandbox_id), scope, receive, send, url, headers,
+            await relay_http(client, scope, receive, send, url, headers,
                              f"sandbox {sandbox_id}")
         except httpx.ConnectError:
             await send_error(scope, send, 502,
@@ -194,7 +211,14 @@ class SandboxProxy:
         except httpx.HTTPError as exc:
             # Rare and worth seeing: the cause is in the exception's type.
             log.warning("proxy to port %s of %s failed: %r", url.port, sandbox_id, exc)
-            await send_error(scope, send, 502, f"The sandbox {sandbox_id} did not answer: {exc}")
+            await send_error(scope, send, 502, f"The sandbox {sandbox_id} did not answer: "
+                                               f"{exc or type(exc).__name__}")
+        finally:
+            left = self._in_flight.pop(client) - 1
+            if left:
+                self._in_flight[client] = left
+            elif self._clients.get(sandbox_id) is not client:  # released or forgotten
+                await client.aclose()
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send,
                          url: httpx.URL, port: int, host: str | None,

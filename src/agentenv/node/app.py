@@ -117,4 +117,5 @@ def create_app(config: Config) -> ASGIApp:
     proxy = SandboxProxy(limited, manager, config.domain)
     proxy_holder["proxy"] = proxy
     manager.on_removed.append(proxy.forget)
+    manager.on_capture.append(proxy.release_idle)
     return SignedFileRouter(proxy, manager.list, config.domain)

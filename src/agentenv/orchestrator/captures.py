@@ -55,6 +55,7 @@ class Captures(ManagerCore):
     async def _capture(self, sandbox_id: str, snapshot_id: str, leave_running: bool) -> Path:
         """Checkpoint into a fresh staging dir; on failure nothing stays staged."""
         await self._check_staging_room(sandbox_id)
+        await self._before_capture(sandbox_id)
         try:
             staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
         except SnapshotError as exc:

@@ -20,7 +20,7 @@ import builtins
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from ..config import Config
@@ -92,6 +92,10 @@ class ManagerCore:
         self._exits = ExitHandler(self._runtime_exited)
         # Called with a sandbox ID once it is gone (the proxy drops its connections).
         self.on_removed: list[Callable[[str], None]] = []
+        # Awaited with a sandbox ID before its running state is captured (snapshot,
+        # pause, fork): the proxy closes its idle connections to it, which a copy
+        # restored elsewhere would hold half-open (see SandboxProxy.release_idle).
+        self.on_capture: list[Callable[[str], Awaitable[None]]] = []
         # What each template's rootfs holds (filesystem-only pauses compare with it).
         self._template_listings = TemplateListings()
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
@@ -267,6 +271,13 @@ class ManagerCore:
                 await self.slots.release(slot)
             except Exception:
                 log.exception("release of slot %s of %s failed", slot.index, record.sandbox_id)
+
+    async def _before_capture(self, sandbox_id: str) -> None:
+        for listener in self.on_capture:
+            try:
+                await listener(sandbox_id)
+            except Exception:  # a capture goes on without it
+                log.exception("before-capture step for %s failed", sandbox_id)
 
     def _forget(self, record: SandboxRecord) -> None:
         """Drop a record that holds nothing any more."""

@@ -49,6 +49,7 @@ class Forking(ManagerCore):
                 if source.state is not SandboxState.RUNNING:
                     raise Conflict(f"sandbox '{sandbox_id}' is {source.state}; only a running "
                                    "sandbox can be forked")
+                await self._before_capture(sandbox_id)
                 t0 = time.perf_counter()
                 await self.runtime.checkpoint(sandbox_id, image, leave_running=True)
                 paused_ms = (time.perf_counter() - t0) * 1000

@@ -110,6 +110,7 @@ class Pausing(Captures):
         """Freeze the sandbox in place and mark it paused; its capture follows."""
         assert self._resident is not None
         sandbox_id = record.sandbox_id
+        await self._before_capture(sandbox_id)  # its capture follows the freeze
         try:
             await self.runtime.pause(sandbox_id)
         except RuntimeFailure as exc:
