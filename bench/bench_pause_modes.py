@@ -31,7 +31,11 @@ from agentenv.testing import Node, leaks
 from common import summary, table, write
 
 MIB = 1 << 20
-MODES = ("memory, resident", "memory, evicted", "filesystem")
+MODES = ("memory, resident", "memory, resident, after its capture", "memory, evicted",
+         "filesystem")
+# A resume right after a pause waits for the background capture that the pause
+# started; a few seconds later that capture is long done and a resume is a thaw.
+CAPTURE_SETTLE_S = 3.0
 
 
 def bare(home: Path, verb: str, sandbox_id: str) -> float:
@@ -80,8 +84,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="0,16,64", help="MiB of new files per sandbox")
     ap.add_argument("--fleet", type=int, default=8,
                     help="sandboxes paused and resumed at once, as a burst")
+    ap.add_argument("--modes", default="; ".join(MODES), help="';'-separated")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    modes = [m.strip() for m in args.modes.split(";")]
+    if unknown := set(modes) - set(MODES):
+        ap.error(f"unknown modes {sorted(unknown)}; known: {'; '.join(MODES)}")
 
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-pause-"))
     node = Node(home, "abp", "10.23.0.0/16")
@@ -94,7 +102,7 @@ def main() -> None:
     try:
         for size in sizes:
             for _ in range(args.rounds):
-                for mode in MODES:
+                for mode in modes:
                     memory = mode != "filesystem"
                     sbx = Sandbox.create("base", timeout=600)
                     if size:
@@ -112,26 +120,30 @@ def main() -> None:
                         time.perf_counter() - t0)
                     if mode == "memory, evicted":
                         evict(node, [sbx.sandbox_id])
+                    elif mode == "memory, resident, after its capture":
+                        time.sleep(CAPTURE_SETTLE_S)
                     t0 = time.perf_counter()
                     Sandbox.connect(sbx.sandbox_id, timeout=600)
                     sbx.commands.run("true")
                     samples.setdefault(f"{size} MiB: resume + a command, {mode}", []).append(
                         time.perf_counter() - t0)
-                    if mode != "memory, resident":
+                    if mode in ("memory, evicted", "filesystem"):
                         m = pause_snapshot(store, sbx.sandbox_id, memory)
                         sizes_out[f"{size} MiB: snapshot, {'memory' if memory else mode}"] = {
                             "total_MB": round(m.total_bytes / 1e6, 1),
                             "stored_MB": round(m.stored_bytes / 1e6, 1)}
                     sbx.kill()
-        for mode in MODES:
-            fleet(args.fleet, mode, node, samples)
+        for mode in modes:
+            if mode != "memory, resident, after its capture":
+                fleet(args.fleet, mode, node, samples)
     finally:
         node.stop()
     left = leaks("abp", home)
     rows = {name: summary(xs) for name, xs in samples.items()}
     rows.update(sizes_out)
     text = ("## Pause with memory vs filesystem-only\n\n"
-            f"`python bench/bench_pause_modes.py --rounds {args.rounds} --sizes {args.sizes}`"
+            f"`python bench/bench_pause_modes.py --rounds {args.rounds} --sizes {args.sizes} "
+            f"--fleet {args.fleet}`"
             " (in bench/). The snapshot rows are the last round's.\n\n"
             + table("pause modes", rows) + (f"\nleaks: {left}\n" if left else ""))
     write("pause_modes", {"rows": rows, "leaks": left}, text)
