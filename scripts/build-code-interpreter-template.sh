@@ -6,7 +6,8 @@
 # src/agentenv/templates/code_interpreter/requirements.txt) and the in-sandbox
 # server on port 49999 that the SDK's run_code talks to. The server starts with
 # every sandbox of the template (startCmd); create returns once it answers
-# (readyCmd).
+# (readyCmd). gVisor ignores setuid bits: as in `base`, /usr/bin/sudo is envd's
+# client and the real sudo is diverted to /usr/bin/sudo.real.
 #
 # Idempotent: skips when the template's buildID (a hash of this script, the
 # server and the pins) is the one already built.
@@ -34,9 +35,11 @@ echo "building template code-interpreter (mmdebstrap + Jupyter from PyPI, a minu
 cp "$src/requirements.txt" "$tmp/wheels/requirements.txt"
 
 mmdebstrap --quiet --variant=minbase \
-  --include=bash,coreutils,procps,python3,python3-pip,python3-venv,git,curl,ca-certificates,sudo,iproute2,less \
+  --include=bash,coreutils,procps,python3,python3-pip,python3-venv,git,curl,ca-certificates,sudo,iproute2,less,libnss-myhostname \
   --customize-hook='chroot "$1" useradd --create-home --uid 1000 --shell /bin/bash user' \
   --customize-hook='echo "user ALL=(ALL:ALL) NOPASSWD: ALL" > "$1/etc/sudoers.d/user"; chmod 0440 "$1/etc/sudoers.d/user"' \
+  --customize-hook='chroot "$1" dpkg-divert --quiet --local --rename --divert /usr/bin/sudo.real --add /usr/bin/sudo' \
+  --customize-hook='ln -s /.aenv/bin/sudo "$1/usr/bin/sudo"' \
   --customize-hook="cp -r '$tmp/wheels' \"\$1/tmp/aenv-wheels\"" \
   --customize-hook='chroot "$1" python3 -m venv /opt/aenv-ci' \
   --customize-hook='chroot "$1" env -i PATH=/usr/bin:/bin HOME=/root /opt/aenv-ci/bin/pip install --quiet --disable-pip-version-check --no-index --find-links /tmp/aenv-wheels -r /tmp/aenv-wheels/requirements.txt' \

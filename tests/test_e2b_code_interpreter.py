@@ -150,6 +150,15 @@ def test_runs_as_user_in_home(sbx: Sandbox) -> None:
     assert sbx.files.read("/home/user/from-kernel.txt") == "written by the kernel"
 
 
+def test_sudo_works_from_commands_and_from_code(sbx: Sandbox) -> None:
+    """The template promises passwordless sudo for `user`; under gVisor a setuid
+    sudo cannot work, so the template's sudo is envd's broker client, as in base."""
+    assert sbx.commands.run("sudo -n id -u").stdout == "0\n"
+    code = ("import subprocess\n"
+            "subprocess.run(['sudo', '-n', 'id', '-u'], capture_output=True, text=True).stdout")
+    assert sbx.run_code(code).text == "'0\\n'"
+
+
 def test_execution_timeout(sbx: Sandbox) -> None:
     t0 = time.monotonic()
     with pytest.raises(TimeoutException):
