@@ -30,7 +30,7 @@ from pathlib import Path
 from e2b import Sandbox
 
 from agentenv.testing import Node, leaks
-from common import summary, table, write
+from common import report, summary
 
 MIB = 1 << 20
 KINDS = ("process memory", "files in the root")
@@ -157,12 +157,10 @@ def main() -> None:
             bare = rows[f"{key}: bare runsc checkpoint"]["p50_ms"]
             node_ms = rows[f"{key}: node capture (sandbox stopped)"]["p50_ms"]
             rows[f"{key}: capture / bare"] = {"ratio": round(node_ms / bare, 2) if bare else None}
-    text = ("## Snapshot of a running sandbox as it grows\n\n"
-            f"`python bench_capture.py --rounds {args.rounds} --sizes {args.sizes}` (in bench/)."
-            " Medians; the fits are least squares over every sample.\n\n"
-            + table("capture cost", rows) + (f"\nleaks: {left}\n" if left else ""))
-    write("capture", {"rows": rows, "leaks": left}, text)
-
+    report("capture", "Snapshot of a running sandbox as it grows",
+           f"`python bench_capture.py --rounds {args.rounds} --sizes {args.sizes}` (in bench/)."
+           " Medians; the fits are least squares over every sample.",
+           "capture cost", rows, left)
 
 if __name__ == "__main__":
     main()

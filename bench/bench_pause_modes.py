@@ -28,7 +28,7 @@ from e2b import Sandbox
 from agentenv.config import Config
 from agentenv.snapshot import SnapshotStore, open_repository
 from agentenv.testing import Node, leaks
-from common import summary, table, write
+from common import report, summary
 
 MIB = 1 << 20
 MODES = ("memory, resident", "memory, resident, after its capture", "memory, evicted",
@@ -141,13 +141,10 @@ def main() -> None:
     left = leaks("abp", home)
     rows = {name: summary(xs) for name, xs in samples.items()}
     rows.update(sizes_out)
-    text = ("## Pause with memory vs filesystem-only\n\n"
-            f"`python bench/bench_pause_modes.py --rounds {args.rounds} --sizes {args.sizes} "
-            f"--fleet {args.fleet}`"
-            " (in bench/). The snapshot rows are the last round's.\n\n"
-            + table("pause modes", rows) + (f"\nleaks: {left}\n" if left else ""))
-    write("pause_modes", {"rows": rows, "leaks": left}, text)
-
+    report("pause_modes", "Pause with memory vs filesystem-only",
+           f"`python bench/bench_pause_modes.py --rounds {args.rounds} --sizes {args.sizes} "
+           f"--fleet {args.fleet}` (in bench/). The snapshot rows are the last round's.",
+           "pause modes", rows, left)
 
 if __name__ == "__main__":
     main()

@@ -55,6 +55,14 @@ def write(name: str, data: dict, text: str) -> None:
     print(text)
 
 
+def report(name: str, heading: str, intro: str, title: str, rows: dict[str, dict],
+           left) -> None:
+    """A heading, a line on how it was run, the table and any leaks, as text and JSON."""
+    text = (f"## {heading}\n\n{intro}\n\n" + table(title, rows)
+            + (f"\nleaks: {left}\n" if left else ""))
+    write(name, {"rows": rows, "leaks": left}, text)
+
+
 def finish(name: str, title: str, rows: dict[str, dict], target: dict[str, str], note: str,
            overlapped: list[str], failures: list[str], left, raw: dict) -> None:
     """The table, its note, what disturbed it and what went wrong, as text and JSON."""
