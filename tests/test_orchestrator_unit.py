@@ -41,7 +41,7 @@ class Node:
     """A manager over fakes; ``restart()`` makes a new one on the same home and runtime."""
 
     def __init__(self, root: Path, capacity: int, slots: int, resident: bool = False,
-                 idle_s: int = 600) -> None:
+                 idle_s: int = 600, capture_delay_ms: int = 0) -> None:
         self.root = root
         templates = root / "images" / "templates" / "base"
         (templates / "rootfs").mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,8 @@ class Node:
         self.config = Config(home=root / "home", images_dir=root / "images",
                              max_sandboxes=capacity, template_snapshots=False,
                              max_cpu_count=2, max_memory_mb=1024, node_id="unit",
-                             resident_pause=resident, resident_pause_idle_s=idle_s)
+                             resident_pause=resident, resident_pause_idle_s=idle_s,
+                             resident_capture_delay_ms=capture_delay_ms)
         self.runtime = FakeRuntime()
         self.slots = FakeSlots(slots)
         self.envd = FakeEnvd()
@@ -323,6 +324,49 @@ async def test_a_resident_pause_freezes_and_a_resume_thaws_in_place(resident_nod
     await asyncio.sleep(0)
     assert record.snapshot_id == before and not mgr._commits
     assert [m.snapshot_id for m in mgr.snapshots.list()] == [before]
+
+
+async def test_a_resume_within_the_capture_delay_is_a_thaw_and_eviction_hurries_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    monkeypatch.setattr(specs_module, "build_bundle", lambda _dir: bundle)
+    # A delay far longer than the test: whatever is captured was hurried.
+    node = Node(tmp_path, capacity=2, slots=2, resident=True, capture_delay_ms=60_000)
+    mgr = node.manager
+    await mgr.start()
+    try:
+        record = await mgr.create(CreateRequest("base"))
+        sid = record.sandbox_id
+        before = record.snapshot_id
+        await mgr.pause(sid)
+        await asyncio.sleep(0.05)
+        await mgr.resume(sid)  # within the delay: a thaw, nothing captured
+        assert ("checkpoint", sid) not in node.runtime.calls
+        assert ("restore", sid) not in node.runtime.calls
+        assert record.snapshot_id == before and not mgr._commits
+
+        # An eviction does not wait out the delay: it captures at once.
+        await mgr.pause(sid)
+        await asyncio.wait_for(mgr.evict(sid), 10)
+        assert sid not in node.runtime.sandboxes and record.slot_index == 0
+        await asyncio.gather(*mgr._commits.values())
+        assert mgr.snapshots.get(record.snapshot_id).metadata["kind"] == "pause"
+        await mgr.resume(sid)
+        assert ("restore", sid) in node.runtime.calls
+
+        # A create that finds every slot held, one by a sandbox paused a moment ago,
+        # hurries that one's capture and takes its slot.
+        other = await mgr.create(CreateRequest("base"))
+        await mgr.pause(other.sandbox_id)
+        third = await asyncio.wait_for(mgr.create(CreateRequest("base")), 10)
+        assert other.slot_index == 0 and other.sandbox_id not in node.runtime.sandboxes
+        for r in (record, other, third):
+            await mgr.kill(r.sandbox_id)
+        assert node.clean()
+    finally:
+        await mgr.close(destroy=True)
+        mgr.store.close()
 
 
 async def test_resident_pauses_are_evicted_when_idle_or_their_slot_is_needed(

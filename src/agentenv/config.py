@@ -81,6 +81,10 @@ class Config:
     resident_pause: bool = True
     resident_pause_mb: int = 0
     resident_pause_idle_s: int = 600
+    # Milliseconds a resident pause waits before its capture: a resume within them is
+    # a thaw with no capture to wait for. A node that dies meanwhile captures the
+    # frozen sandbox when it restarts, so nothing is less durable.
+    resident_capture_delay_ms: int = 1000
     # Seconds a template build waits for its ready check to pass.
     build_ready_timeout: int = 120
     # Bytes of log a template build keeps (its steps' output); past them one

@@ -123,7 +123,8 @@ class Pausing(Captures):
             await self.runtime.pause(sandbox_id)
         except RuntimeFailure as exc:
             raise OrchestratorError(f"sandbox failed to pause: {exc}") from exc
-        entry = Resident(previous_snapshot=record.snapshot_id)
+        entry = Resident(previous_snapshot=record.snapshot_id,
+                         grace_s=self.config.resident_capture_delay_ms / 1000)
         record.snapshot_id = snapshot_id
         # Stored with its slot: a restart finds it frozen and captures it if need be.
         self._transition(record, SandboxState.PAUSED)
@@ -141,6 +142,10 @@ class Pausing(Captures):
         A resume or kill that takes the lock first cancels it."""
         sandbox_id, snapshot_id = record.sandbox_id, record.snapshot_id
         assert self._resident is not None
+        if entry.grace_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.hurry.wait(), entry.grace_s)
+            entry.grace_s = 0.0  # a retry captures at once
         async with self._lock(sandbox_id):
             if self._resident.get(sandbox_id) is not entry or entry.captured:
                 return
@@ -202,6 +207,7 @@ class Pausing(Captures):
         entry = self._resident.get(sandbox_id) if self._resident is not None else None
         if entry is None:
             return record
+        entry.hurry.set()
         if entry.capture is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(entry.capture)
@@ -216,7 +222,17 @@ class Pausing(Captures):
         if self._resident is None:
             return False
         victim = self._resident.oldest_captured()
-        return victim is not None and await self._evict(victim)
+        if victim is not None:
+            return await self._evict(victim)
+        victim = self._resident.oldest()  # its capture is pending: hurried, then evicted
+        if victim is None:
+            return False
+        try:
+            await self.evict(victim)
+        except OrchestratorError as exc:
+            log.warning("could not evict paused sandbox %s for room: %s", victim, exc)
+            return False
+        return victim not in self._resident
 
     async def _tend_residents(self) -> None:
         """Each tick: retry failed captures; evict the idle and what exceeds the budget."""

@@ -25,6 +25,9 @@ class Resident:
     capture: asyncio.Task | None = None
     # The capture is staged (its commit pending or done): evicting loses nothing.
     captured: bool = False
+    # Seconds the capture waits first (a resume meanwhile cancels it), unless hurried.
+    grace_s: float = 0.0
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ResidentSet:
@@ -47,6 +50,10 @@ class ResidentSet:
 
     def pop(self, sandbox_id: str) -> Resident | None:
         return self.entries.pop(sandbox_id, None)
+
+    def oldest(self) -> str | None:
+        """The least recently paused sandbox, captured or not."""
+        return min(self.entries, key=lambda sid: self.entries[sid].paused_at, default=None)
 
     def oldest_captured(self) -> str | None:
         """The least recently paused sandbox that can be evicted now."""
