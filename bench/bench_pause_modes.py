@@ -143,7 +143,8 @@ def main() -> None:
     rows.update(sizes_out)
     report("pause_modes", "Pause with memory vs filesystem-only",
            f"`python bench/bench_pause_modes.py --rounds {args.rounds} --sizes {args.sizes} "
-           f"--fleet {args.fleet}` (in bench/). The snapshot rows are the last round's.",
+           f"--fleet {args.fleet} --modes \"{args.modes}\"` (in bench/). The snapshot rows "
+           "are the last round's.",
            "pause modes", rows, left)
 
 if __name__ == "__main__":
