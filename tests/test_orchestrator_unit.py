@@ -364,6 +364,21 @@ async def test_a_resume_within_the_capture_delay_is_a_thaw_and_eviction_hurries_
         for r in (record, other, third):
             await mgr.kill(r.sandbox_id)
         assert node.clean()
+
+        # A node that stops destroys every runtime: one paused a moment ago (its
+        # capture still waiting) is captured first, and resumes after the restart.
+        last = await mgr.create(CreateRequest("base"))
+        await mgr.pause(last.sandbox_id)
+        await asyncio.wait_for(mgr.close(destroy=True), 10)
+        assert ("checkpoint", last.sandbox_id) in node.runtime.calls and node.clean()
+        mgr.store.close()
+        import os
+        os.close(mgr._home_lock)
+        node.manager = mgr = node._manager()
+        await mgr.start()
+        await mgr.resume(last.sandbox_id)
+        assert mgr.get(last.sandbox_id).state is SandboxState.RUNNING
+        await mgr.kill(last.sandbox_id)
     finally:
         await mgr.close(destroy=True)
         mgr.store.close()

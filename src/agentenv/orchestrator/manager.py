@@ -76,6 +76,8 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
                 await ttl_task
         for task in list(self._tasks):
             task.cancel()
+        if destroy:  # their runtimes go below: what is frozen is captured first
+            await self._capture_residents_now()
         await self._exits.close()
         await self.snapshot_gc.close()
         if self.boot_images is not None:

@@ -217,6 +217,24 @@ class Pausing(Captures):
         await self._evict(sandbox_id)
         return record
 
+    async def _capture_residents_now(self) -> None:
+        """Capture every resident paused sandbox not captured yet (a stopping node
+        destroys their runtimes); each capture's commit is started as usual."""
+        if self._resident is None:
+            return
+        pending = []
+        for sandbox_id, entry in list(self._resident.entries.items()):
+            record = self._records.get(sandbox_id)
+            if record is None or entry.captured:
+                continue
+            entry.hurry.set()
+            if entry.capture is None:
+                self._start_resident_capture(record, entry)
+            pending.append(entry.capture)
+        if pending:
+            log.info("capturing %d paused sandboxes before the node stops", len(pending))
+            await asyncio.gather(*pending, return_exceptions=True)
+
     async def make_room(self) -> bool:
         """A launch found no slot free: evict the least recently paused resident."""
         if self._resident is None:
