@@ -222,7 +222,7 @@ class Pausing(Captures):
         destroys their runtimes); each capture's commit is started as usual."""
         if self._resident is None:
             return
-        pending = []
+        pending: list[asyncio.Task] = []
         for sandbox_id, entry in list(self._resident.entries.items()):
             record = self._records.get(sandbox_id)
             if record is None or entry.captured:
@@ -230,7 +230,8 @@ class Pausing(Captures):
             entry.hurry.set()
             if entry.capture is None:
                 self._start_resident_capture(record, entry)
-            pending.append(entry.capture)
+            if entry.capture is not None:
+                pending.append(entry.capture)
         if pending:
             log.info("capturing %d paused sandboxes before the node stops", len(pending))
             await asyncio.gather(*pending, return_exceptions=True)
