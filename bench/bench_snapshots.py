@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from agentenv.runtime.gvisor import reap_runsc_orphans
+from agentenv.runtime.reaping import reap_runsc_orphans
 from agentenv.testing import SHARED_HOME, Node, leaks
 from agentenv.testing.checkpoints import bare_sandbox
 from bench_node import exec_native

@@ -70,16 +70,12 @@ def server(
     except ConfigError as exc:
         typer.echo(f"aenv: {exc}", err=True)
         raise typer.Exit(2) from exc
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _configure_logging(config.log_level)
     import faulthandler
     import signal
 
     # `kill -USR1 <pid>` writes every thread's stack to stderr: a hung node explains itself.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # Request lines of the node's own envd calls are noise at INFO.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     asgi = create_app(config)
     typer.echo(f"agentenv node on http://{config.host}:{config.port}  "
                f"(API key in {config.secrets_dir / 'api-key'})", err=True)
@@ -97,11 +93,21 @@ def _cluster_config(home: Path | None, redis_url: str | None):
     except ConfigError as exc:
         typer.echo(f"aenv: {exc}", err=True)
         raise typer.Exit(2) from exc
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _configure_logging(config.log_level)
     return config
+
+
+# Libraries whose own debug lines would drown the servers' (and slow them down): the
+# level set in the config is agentenv's; these stay at warnings.
+_QUIET_LIBRARIES = ("httpx", "httpcore", "pyroute2", "asyncio", "botocore", "boto3",
+                    "urllib3", "redis", "multipart")
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in _QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 @app.command()

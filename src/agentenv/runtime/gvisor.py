@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
 from .cpu_balance import CpuBalancer
 from .exits import MIB, ExitWatcher, PressureWatcher, exit_reason, memory_file_bytes, working_set
 from .oci import build_spec, pressure_threshold
+from .reaping import alive, become_subreaper, reap, reap_runsc_orphans
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class GVisorRuntime:
         self._signals: set[asyncio.Task] = set()
         for d in (self.state_dir, self.sandboxes_dir):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _become_subreaper()
+        become_subreaper()
 
     # -- engine facts ---------------------------------------------------------
 
@@ -249,7 +249,7 @@ class GVisorRuntime:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _reap(pids, deadline=time.monotonic() + 5)
+        reap(pids, deadline=time.monotonic() + 5)
 
     # -- noticing exits -------------------------------------------------------
 
@@ -343,7 +343,7 @@ class GVisorRuntime:
         while waiting and time.monotonic() < end:
             await asyncio.sleep(0.05)
             reap_runsc_orphans()
-            waiting = {p for p in waiting if _alive(p)}
+            waiting = {p for p in waiting if alive(p)}
         for pid in waiting:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -394,61 +394,6 @@ class GVisorRuntime:
             if not keep:
                 with contextlib.suppress(OSError):
                     parent.rmdir()
-
-
-def _become_subreaper() -> None:
-    """Orphaned sandbox processes become the node's children, so it reaps them at once."""
-    pr_set_child_subreaper = 36
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie is not: it has done its work)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
-
-
-def reap_runsc_orphans() -> None:
-    """Reap exited runsc helpers that were reparented to us (we are a subreaper).
-
-    Only zombies named ``exe`` (runsc re-executes /proc/self/exe) are touched;
-    the node's own direct children are waited for by whoever started them.
-    """
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] == "Z" and int(fields[1]) == me and comm == "exe":
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(int(entry), os.WNOHANG)
-
-
-def _reap(pids: list[int], deadline: float) -> None:
-    """Wait for these pids to be gone: reaped by us when ours, else by their parent."""
-    waiting = set(pids)
-    while waiting and time.monotonic() < deadline:
-        for pid in list(waiting):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-                if done == pid:
-                    waiting.discard(pid)
-            except ChildProcessError:  # not our child (adopted after a restart)
-                if not os.path.exists(f"/proc/{pid}"):
-                    waiting.discard(pid)
-        if waiting:
-            time.sleep(0.002)
 
 
 def remove_cgroup(path: str) -> None:

@@ -17,6 +17,7 @@ from .relay import (
     relay_http,
     relay_websocket,
     send_error,
+    shared_tls,
     upstream_url,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "relay_http",
     "relay_websocket",
     "send_error",
+    "shared_tls",
     "upstream_url",
 ]

@@ -19,6 +19,7 @@ from ...orchestrator import (
     SandboxState,
 )
 from ...orchestrator import query as q
+from ...web import shared_tls
 from .. import models
 from . import network as network_routes
 
@@ -190,9 +191,10 @@ async def _sample(request: Request, sandbox_id: str) -> models.SandboxMetric:
     record = mgr.get(sandbox_id)
     address, port = mgr.endpoint(sandbox_id, ENVD_PORT)
     # A client per call: slot addresses are reused by later sandboxes, so no pooling.
-    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False, verify=shared_tls()) as http:
         try:
-            r = await http.get(f"http://{address}:{port}/metrics",
+            r = await http.get(httpx.URL(scheme="http", host=address, port=port,
+                                         path="/metrics"),
                                headers={"X-Access-Token": record.envd_token})
         except httpx.HTTPError as exc:
             raise _Unavailable(f"sandbox '{sandbox_id}' did not report metrics: {exc}") from exc

@@ -1,0 +1,196 @@
+"""Fork fan-out: a fork of N children against N bare `runsc restore`s run at once.
+
+The floor for a fork of N on this machine is N restores of one checkpoint started
+together: what gVisor itself needs to bring N copies up on these cores. Each round:
+
+- bare: a python3 process holding 40 MiB (about envd's share) on the `base` rootfs
+  (overlay root in memory, no network) is checkpointed once, then N `runsc restore
+  --detach` of that image are started at once; the time until all returned, and a
+  single restore alone;
+- node: a `base` sandbox is forked into N children; the fork call until 201, and until
+  every child has run a command (each child polled from the call's start), with the
+  node's per-child launch steps (slot, restore, envd, init) from its debug log.
+
+Run as root:  cd bench && ../.venv/bin/python bench_fork.py [--rounds 3] [--count 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from agentenv.runtime.reaping import reap_runsc_orphans
+from agentenv.testing import SHARED_HOME, Node, leaks
+from agentenv.testing.checkpoints import bare_sandbox
+from bench_snapshots import until_command
+from common import report, summary
+
+ROOTFS = SHARED_HOME / "images" / "templates" / "base" / "rootfs"
+PR_SET_CHILD_SUBREAPER = 36
+RESULTS_LOG = Path(tempfile.gettempdir()) / "bench-fork-node.log"  # the last run's node log
+STEP = re.compile(r"restore of (\w+): slot (\d+) ms, restore (\d+) ms, envd (\d+) ms, "
+                  r"init (\d+) ms")
+
+
+class BareRunsc:
+    """A bare runsc sandbox and restores of its checkpoint, reaped as the node reaps."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        # A process holding 40 MiB, about what envd and its zygote hold in a sandbox.
+        program = "import os, time\nkeep = os.urandom(40 << 20)\ntime.sleep(1e9)\n"
+        self.base, self.bundle = bare_sandbox(work, ROOTFS, ["/usr/bin/python3", "-c", program])
+        self.err = work / "runsc.err"
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.stop = threading.Event()
+        self.reaper = threading.Thread(target=self._reap, daemon=True)
+
+    def __enter__(self) -> BareRunsc:
+        self.libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        self.reaper.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.delete_all()
+        self.stop.set()
+        self.reaper.join()
+        reap_runsc_orphans()
+        self.libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+    def _reap(self) -> None:
+        while not self.stop.is_set():
+            reap_runsc_orphans()
+            time.sleep(0.002)
+
+    def run(self, *args: str) -> float:
+        t0 = time.perf_counter()
+        with open(self.err, "ab") as err:
+            code = subprocess.run([*self.base, *args], timeout=300, stdin=subprocess.DEVNULL,
+                                  stdout=err, stderr=err).returncode
+        if code:
+            raise RuntimeError(f"runsc {args[0]} failed: {self.err.read_text()[-1500:]}")
+        return time.perf_counter() - t0
+
+    def ids(self) -> list[str]:
+        out = subprocess.run([*self.base, "list", "-quiet"], capture_output=True, text=True)
+        return out.stdout.split()
+
+    def delete_all(self) -> None:
+        for c in self.ids():
+            subprocess.run([*self.base, "kill", c, "KILL"], capture_output=True)
+            subprocess.run([*self.base, "delete", "--force", c], capture_output=True)
+
+    def fan_out(self, image: Path, count: int) -> tuple[float, float]:
+        """N restores at once: seconds until all returned; one restore alone, after."""
+        tag = uuid.uuid4().hex[:6]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            list(pool.map(lambda i: self.run("restore", "--detach", "--image-path", str(image),
+                                             "--bundle", str(self.bundle), f"bf-{tag}-{i}"),
+                          range(count)))
+        together = time.perf_counter() - t0
+        self.delete_all()
+        alone = self.run("restore", "--detach", "--image-path", str(image),
+                         "--bundle", str(self.bundle), f"bf-{tag}-alone")
+        self.delete_all()
+        return together, alone
+
+
+def fork_round(node: Node, api: httpx.Client, source: str, count: int
+               ) -> tuple[float, float, list[float], list[str]]:
+    t0 = time.perf_counter()
+    r = api.post(f"/sandboxes/{source}/fork", json={"count": count, "timeout": 300},
+                 timeout=300)
+    call = time.perf_counter() - t0
+    r.raise_for_status()
+    children = r.json()
+    failed = [c["error"]["message"] for c in children if c.get("error")]
+    ok = [c["sandbox"] for c in children if c.get("sandbox")]
+    with ThreadPoolExecutor(len(ok) or 1) as pool:
+        each = list(pool.map(lambda c: until_command(node, c["sandboxID"], c["envdAccessToken"],
+                                                     t0), ok))
+    for c in ok:
+        api.delete(f"/sandboxes/{c['sandboxID']}")
+    return call, max(each, default=0.0), each, failed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--count", type=int, default=16)
+    args = ap.parse_args()
+    n = args.count
+    work = Path(tempfile.mkdtemp(prefix="bench-fork-"))
+    prefix = f"bf{uuid.uuid4().hex[:2]}"
+    node = Node(work / "home", prefix, "10.231.0.0/16", AENV_LOG_LEVEL="debug",
+                AENV_MAX_SANDBOXES=str(n + 4), AENV_WARM_POOL_SIZE="0")
+    bare_all, bare_one, calls, alls, each, failures = [], [], [], [], [], []
+    steps: dict[str, list[float]] = {"slot": [], "restore": [], "envd": [], "init": []}
+    node.start()
+    try:
+        with node.client() as api, BareRunsc(work / "bare") as bare:
+            r = api.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+            r.raise_for_status()
+            source = r.json()["sandboxID"]
+            cid = f"bf-src-{uuid.uuid4().hex[:6]}"
+            bare.run("run", "--detach", "--bundle", str(bare.bundle), cid)
+            time.sleep(1.5)
+            image = work / "bare" / "image"
+            bare.run("checkpoint", "--image-path", str(image), "--leave-running",
+                     "--compression=none", cid)
+            subprocess.run([*bare.base, "delete", "--force", cid], capture_output=True)
+            for i in range(args.rounds):
+                together, alone = bare.fan_out(image, n)
+                bare_all.append(together)
+                bare_one.append(alone)
+                offset = node.log_path.stat().st_size
+                call, last, per, failed = fork_round(node, api, source, n)
+                calls.append(call)
+                alls.append(last)
+                each += per
+                failures += failed
+                text = node.log_path.read_text(errors="replace")[offset:]
+                for m in STEP.finditer(text):
+                    names = ("slot", "restore", "envd", "init")
+                    for k, v in zip(names, m.groups()[1:], strict=True):
+                        steps[k].append(int(v) / 1000)
+                print(f"round {i}: bare {together:.2f}s (one {alone:.2f}s), fork call "
+                      f"{call:.2f}s, all answer {last:.2f}s, failed {len(failed)}")
+            api.delete(f"/sandboxes/{source}")
+    finally:
+        node.stop()
+    left = leaks(prefix, node.home)
+    shutil.copy(node.log_path, RESULTS_LOG)
+    shutil.rmtree(work, ignore_errors=True)
+    rows = {
+        f"bare: {n} `runsc restore` at once, until all returned": summary(bare_all),
+        "bare: one `runsc restore` alone": summary(bare_one),
+        f"fork of {n}: fork call until 201": summary(calls),
+        f"fork of {n}: until all {n} children ran a command": summary(alls),
+        f"fork of {n}: each child ran a command (from the call)": summary(each),
+        **{f"per child: {k} step (node log)": summary(v) for k, v in steps.items()},
+        "ratio: all children answer / bare fan-out (p50)": {
+            "x": round(statistics.median(alls) / statistics.median(bare_all), 2)},
+        "failures": {"count": len(failures)},
+    }
+    report("fork", f"Fork of {n} against {n} bare restores at once",
+           f"`cd bench && ../.venv/bin/python bench_fork.py --rounds {args.rounds} "
+           f"--count {n}`; bare and node alternate each round, on the same `base` rootfs.",
+           f"fork fan-out ({args.rounds} rounds)", rows, left)
+    return 1 if failures or left else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
