@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -98,6 +99,32 @@ def test_sixteen_children_continue_then_diverge(node: Node, api: httpx.Client, s
     finally:
         for child in children:
             api.delete(f"/sandboxes/{child}")
+
+
+def test_a_streamed_fork_hands_over_each_child_as_it_comes_up(node: Node, api: httpx.Client,
+                                                              source) -> None:
+    sid = source.sandbox_id
+    memory(node, sid, "/inc")
+    children: list[str] = []
+    try:
+        with api.stream("POST", f"/sandboxes/{sid}/fork", json={"count": 4},
+                        headers={"Accept": "application/x-ndjson"}) as r:
+            assert r.status_code == 201
+            assert r.headers["content-type"].startswith("application/x-ndjson")
+            for line in r.iter_lines():
+                child = json.loads(line)["sandbox"]["sandboxID"]
+                children.append(child)
+                # Usable on arrival, while the stream still has children to come.
+                assert memory(node, child, "/inc") == 2
+        assert len(set(children)) == 4 and sid not in children
+        assert memory(node, sid) == 1
+    finally:
+        for child in children:
+            api.delete(f"/sandboxes/{child}")
+    # The fork's own errors keep their status: nothing is streamed for them.
+    r = api.post("/sandboxes/nosuchsandbox/fork", json={"count": 2},
+                 headers={"Accept": "application/x-ndjson"})
+    assert r.status_code == 404 and r.json()["message"]
 
 
 @pytest.mark.parametrize("n", [0, 17, -1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -33,18 +35,26 @@ class Client:
         except httpx.HTTPError as exc:
             raise CliError(f"cannot reach {self.creds.url}: {exc or type(exc).__name__}") from exc
         if r.status_code >= 400:
-            try:
-                message = r.json().get("message") or r.text
-            except ValueError:
-                message = r.text or r.reason_phrase
-            if r.status_code == 401:
-                message = f"{message} (run `aenv auth`)"
-            raise ApiError(r.status_code, message)
+            raise _api_error(r)
         return r
 
     def json(self, method: str, path: str, **kw: Any) -> Any:
         r = self.request(method, path, **kw)
         return r.json() if r.content else None
+
+    def lines(self, method: str, path: str, **kw: Any) -> Iterator[Any]:
+        """An NDJSON answer, one object at a time as the node sends it."""
+        headers = {**kw.pop("headers", {}), "Accept": "application/x-ndjson"}
+        try:
+            with self.http.stream(method, path, headers=headers, **kw) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise _api_error(r)
+                for line in r.iter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except httpx.HTTPError as exc:
+            raise CliError(f"cannot reach {self.creds.url}: {exc or type(exc).__name__}") from exc
 
     # -- listings -----------------------------------------------------------------
 
@@ -110,3 +120,13 @@ def sdk_sandbox(c: Client, sid: str):
         return Sandbox.connect(sid, api_key=c.creds.key, api_url=url, sandbox_url=url)
     except Exception as exc:
         raise CliError(f"cannot connect to sandbox {sid}: {exc}") from exc
+
+
+def _api_error(r: httpx.Response) -> ApiError:
+    try:
+        message = r.json().get("message") or r.text
+    except ValueError:
+        message = r.text or r.reason_phrase
+    if r.status_code == 401:
+        message = f"{message} (run `aenv auth`)"
+    return ApiError(r.status_code, message)

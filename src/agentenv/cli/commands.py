@@ -308,18 +308,20 @@ def fork(
     body: dict = {"count": count}
     if timeout is not None:
         body["timeout"] = timeout
+    results = []
     with Client() as c:
-        results = c.json("POST", f"/sandboxes/{c.resolve(sandbox)}/fork", json=body)
-    if as_json:
-        output.print_json(results)
-    failed = [r["error"] for r in results if r.get("error")]
-    if not as_json:
-        for r in results:
+        # Each child as it comes up: its ID is usable while the others are restored.
+        for r in c.lines("POST", f"/sandboxes/{c.resolve(sandbox)}/fork", json=body):
+            results.append(r)
+            if as_json:
+                continue
             if r.get("sandbox"):
                 typer.echo(r["sandbox"]["sandboxID"])
             else:
                 output.err.print(f"aenv: child failed: {r['error']['message']}", markup=False)
-    if failed:
+    if as_json:
+        output.print_json(results)
+    if any(r.get("error") for r in results):
         raise typer.Exit(1)
 
 

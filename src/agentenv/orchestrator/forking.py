@@ -11,6 +11,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ..snapshot import Manifest, SnapshotError
@@ -36,36 +37,65 @@ class Forking(ManagerCore):
                    ) -> list[SandboxRecord | OrchestratorError]:
         """Branch a running sandbox into ``count`` children that continue its exact state.
 
-        The source is stopped only while its state is captured, then keeps its ID,
-        state and TTL; each child is restored into a slot of its own. One result
-        per child: its record, or the error that stopped it.
+        One result per child, in the order they came up: its record, or the error
+        that stopped it (``fork_each`` hands each over as soon as it is up).
+        """
+        return [result async for result in self.fork_each(sandbox_id, count, ttl)]
+
+    async def fork_each(self, sandbox_id: str, count: int, ttl: int | None = None
+                        ) -> AsyncIterator[SandboxRecord | OrchestratorError]:
+        """The children of a fork as each comes up (a record, or the error that
+        stopped it). The source is stopped only while its state is captured, then
+        keeps its ID, state and TTL; the children are restored from that one capture
+        at once, each into a slot of its own.
+
+        Errors of the fork as a whole (no such sandbox, not running, bad count) are
+        raised before the first child. Children are tasks of their own: one the
+        caller stops waiting for still comes up (its TTL bounds it), and the capture
+        is removed once every child is done with it.
         """
         check_fork_count(count)
         seconds = self._check_timeout(ttl)
         image = self.config.run_dir / "images" / f"fork-{new_sandbox_id()}"
         try:
-            async with self._lock(sandbox_id):
-                source = self.get(sandbox_id)
-                if source.state is not SandboxState.RUNNING:
-                    raise Conflict(f"sandbox '{sandbox_id}' is {source.state}; only a running "
-                                   "sandbox can be forked")
-                await self._before_capture(sandbox_id)
-                t0 = time.perf_counter()
-                await self.runtime.checkpoint(sandbox_id, image, leave_running=True)
-                paused_ms = (time.perf_counter() - t0) * 1000
-            log.info("fork of %s: source stopped %.0f ms for the capture", sandbox_id, paused_ms)
-            results = await asyncio.gather(
-                *(self._fork_child(source, image, seconds) for _ in range(count)),
-                return_exceptions=True)
-        finally:
+            source = await self._capture_for_fork(sandbox_id, image)
+            children = [asyncio.create_task(self._fork_child(source, image, seconds))
+                        for _ in range(count)]
+        except BaseException:
             await asyncio.to_thread(shutil.rmtree, image, True)
-        out: list[SandboxRecord | OrchestratorError] = []
-        for result in results:
-            if isinstance(result, OrchestratorError | SandboxRecord):
-                out.append(result)
-            elif isinstance(result, BaseException):
-                out.append(OrchestratorError(f"child failed to start: {result}"))
-        return out
+            raise
+        cleanup = asyncio.create_task(self._remove_when_done(children, image))
+        self._tasks.add(cleanup)
+        cleanup.add_done_callback(self._tasks.discard)
+        for child in asyncio.as_completed(children):
+            try:
+                yield await child
+            except OrchestratorError as exc:
+                yield exc
+            except Exception as exc:
+                yield OrchestratorError(f"child failed to start: {exc}")
+        await asyncio.shield(cleanup)  # every child is up: the capture is gone on return
+
+    async def _capture_for_fork(self, sandbox_id: str, image: Path) -> SandboxRecord:
+        async with self._lock(sandbox_id):
+            source = self.get(sandbox_id)
+            if source.state is not SandboxState.RUNNING:
+                raise Conflict(f"sandbox '{sandbox_id}' is {source.state}; only a running "
+                               "sandbox can be forked")
+            await self._before_capture(sandbox_id)
+            t0 = time.perf_counter()
+            await self.runtime.checkpoint(sandbox_id, image, leave_running=True)
+            paused_ms = (time.perf_counter() - t0) * 1000
+        log.info("fork of %s: source stopped %.0f ms for the capture", sandbox_id, paused_ms)
+        return source
+
+    @staticmethod
+    async def _remove_when_done(children: list[asyncio.Task[SandboxRecord]],
+                                image: Path) -> None:
+        try:
+            await asyncio.gather(*children, return_exceptions=True)
+        finally:  # a node stopping cancels this; a crash leaves it to reconcile
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, image, True))
 
     async def _fork_child(self, source: SandboxRecord, image: Path, ttl: int) -> SandboxRecord:
         self._check_capacity()
