@@ -17,6 +17,7 @@ Run as root:  cd bench && ../.venv/bin/python bench_fork.py [--rounds 3] [--coun
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import re
 import shutil
@@ -126,6 +127,44 @@ def fork_round(node: Node, api: httpx.Client, source: str, count: int
     return call, max(each, default=0.0), each, failed
 
 
+class Forked:
+    """One node's fork rounds: the call, every child's first command, the launch steps."""
+
+    def __init__(self, label: str, node: Node) -> None:
+        self.label, self.node = label, node
+        self.calls: list[float] = []
+        self.alls: list[float] = []
+        self.each: list[float] = []
+        self.failures: list[str] = []
+        self.steps: dict[str, list[float]] = {"slot": [], "restore": [], "envd": [],
+                                              "init": []}
+
+    def round(self, api: httpx.Client, source: str, count: int) -> str:
+        offset = self.node.log_path.stat().st_size
+        call, last, per, failed = fork_round(self.node, api, source, count)
+        self.calls.append(call)
+        self.alls.append(last)
+        self.each += per
+        self.failures += failed
+        text = self.node.log_path.read_text(errors="replace")[offset:]
+        for m in STEP.finditer(text):
+            for k, v in zip(self.steps, m.groups()[1:], strict=True):
+                self.steps[k].append(int(v) / 1000)
+        return f"{self.label}: call {call:.2f}s, all answer {last:.2f}s"
+
+    def rows(self, n: int, bare_all: list[float]) -> dict[str, dict]:
+        return {
+            f"{self.label}: fork call until 201": summary(self.calls),
+            f"{self.label}: until all {n} children ran a command": summary(self.alls),
+            f"{self.label}: each child ran a command (from the call)": summary(self.each),
+            **{f"{self.label}, per child: {k} step (node log)": summary(v)
+               for k, v in self.steps.items()},
+            f"{self.label}: all children answer / bare fan-out (p50)": {
+                "x": round(statistics.median(self.alls) / statistics.median(bare_all), 2)},
+            f"{self.label}: failed children": {"count": len(self.failures)},
+        }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -133,20 +172,30 @@ def main() -> int:
     args = ap.parse_args()
     n = args.count
     work = Path(tempfile.mkdtemp(prefix="bench-fork-"))
-    prefix = f"bf{uuid.uuid4().hex[:2]}"
-    node = Node(work / "home", prefix, "10.231.0.0/16", AENV_LOG_LEVEL="debug",
-                AENV_MAX_SANDBOXES=str(n + 4), AENV_WARM_POOL_SIZE="0")
-    bare_all, bare_one, calls, alls, each, failures = [], [], [], [], [], []
-    steps: dict[str, list[float]] = {"slot": [], "restore": [], "envd": [], "init": []}
-    node.start()
+    tag = uuid.uuid4().hex[:2]
+    # The default warm slot pool (4 to 8 slots), and one that holds a fork's worth.
+    variants = [("fork, 4 warm slots (default)", {}),
+                (f"fork, {n} warm slots", {"AENV_NET_POOL_LOW": str(n),
+                                           "AENV_NET_POOL_HIGH": str(2 * n)})]
+    forks = [Forked(label, Node(work / f"home{i}", f"bf{tag}{i}", f"10.{231 + i}.0.0/16",
+                                AENV_LOG_LEVEL="debug", AENV_MAX_SANDBOXES=str(n + 4),
+                                AENV_WARM_POOL_SIZE="0", **env))
+             for i, (label, env) in enumerate(variants)]
+    bare_all, bare_one = [], []
     try:
-        with node.client() as api, BareRunsc(work / "bare") as bare:
-            r = api.post("/sandboxes", json={"templateID": "base", "timeout": 600})
-            r.raise_for_status()
-            source = r.json()["sandboxID"]
+        for f in forks:
+            f.node.start()
+        with contextlib.ExitStack() as stack:
+            bare = stack.enter_context(BareRunsc(work / "bare"))
+            apis = [stack.enter_context(f.node.client()) for f in forks]
+            sources = []
+            for api in apis:
+                r = api.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+                r.raise_for_status()
+                sources.append(r.json()["sandboxID"])
             cid = f"bf-src-{uuid.uuid4().hex[:6]}"
             bare.run("run", "--detach", "--bundle", str(bare.bundle), cid)
-            time.sleep(1.5)
+            time.sleep(3)  # the python process has its 40 MiB; the slot pools are warm
             image = work / "bare" / "image"
             bare.run("checkpoint", "--image-path", str(image), "--leave-running",
                      "--compression=none", cid)
@@ -155,41 +204,30 @@ def main() -> int:
                 together, alone = bare.fan_out(image, n)
                 bare_all.append(together)
                 bare_one.append(alone)
-                offset = node.log_path.stat().st_size
-                call, last, per, failed = fork_round(node, api, source, n)
-                calls.append(call)
-                alls.append(last)
-                each += per
-                failures += failed
-                text = node.log_path.read_text(errors="replace")[offset:]
-                for m in STEP.finditer(text):
-                    names = ("slot", "restore", "envd", "init")
-                    for k, v in zip(names, m.groups()[1:], strict=True):
-                        steps[k].append(int(v) / 1000)
-                print(f"round {i}: bare {together:.2f}s (one {alone:.2f}s), fork call "
-                      f"{call:.2f}s, all answer {last:.2f}s, failed {len(failed)}")
-            api.delete(f"/sandboxes/{source}")
+                said = [f.round(api, source, n) for f, api, source in zip(forks, apis, sources,
+                                                                          strict=True)]
+                time.sleep(3)  # slots released by the round are recycled
+                print(f"round {i}: bare {together:.2f}s (one {alone:.2f}s); " + "; ".join(said))
+            for api, source in zip(apis, sources, strict=True):
+                api.delete(f"/sandboxes/{source}")
     finally:
-        node.stop()
-    left = leaks(prefix, node.home)
-    shutil.copy(node.log_path, RESULTS_LOG)
+        for f in forks:
+            f.node.stop()
+    left = {f.node.prefix: leaks(f.node.prefix, f.node.home) for f in forks}
+    left = {k: v for k, v in left.items() if v}
+    shutil.copy(forks[0].node.log_path, RESULTS_LOG)
     shutil.rmtree(work, ignore_errors=True)
     rows = {
         f"bare: {n} `runsc restore` at once, until all returned": summary(bare_all),
         "bare: one `runsc restore` alone": summary(bare_one),
-        f"fork of {n}: fork call until 201": summary(calls),
-        f"fork of {n}: until all {n} children ran a command": summary(alls),
-        f"fork of {n}: each child ran a command (from the call)": summary(each),
-        **{f"per child: {k} step (node log)": summary(v) for k, v in steps.items()},
-        "ratio: all children answer / bare fan-out (p50)": {
-            "x": round(statistics.median(alls) / statistics.median(bare_all), 2)},
-        "failures": {"count": len(failures)},
     }
+    for f in forks:
+        rows.update(f.rows(n, bare_all))
     report("fork", f"Fork of {n} against {n} bare restores at once",
            f"`cd bench && ../.venv/bin/python bench_fork.py --rounds {args.rounds} "
-           f"--count {n}`; bare and node alternate each round, on the same `base` rootfs.",
-           f"fork fan-out ({args.rounds} rounds)", rows, left)
-    return 1 if failures or left else 0
+           f"--count {n}`; in each round the bare fan-out, then a fork of {n} on each node, "
+           "on the same `base` rootfs.", f"fork fan-out ({args.rounds} rounds)", rows, left)
+    return 1 if left or any(f.failures for f in forks) else 0
 
 
 if __name__ == "__main__":
