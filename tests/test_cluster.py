@@ -387,3 +387,25 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
     resumed.kill()
     assert api.delete(f"/sandboxes/{doomed}").status_code == 204
     assert api.get(f"/sandboxes/{doomed}").status_code == 404
+
+
+def test_gateway_and_scheduler_serve_metrics(api: httpx.Client, cluster: Cluster) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(url: str) -> dict[tuple[str, tuple], float]:
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 401
+        r = httpx.get(url + "/metrics", timeout=10,
+                      headers={"Authorization": f"Bearer {cluster.api_key}"})
+        assert r.status_code == 200, r.text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(r.text) for s in f.samples}
+
+    sbx = Sandbox.create("base", timeout=60)
+    sbx.kill()
+    scheduler = samples(cluster.scheduler_url)
+    assert scheduler[("aenv_placements_total", (("result", "placed"),))] >= 1
+    assert scheduler[("aenv_cluster_nodes", (("state", "up"),))] == 3
+    assert scheduler[("aenv_cluster_capacity", ())] > 0
+    gateway = samples(cluster.gateway_url)
+    assert gateway[("aenv_http_requests_total", (("code", "201"), ("method", "POST")))] >= 1
+    assert gateway[("aenv_host_memory_bytes", (("kind", "available"),))] > 0

@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from typing import Protocol
 
 import httpx
 import websockets
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..envd.protocol import ENVD_PORT
 from ..errors import AgentenvError
+from ..metrics import FIRST_COMMAND
 from ..orchestrator import Conflict, NotFound, SandboxRecord, SandboxState
 from ..web import (
     DROP_REQUEST,
@@ -35,6 +37,8 @@ from ..web.hosts import upstream_host
 from ..web.routing import SandboxRouting
 
 log = logging.getLogger(__name__)
+# envd's Connect route that starts a command (the e2b SDK's commands.run).
+START_PATH = "/process.Process/Start"
 
 # Besides what no relay forwards: the credentials that are for the node, not the sandbox.
 _DROP_REQUEST = DROP_REQUEST | {"x-api-key", "e2b-traffic-access-token"}
@@ -61,9 +65,12 @@ class SandboxProxy:
         self._clients: dict[str, httpx.AsyncClient] = {}
         # Requests in flight on each pooled client (a client closes once it has none).
         self._in_flight: dict[httpx.AsyncClient, int] = {}
+        # Sandboxes whose first command has been timed (aenv_first_command_seconds).
+        self._commanded: set[str] = set()
 
     def forget(self, sandbox_id: str) -> None:
         """Drop pooled connections of a sandbox that is gone (its slot will be reused)."""
+        self._commanded.discard(sandbox_id)
         client = self._clients.pop(sandbox_id, None)
         if client is not None:
             asyncio.get_running_loop().create_task(client.aclose())
@@ -141,7 +148,23 @@ class SandboxProxy:
                 headers.append((b"host", host.encode("latin-1")))
             if forwarded:
                 headers.append((b"x-forwarded-host", forwarded.encode("latin-1")))
+            if port == ENVD_PORT and scope.get("path") == START_PATH \
+                    and sandbox_id not in self._commanded:
+                send = self._first_command(sandbox_id, send)
             await self._http(scope, receive, send, sandbox_id, url, headers)
+
+    def _first_command(self, sandbox_id: str, send: Send) -> Send:
+        """``send`` that times a sandbox's first command until envd answered its start."""
+        t0 = time.perf_counter()
+
+        async def timing(message: Message) -> None:
+            if message["type"] == "http.response.start" and sandbox_id not in self._commanded:
+                self._commanded.add(sandbox_id)
+                if message["status"] == 200:
+                    FIRST_COMMAND.observe(time.perf_counter() - t0)
+            await send(message)
+
+        return timing
 
     async def _resumed(self, scope: Scope, send: Send, record: SandboxRecord, port: int
                        ) -> bool:

@@ -35,6 +35,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from starlette.types import ASGIApp
 
 from .. import __version__
+from .. import metrics as prometheus
 from ..orchestrator import NotFound
 from ..web.errors import error_response, install_error_handlers
 from ..web.keys import require_api_key
@@ -93,9 +94,11 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await registry.ping()
+        unregister = prometheus.register(prometheus.HostCollector())
         try:
             yield
         finally:
+            unregister()
             await holder["proxy"].close()
             await gw.close()
             await registry.close()
@@ -107,6 +110,7 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     app.state.gateway = gw
     install_error_handlers(app)
     auth = [Depends(require_api_key)]
+    app.include_router(prometheus.metrics_router(require_api_key))  # before the catch-all
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -316,6 +320,6 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
         except httpx.HTTPError as exc:
             raise ClusterError(502, f"node {nodes[0].node_id} did not answer: {exc}") from exc
 
-    proxy = GatewayProxy(app, gw, domain)
+    proxy = GatewayProxy(prometheus.RequestCounter(app), gw, domain)
     holder["proxy"] = proxy
     return proxy

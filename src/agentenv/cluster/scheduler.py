@@ -8,6 +8,7 @@ placements until it heartbeats again (then it is up: it rejoins by itself).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from pydantic import BaseModel, Field
 
-from .. import __version__
+from .. import __version__, metrics
 from ..web.errors import install_error_handlers, serve_openapi
 from ..web.keys import require_api_key
 from .common import ClusterError
@@ -41,6 +42,16 @@ def _public(node: NodeStatus) -> dict[str, Any]:
     return body
 
 
+def _export(nodes: list[NodeStatus]) -> None:
+    """The cluster as the registry last said: nodes by state, load and room of those up."""
+    states = collections.Counter(n.state for n in nodes)
+    for state in ("up", "down", *states):
+        metrics.CLUSTER_NODES.labels(state).set(states.get(state, 0))
+    up = [n for n in nodes if n.state == "up"]
+    metrics.CLUSTER_SANDBOXES.set(sum(n.load for n in up))
+    metrics.CLUSTER_CAPACITY.set(sum(n.capacity for n in up))
+
+
 def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) -> FastAPI:
     registry = Registry(redis_url)
 
@@ -48,10 +59,12 @@ def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) 
         while True:
             await asyncio.sleep(max(node_ttl_ms / 4000, 0.1))
             try:
-                for node in await registry.nodes():
+                nodes = await registry.nodes()
+                for node in nodes:
                     if node.state == "down" and await registry.mark_down(node.node_id):
                         log.warning("node %s marked down: no heartbeat for %d ms",
                                     node.node_id, node_ttl_ms)
+                _export(nodes)
             except Exception:
                 log.exception("node sweep failed")
 
@@ -59,9 +72,11 @@ def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await registry.ping()
         task = asyncio.create_task(sweep(), name="sweep")
+        unregister = metrics.register(metrics.HostCollector())
         try:
             yield
         finally:
+            unregister()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -73,6 +88,8 @@ def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) 
     install_error_handlers(app)
     serve_openapi(app, require_api_key)
     auth = [Depends(require_api_key)]
+    app.include_router(metrics.metrics_router(require_api_key))
+    app.add_middleware(metrics.RequestCounter)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -132,6 +149,7 @@ def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) 
                                runtime_version=body.runtime_version,
                                exclude=body.exclude, count=body.count)
         picks = place(await registry.nodes(), req)
+        metrics.PLACEMENTS.labels("placed" if picks else "refused").inc()
         if not picks:
             raise ClusterError(503, "no node can take the sandbox: every node is down, full "
                                     "or of another runtime; retry later")

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..metrics import cache_lookup
 from ..templates import ImageInfo, Template, TemplateNotFound, TemplateRegistry
 from .errors import BadReference, CacheTooSmall, ImageError, ImageInUse, ImageNotFound
 from .manifest import Image, Layer
@@ -225,6 +226,7 @@ class ImageService:
             self._hold(hexes)
             try:
                 missing = [(d, s) for d, s in info.layers if not self.store.has(hex_of(d))]
+                cache_lookup("image", hit=not missing)
                 if missing:
                     self._refetch(template, info, missing)
                 if not os.path.ismount(template.rootfs):

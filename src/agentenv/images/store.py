@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ..metrics import EVICTIONS
 from .errors import ImageError
 from .unpack import Unpacked
 
@@ -148,6 +149,7 @@ class LayerStore:
                 removed.append(h)
         for h in removed:
             log.info("layer store: evicted layer %s (LRU, over budget)", h[:12])
+        EVICTIONS.labels("image_layer").inc(len(removed))
         return removed
 
     def remove(self, hex_digest: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -9,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp
 
-from .. import __version__
+from .. import __version__, metrics
 from ..api.limits import BodyLimitMiddleware
 from ..api.proxy import SandboxProxy
 from ..api.routes.images import router as image_router
@@ -21,7 +22,7 @@ from ..api.signed_files import SignedFileRouter
 from ..builds import TemplateBuilder
 from ..config import Config
 from ..network import SlotPool
-from ..orchestrator import SandboxManager, SandboxStore
+from ..orchestrator import SandboxManager, SandboxState, SandboxStore
 from ..runtime import GVisorRuntime
 from ..snapshot import SnapshotStore, open_repository
 from ..templates import TemplateRegistry
@@ -69,8 +70,14 @@ def create_app(config: Config) -> ASGIApp:
     builder = TemplateBuilder(manager, config.home)
     proxy_holder: dict[str, SandboxProxy] = {}
 
+    def by_state() -> dict[str, int]:
+        return dict(collections.Counter(str(r.state) for r in manager.list()))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        unregister = [metrics.register(metrics.HostCollector()), metrics.register(
+            metrics.CountsCollector("aenv_sandboxes", "Sandboxes on this node, by state",
+                                    "state", by_state, always=[str(s) for s in SandboxState]))]
         await manager.start()
         await builder.start()
         log.info("node %s serving on %s:%d (home %s)", config.node_id, config.host, config.port,
@@ -91,6 +98,8 @@ def create_app(config: Config) -> ASGIApp:
             await builder.close()
             await manager.close(destroy=True)
             manager.store.close()
+            for undo in unregister:
+                undo()
             log.info("node stopped cleanly")
 
     # The API document is served to key holders only (see docs/security.md); the
@@ -110,9 +119,10 @@ def create_app(config: Config) -> ASGIApp:
     app.include_router(lifecycle_router, dependencies=[Depends(require_api_key)])
     app.include_router(cluster_router, dependencies=[Depends(require_api_key)])
     app.include_router(image_router, dependencies=[Depends(require_api_key)])
+    app.include_router(metrics.metrics_router(require_api_key))
     document_errors(app)
     serve_openapi(app, require_api_key)
-    limited = unlimited_uploads(BodyLimitMiddleware(app, API_BODY_LIMIT,
+    limited = unlimited_uploads(BodyLimitMiddleware(metrics.RequestCounter(app), API_BODY_LIMIT,
                                                     config.http_body_timeout), app)
     proxy = SandboxProxy(limited, manager, config.domain)
     proxy_holder["proxy"] = proxy

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from ..metrics import LIFECYCLE
 from ..snapshot import Manifest, SnapshotError
 from ..templates import Template, TemplateNotFound
 from . import disk_pause
@@ -57,6 +58,7 @@ class Forking(ManagerCore):
         check_fork_count(count)
         seconds = self._check_timeout(ttl)
         image = self.config.run_dir / "images" / f"fork-{new_sandbox_id()}"
+        started = time.perf_counter()
         try:
             source = await self._capture_for_fork(sandbox_id, image)
             children = [asyncio.create_task(self._fork_child(source, image, seconds))
@@ -64,7 +66,7 @@ class Forking(ManagerCore):
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, image, True)
             raise
-        cleanup = asyncio.create_task(self._remove_when_done(children, image))
+        cleanup = asyncio.create_task(self._remove_when_done(children, image, started))
         self._tasks.add(cleanup)
         cleanup.add_done_callback(self._tasks.discard)
         for child in asyncio.as_completed(children):
@@ -91,9 +93,13 @@ class Forking(ManagerCore):
 
     @staticmethod
     async def _remove_when_done(children: list[asyncio.Task[SandboxRecord]],
-                                image: Path) -> None:
+                                image: Path, started: float) -> None:
         try:
-            await asyncio.gather(*children, return_exceptions=True)
+            results = await asyncio.gather(*children, return_exceptions=True)
+            failed = any(isinstance(r, BaseException) for r in results)
+            # The fork as a whole: from its call until the last child is up.
+            LIFECYCLE.labels("fork", "error" if failed else "ok").observe(
+                time.perf_counter() - started)
         finally:  # a node stopping cancels this; a crash leaves it to reconcile
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, image, True))
 

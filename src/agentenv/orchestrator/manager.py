@@ -15,6 +15,7 @@ import logging
 import os
 import time
 
+from ..metrics import observed
 from ..snapshot import SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound
 from ..templates.registry import InvalidTemplateRef
@@ -100,6 +101,7 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
 
     # -- create -------------------------------------------------------------------------
 
+    @observed("create")
     async def create(self, req: CreateRequest) -> SandboxRecord:
         ttl = self._check_timeout(req.timeout)
         check_create(req, self.limits)
@@ -217,6 +219,7 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
 
     # -- kill and timeouts --------------------------------------------------------------
 
+    @observed("delete")
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 
+from ..metrics import EVICTIONS, observed
 from ..runtime import RuntimeFailure
 from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
 from ..templates import TemplateNotFound
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 class Pausing(Captures):
     # -- snapshot -----------------------------------------------------------------------
 
+    @observed("snapshot")
     async def snapshot(self, sandbox_id: str, name: str | None = None,
                        memory: bool = True) -> Manifest:
         """Capture a running sandbox (stopped only for the capture; ``memory=False``:
@@ -70,6 +72,7 @@ class Pausing(Captures):
 
     # -- pause --------------------------------------------------------------------------
 
+    @observed("pause")
     async def pause(self, sandbox_id: str, memory: bool = True) -> SandboxRecord:
         """Save the sandbox's full state (``memory=False``: its files only, so that
         a resume reboots it) and release everything it holds on the node.
@@ -195,6 +198,7 @@ class Pausing(Captures):
             task = asyncio.create_task(self._free(sandbox_id, slot))
             self._releasing[sandbox_id] = task
         log.info("paused sandbox %s evicted from memory (its capture is kept)", sandbox_id)
+        EVICTIONS.labels("resident_pause").inc()
         await asyncio.shield(task)
         return True
 
@@ -275,6 +279,7 @@ class Pausing(Captures):
 
     # -- resume -------------------------------------------------------------------------
 
+    @observed("resume")
     async def resume(self, sandbox_id: str, ttl: int | None = None,
                      auto_pause: bool | None = None, memory: bool = True) -> SandboxRecord:
         """Bring a paused sandbox back, same ID, from its pause snapshot: restored as it

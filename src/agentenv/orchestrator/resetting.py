@@ -27,6 +27,7 @@ import logging
 import time
 from pathlib import Path
 
+from ..metrics import observed
 from ..network import Slot, SlotError
 from ..snapshot import Manifest
 from ..templates import Template, TemplateNotFound
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 
 class Resetting(Pausing):
+    @observed("reset")
     async def reset(self, sandbox_id: str, snapshot: str | None = None,
                     ttl: int | None = None) -> tuple[SandboxRecord, Manifest]:
         """Bring a running or paused sandbox back to ``snapshot`` (an ID or name; by

@@ -32,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from agentenv.metrics import SNAPSHOT_BYTES, cache_lookup
 from agentenv.snapshot import chunking
 from agentenv.snapshot.cache import NodeCache
 from agentenv.snapshot.chunking import Chunking
@@ -136,6 +137,8 @@ class SnapshotStore:
                 lease.release()
             log.info("committed snapshot %s: %d bytes, %d new bytes stored, %.2fs",
                      snapshot_id, manifest.total_bytes, stored, time.perf_counter() - t0)
+            SNAPSHOT_BYTES.labels("captured").inc(manifest.total_bytes)
+            SNAPSHOT_BYTES.labels("stored").inc(stored)
             self.cache.remember(manifest)
             if alias is not None:
                 self.repo.put_object(f"aliases/{alias}", snapshot_id.encode())
@@ -301,10 +304,13 @@ class SnapshotStore:
         corrupt chunk raises CorruptSnapshot and leaves no cache entry.
         """
         if self.is_cached(snapshot_id):
+            cache_lookup("snapshot", hit=True)
             return self.cache.path(snapshot_id)
         with self._lock(snapshot_id):
             if self.is_cached(snapshot_id):
+                cache_lookup("snapshot", hit=True)
                 return self.cache.path(snapshot_id)
+            cache_lookup("snapshot", hit=False)
             manifest = self._fetch_manifest(snapshot_id)
             tmp = self.cache.new_tmp(snapshot_id)
             t0 = time.perf_counter()

@@ -132,7 +132,12 @@ async def require_api_key(
     request: Request, x_api_key: str | None = Header(default=None, alias="X-API-Key")
 ) -> None:
     """FastAPI dependency: the request carries the app's key (``app.state.api_keys``, which
-    follows rotations, or else the fixed ``app.state.api_key``)."""
+    follows rotations, or else the fixed ``app.state.api_key``), as ``X-API-Key`` or, as
+    Prometheus and most HTTP tools send credentials, ``Authorization: Bearer``."""
+    if x_api_key is None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            x_api_key = token.strip()
     keys = getattr(request.app.state, "api_keys", None)
     ok = keys.matches(x_api_key) if keys is not None else key_matches(
         x_api_key, request.app.state.api_key)
