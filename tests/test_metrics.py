@@ -75,3 +75,25 @@ def test_metrics_move_as_the_node_works(node: Node, api: httpx.Client) -> None:
     assert value(after, "aenv_http_requests_total", method="POST", code="404") >= \
         value(before, "aenv_http_requests_total", method="POST", code="404") + 1
     assert value(after, "aenv_sandboxes", state="paused") >= 0  # every state is reported
+
+
+def test_the_grafana_dashboard_uses_only_metrics_that_exist(node: Node) -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / \
+        "agentenv-dashboard.json"
+    exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"]
+             for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\baenv_[a-z0-9_]+", e)}
+    exported = set()
+    for family in text_string_to_metric_families(httpx.get(
+            node.url + "/metrics", headers={"X-API-Key": node.api_key}, timeout=10).text):
+        # A labelled series with no sample yet is announced by its family's name.
+        exported |= {s.name for s in family.samples} | {
+            family.name + suffix for suffix in ("", "_total", "_count", "_sum", "_bucket")}
+    # The cluster's own series come from the scheduler (tests/test_cluster.py scrapes it).
+    cluster = {"aenv_cluster_nodes", "aenv_cluster_sandboxes", "aenv_cluster_capacity",
+               "aenv_placements_total"}
+    assert used - exported - cluster == set()

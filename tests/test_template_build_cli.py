@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import uuid
 from pathlib import Path
 
@@ -103,6 +104,37 @@ def test_build_errors_are_one_line(env: dict[str, str], tmp_path: Path) -> None:
     assert "invalid template name" in one_line_error(r)
     r = aenv(env, "template", "build", "-f", str(tmp_path / "missing"), ok=False)
     assert r.returncode == 2  # usage error from the option check
+
+
+def test_the_readmes_offline_quick_start(node: Node, env: dict[str, str],
+                                         tmp_path: Path) -> None:
+    """README, quick start: with no registry, build on `base`, or pull an OCI layout
+    from below the node's import dir."""
+    from agentenv.testing.oci_registry import Entry, build_image, tar_layer, write_oci_layout
+
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("FROM base\nWORKDIR /srv\nRUN echo hello > index.html\n"
+                          "CMD python3 -m http.server 8000\n")  # the README's, word for word
+    name = f"xbt-offline-{uuid.uuid4().hex[:6]}"
+    aenv(env, "template", "build", "-f", str(dockerfile), "--name", name)
+    sid = aenv(env, "start", name, "--detach").stdout.strip()
+    try:  # it starts with its server up (CMD), serving the file the build wrote
+        out = aenv(env, "exec", sid, "--", "curl", "-s", "http://127.0.0.1:8000/index.html")
+        assert out.stdout == "hello\n"
+    finally:
+        aenv(env, "rm", sid)
+        aenv(env, "template", "rm", name)
+
+    layout = node.home / "imports" / "py"
+    image = build_image([tar_layer([Entry("srv/", type=tarfile.DIRTYPE, mode=0o755),
+                                    Entry("srv/from-layout", b"offline")])], ["gzip"])
+    write_oci_layout(layout, image, tag="3.12")
+    pulled = f"xbt-layout-{uuid.uuid4().hex[:6]}"
+    aenv(env, "pull", f"oci-layout:{layout}:3.12", "--name", pulled)
+    try:
+        assert pulled in aenv(env, "template", "ls").stdout
+    finally:
+        aenv(env, "template", "rm", pulled)
 
 
 @pytest.mark.xfail(reason="open bug: in the whole suite (2 runs of 2, never alone or with the "

@@ -10,6 +10,7 @@ import re
 import time
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 
@@ -44,10 +45,14 @@ def template_ls(as_json: JsonOpt = False) -> None:
 def template_rm(
     templates: Annotated[list[str], typer.Argument(help="Template IDs or aliases.")],
 ) -> None:
-    """Remove built templates and their snapshots (not while sandboxes use them)."""
+    """Remove templates: built ones with their snapshots, pulled images with their
+    layers no other template uses (not while sandboxes use them)."""
     with Client() as c:
+        images = c.json("GET", "/images")["images"]
+        pulled = {i["name"] for i in images} | {i["templateID"] for i in images}
         for name in templates:
-            c.request("DELETE", f"/templates/{name}")
+            kind = "images" if name in pulled else "templates"
+            c.request("DELETE", "/" + kind + "/" + quote(name, safe=""))
             typer.echo(name)
 
 
