@@ -124,6 +124,8 @@ def main() -> None:
                         time.sleep(CAPTURE_SETTLE_S)
                     t0 = time.perf_counter()
                     Sandbox.connect(sbx.sandbox_id, timeout=600)
+                    samples.setdefault(f"{size} MiB: resume (SDK connect alone), {mode}",
+                                       []).append(time.perf_counter() - t0)
                     sbx.commands.run("true")
                     samples.setdefault(f"{size} MiB: resume + a command, {mode}", []).append(
                         time.perf_counter() - t0)
