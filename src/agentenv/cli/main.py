@@ -161,6 +161,10 @@ from .templates import template_app  # noqa: E402
 
 app.add_typer(template_app, name="template")
 
+from .runs import run_app  # noqa: E402
+
+app.add_typer(run_app, name="run")
+
 from .pull import pull as _pull  # noqa: E402
 
 app.command("pull")(_pull)

@@ -77,7 +77,8 @@ class ManagerCore:
         templates.limits = self.limits
         self.specs = SpecFactory(config, runtime, self.limits)
         self.launcher = Launcher(runtime, slots, self.envd, self.specs, self.ensure_rootfs,
-                                 config.egress_refresh_s, make_room=self.make_room)
+                                 config.egress_refresh_s, make_room=self.make_room,
+                                 slot_wait_s=config.admission_queue_timeout_s)
         self._records: dict[str, SandboxRecord] = {}
         # The network slot each sandbox holds: released from here, and only here.
         self._slots: dict[str, Slot] = {}
@@ -117,6 +118,8 @@ class ManagerCore:
         # Templates' boot images and the warm pool (None: every create boots).
         self.boot_images = (BootImages(self, config.warm_pool_size)
                             if config.template_snapshots else None)
+        if self.boot_images is not None:
+            self.boot_images.on_freed = self.admission.wake
         # Pulled OCI images: their layers, and the rootfs mounts of image templates.
         self.image_cache = ImageService(
             LayerStore(config.images_cache_dir, config.image_cache_bytes,
@@ -175,6 +178,8 @@ class ManagerCore:
         busy = sum(1 for r in self._records.values()
                    if r.state in (SandboxState.CREATING, SandboxState.RUNNING)
                    or (r.sandbox_id in self._slots and r.state is not SandboxState.PAUSED))
+        if self.boot_images is not None:  # captures of boot images, pooled sandboxes
+            busy += self.boot_images.slots_held()
         if busy + reserved >= cap:
             return (f"node is at capacity ({cap} sandboxes, counting those whose slots "
                     "are being released)")
