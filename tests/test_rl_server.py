@@ -64,6 +64,18 @@ def test_a_burst_beyond_capacity_queues_and_all_succeed(api: httpx.Client) -> No
     assert _ids(api) == set()
 
 
+def test_a_client_hanging_up_while_queued_leaves_nothing(api: httpx.Client) -> None:
+    full = [api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            for _ in range(CAPACITY)]
+    with pytest.raises(httpx.ReadTimeout):
+        api.post("/sandboxes", json={"templateID": "base"}, timeout=1.0)
+    time.sleep(1.5)  # the node notices the hang-up while the create waits
+    for sid in full:
+        assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    time.sleep(1.0)  # a create still queued would be admitted now
+    assert _ids(api) == set()
+
+
 def test_timings_are_in_the_record_the_listing_and_aenv_ls(rl_node: Node,
                                                            api: httpx.Client) -> None:
     sbx = Sandbox.create(template="base", timeout=120)
@@ -98,7 +110,11 @@ def test_an_idempotent_create_makes_one_sandbox(api: httpx.Client) -> None:
                              range(4)))
     assert {r.status_code for r in same} == {201}
     assert len({r.json()["sandboxID"] for r in same}) == 1
-    made = {first.json()["sandboxID"], same[0].json()["sandboxID"]}
+    # The e2b SDK's own idempotency_key (as its retries send it) gets the same.
+    sdk = [Sandbox.create(template="base", timeout=120, idempotency_key="sdk-3")
+           for _ in range(2)]
+    assert sdk[0].sandbox_id == sdk[1].sandbox_id
+    made = {first.json()["sandboxID"], same[0].json()["sandboxID"], sdk[0].sandbox_id}
     assert _ids(api) == made
     for bad in ("k" * 256, b"caf\xe9"):
         r = api.post("/sandboxes", json=body, headers={"Idempotency-Key": bad})
