@@ -77,7 +77,9 @@ class Forking(ManagerCore):
             network=source.network, private_ports=bool(source.traffic_token),
             metadata=source.metadata, env_vars=source.env_vars,
             auto_resume=source.auto_resume, resume_timeout=ttl,
-            mask_request_host=source.mask_request_host)
+            mask_request_host=source.mask_request_host, owner=source.owner,
+            # Children belong to their source's run while it goes on (they end with it).
+            run_id=source.run_id if self.runbook.joinable(source.run_id) else "")
         self._add(record)
         return await self._as_task(record, self._restore_new(
             record, image, source_token=source.envd_token, hostname_of=source.sandbox_id))

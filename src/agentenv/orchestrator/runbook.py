@@ -100,19 +100,20 @@ class RunBook:
     def renew(self, run_id: str) -> Run:
         run = self.get(run_id)
         if run.lapsed(time.time()):  # lapsed, not yet ended by the loop: too late
-            raise NotFound(f"run '{run_id}' not found (its lease lapsed)")
+            raise NotFound(f"run '{run_id[:80]}' not found (its lease lapsed)")
         run.expires_at = time.time() + run.lease_s
         self._put(run)
         return run
 
     def check_joinable(self, run_id: str) -> None:
         """A create may join ``run_id`` ("" is no run): else a clear 400."""
-        if not run_id:
-            return
-        run = self._runs.get(run_id)
-        if run is None or run.ending or run.lapsed(time.time()):
+        if run_id and not self.joinable(run_id):
             raise BadRequest(f"run '{run_id[:80]}' is unknown or has ended; create a run "
                              "(POST /runs) and pass its runID")
+
+    def joinable(self, run_id: str) -> bool:
+        run = self._runs.get(run_id)
+        return run is not None and not run.ending and not run.lapsed(time.time())
 
     def lapsed(self, now: float) -> builtins.list[Run]:
         return [r for r in self._runs.values() if not r.ending and r.lapsed(now)]
