@@ -52,7 +52,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status >= 500:
             log.error("request failed: %s", exc)
         response = error_response(exc.status, str(exc))
-        response.headers.update(getattr(exc, "headers", None) or {})  # Retry-After
+        response.headers.update(exc.headers or {})  # e.g. Retry-After
         return response
 
     @app.exception_handler(RequestValidationError)
