@@ -83,12 +83,16 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=200)
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--queue-timeout", type=float, default=30.0)
+    ap.add_argument("--max-starting", type=int, default=0,
+                    help="admission_max_starting (0: the node's default, -1: no limit)")
+    ap.add_argument("--name", default="burst", help="results file name")
     args = ap.parse_args()
 
     prefix = "abu"
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-burst-"))
     node = Node(home, prefix, "10.22.0.0/16", AENV_MAX_SANDBOXES=str(args.capacity),
                 AENV_ADMISSION_QUEUE_TIMEOUT_S=str(args.queue_timeout),
+                AENV_ADMISSION_MAX_STARTING=str(args.max_starting),
                 AENV_NET_POOL_LOW="8", AENV_NET_POOL_HIGH="16")
     node.start()
     try:
@@ -114,8 +118,11 @@ def main() -> None:
     }
     text = (f"## Burst: {args.count} concurrent e2b SDK creates (+ one command + kill), "
             f"capacity {args.capacity}\n\n"
-            f"`python bench/bench_burst.py --count {args.count} --capacity {args.capacity}` "
-            f"(admission queue time {args.queue_timeout:g} s; the SDK's default retries; "
+            f"`python bench/bench_burst.py --count {args.count} --capacity {args.capacity} "
+            f"--max-starting {args.max_starting}` "
+            f"(admission queue time {args.queue_timeout:g} s, admission_max_starting "
+            f"{args.max_starting} (0: the default, 2 per core, at least 4; -1: none); the SDK's "
+            "default retries; "
             f"a {_cpus()}-core machine shared with other work).\n\n"
             "| measure | value |\n| --- | --- |\n"
             + "".join(f"| {k} | {v} |\n" for k, v in rows.items()))
@@ -123,7 +130,7 @@ def main() -> None:
         text += "\nFailures:\n" + "".join(f"- {f}\n" for f in result["failures"][:20])
     if fc:
         text += f"\nmean time to first command: {statistics.mean(fc):.2f} s\n"
-    write("burst", {"count": args.count, "capacity": args.capacity,
+    write(args.name, {"count": args.count, "capacity": args.capacity,
                     "queue_timeout_s": args.queue_timeout, "rows": rows, "raw": result,
                     "left_running": left_running, "leaks": left}, text)
 

@@ -271,6 +271,29 @@ def test_capacity_is_respected_across_the_cluster(cluster: Cluster, api: httpx.C
         kill_all(api)
 
 
+def test_runs_through_the_gateway_live_on_one_node(cluster: Cluster,
+                                                   api: httpx.Client) -> None:
+    run = api.post("/runs", json={"name": "gw-trainer", "leaseSeconds": 60})
+    assert run.status_code == 201, run.text
+    run_id = run.json()["runID"]
+    try:
+        members = [Sandbox.create(template="base", timeout=120,
+                                  metadata={"aenv.run": run_id}).sandbox_id,
+                   api.post("/sandboxes", json={"templateID": "base"},
+                            headers={"X-Aenv-Run": run_id}).json()["sandboxID"]]
+        assert len({owner(cluster, sid) for sid in members}) == 1  # the run's node
+        assert api.post(f"/runs/{run_id}/heartbeat").json()["sandboxes"] == 2
+        assert [r["runID"] for r in api.get("/runs").json()] == [run_id]
+        bad = api.post("/sandboxes", json={"templateID": "base"},
+                       headers={"X-Aenv-Run": "run_" + "0" * 20})
+        assert bad.status_code == 400 and "unknown or has ended" in bad.json()["message"]
+        assert api.delete(f"/runs/{run_id}").status_code == 204
+        assert api.get(f"/runs/{run_id}").status_code == 404
+        assert [s["sandboxID"] for s in api.get("/v2/sandboxes").json()] == []
+    finally:
+        kill_all(api)
+
+
 def test_fork_places_children_on_other_nodes(cluster: Cluster, api: httpx.Client) -> None:
     src = Sandbox.create(template="base", timeout=120)
     try:

@@ -128,6 +128,10 @@ class Config:
     # [key_quotas.<key ID>] max_sandboxes = 8, creates_per_s = 2.
     admission_queue_timeout_s: float = 30.0
     admission_queue_max: int = 1024
+    # Sandboxes starting at once (admitted, not yet running); more wait their turn in
+    # the queue: dozens of gVisor starts at once share the CPUs and all finish late.
+    # 0: 2 per CPU core, at least 4; -1: no limit.
+    admission_max_starting: int = 0
     key_max_sandboxes: int = 0
     key_creates_per_s: float = 0.0
     key_quotas: dict[str, Any] = field(default_factory=dict)
@@ -260,6 +264,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
 def _check_admission(cfg: Config) -> None:
     if not 0 <= cfg.admission_queue_timeout_s <= 600:
         raise ConfigError("admission_queue_timeout_s must be between 0 and 600")
+    if cfg.admission_max_starting < -1:
+        raise ConfigError("admission_max_starting must be -1 (no limit), 0 (derived) or more")
     if not 1 <= cfg.admission_queue_max <= 100_000:
         raise ConfigError("admission_queue_max must be between 1 and 100000")
     if cfg.key_max_sandboxes < 0 or cfg.key_creates_per_s < 0:

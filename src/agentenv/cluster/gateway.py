@@ -41,6 +41,7 @@ from ..web.errors import error_response, install_error_handlers
 from ..web.keys import require_api_key
 from .common import ClusterError
 from .gateway_proxy import GatewayProxy
+from .gateway_runs import GatewayRuns, parse_body, run_of
 from .node_registry import NodeStatus, Registry
 from .routing import Gateway, error_message
 
@@ -118,6 +119,8 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     app.state.gateway = gw
     install_error_handlers(app)
     auth = [Depends(require_api_key)]
+    runs = GatewayRuns(gw, registry)
+    runs.install(app, auth, _relay)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -129,10 +132,14 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     @app.post("/v2/sandboxes", dependencies=auth)
     async def create(request: Request) -> Response:
         body = await request.body()
-        try:
-            template = str(json.loads(body or b"{}").get("templateID") or "")
-        except (ValueError, AttributeError):
-            raise ClusterError(400, "invalid request: body must be a JSON object") from None
+        parsed = parse_body(body)
+        template = str(parsed.get("templateID") or "")
+        run_id = run_of(request, parsed)
+        if run_id:  # on the run's node, which queues it if it must
+            r, node = await runs.create_in_run(request, run_id, body)
+            if r.status_code == 201:
+                await registry.set_sandbox(r.json()["sandboxID"], node.node_id, "running")
+            return _relay(r)
         # No node with room: wait (as a node's admission queue does) for one, up to
         # the queue time, then 429 with Retry-After; a full node's 503/429 sends the
         # create to the next best node.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -100,6 +101,8 @@ class ManagerCore:
         # pause, fork): the proxy closes its idle connections to it, which a copy
         # restored elsewhere would hold half-open (see SandboxProxy.release_idle).
         self.on_capture: list[Callable[[str], Awaitable[None]]] = []
+        configured = config.admission_max_starting
+        self._max_starting = configured if configured else max(4, 2 * (os.cpu_count() or 1))
         # Creates beyond the node's room wait here, fair across API keys (admission.py).
         self.admission = Admission(
             timeout_s=config.admission_queue_timeout_s, max_waiting=config.admission_queue_max,
@@ -183,6 +186,12 @@ class ManagerCore:
         if busy + reserved >= cap:
             return (f"node is at capacity ({cap} sandboxes, counting those whose slots "
                     "are being released)")
+        limit = self._max_starting
+        if limit > 0:
+            starting = sum(1 for r in self._records.values()
+                           if r.state is SandboxState.CREATING)
+            if starting + reserved >= limit:
+                return f"{limit} sandboxes are starting, the most at once"
         return None
 
     def _owned(self, owner: str) -> int:
@@ -386,8 +395,7 @@ class ManagerCore:
             raise Conflict(f"sandbox '{record.sandbox_id}' cannot go from {record.state} to {to}")
         record.state = to
         self.store.put(record)
-        if to is not SandboxState.RUNNING:
-            self.admission.wake()
+        self.admission.wake()
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
