@@ -167,11 +167,12 @@ class ManagerCore:
         return False
 
     def _check_capacity(self) -> None:
-        why = self._no_room(0)
+        """For fork children (not queued: their restores run in parallel by design)."""
+        why = self._no_room(0, starting=False)
         if why is not None:
             raise CapacityExceeded(f"{why}; retry later")
 
-    def _no_room(self, reserved: int) -> str | None:
+    def _no_room(self, reserved: int, starting: bool = True) -> str | None:
         """Why one more sandbox does not fit now, with ``reserved`` creates admitted but
         not yet recorded (None: it fits). A sandbox being torn down still holds its slot
         until the slot is handed back, so it still counts (a burst right after kills
@@ -187,10 +188,10 @@ class ManagerCore:
             return (f"node is at capacity ({cap} sandboxes, counting those whose slots "
                     "are being released)")
         limit = self._max_starting
-        if limit > 0:
-            starting = sum(1 for r in self._records.values()
-                           if r.state is SandboxState.CREATING)
-            if starting + reserved >= limit:
+        if starting and limit > 0:
+            launching = sum(1 for r in self._records.values()
+                            if r.state is SandboxState.CREATING)
+            if launching + reserved >= limit:
                 return f"{limit} sandboxes are starting, the most at once"
         return None
 

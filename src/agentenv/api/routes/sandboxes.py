@@ -6,7 +6,7 @@ import time
 from typing import Annotated
 
 import httpx
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from ... import __version__
@@ -20,7 +20,7 @@ from ...orchestrator import (
     SandboxState,
 )
 from ...orchestrator import query as q
-from ...orchestrator.idempotency import check_key, fingerprint
+from ...orchestrator.idempotency import MAX_KEY_CHARS, check_key, fingerprint
 from ...web.keys import key_id
 from .. import models
 from . import network as network_routes
@@ -60,14 +60,20 @@ RUN_METADATA = "aenv.run"
              response_model_by_alias=True, response_model_exclude_none=True)
 @router.post("/v2/sandboxes", status_code=201, response_model=models.SandboxCreated,
              response_model_by_alias=True, response_model_exclude_none=True)
-async def create_sandbox(body: models.NewSandbox, request: Request) -> Response:
+async def create_sandbox(
+    body: models.NewSandbox, request: Request,
+    idem: Annotated[str | None, Header(alias="Idempotency-Key", max_length=MAX_KEY_CHARS,
+                                       description="A retry with the same key (per API "
+                                       "key) gets the first create's answer")] = None,
+    run: Annotated[str | None, Header(alias=RUN_HEADER, max_length=64,
+                                      description="The run the sandbox joins")] = None,
+) -> Response:
     """A new sandbox. Beyond the node's room the create waits its turn (429 with
     Retry-After past the queue time); with an Idempotency-Key a retry gets the first
     answer; ``X-Aenv-Run`` (or metadata ``aenv.run``) puts it in a run."""
     mgr = manager(request)
-    run_id = _run_of(request, body)
+    run_id = _run_of(run, body)
     owner = key_id(request.headers.get("X-API-Key") or "")
-    idem = request.headers.get("Idempotency-Key")
 
     async def make() -> dict:
         record = await mgr.create(CreateRequest(
@@ -95,9 +101,9 @@ async def create_sandbox(body: models.NewSandbox, request: Request) -> Response:
     return JSONResponse(await mgr.idempotency.once(owner, idem, print_, make), status_code=201)
 
 
-def _run_of(request: Request, body: models.NewSandbox) -> str:
+def _run_of(header: str | None, body: models.NewSandbox) -> str:
     """The run a create joins: the X-Aenv-Run header or the metadata key aenv.run."""
-    header = request.headers.get(RUN_HEADER, "").strip()
+    header = (header or "").strip()
     meta = (body.metadata or {}).get(RUN_METADATA, "")
     meta = meta.strip() if isinstance(meta, str) else ""
     if header and meta and header != meta:
