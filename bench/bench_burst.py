@@ -102,6 +102,7 @@ def main() -> None:
         with node.client() as api:
             left_running = [s["sandboxID"] for s in api.get(
                 "/v2/sandboxes", params={"state": ["running", "paused"]}).json()]
+            admission = api.get("/cluster/status").json()["admission"]
     finally:
         node.stop()
     left = leaks(prefix, home)
@@ -113,6 +114,9 @@ def main() -> None:
         "queued before placement p50 / p99 (s)": f"{_pct(qs, 0.5)} / {_pct(qs, 0.99)}",
         "placed to ready p50 / p99 (s)": f"{_pct(pr, 0.5)} / {_pct(pr, 0.99)}",
         "whole burst (s)": str(result["wall_s"]),
+        "creates admitted at once / after waiting": (f"{admission['admitted']} / "
+                                                     f"{admission['waited']}"),
+        "429s answered (the SDK retried after Retry-After)": str(admission["refused"]),
         "sandboxes left after the burst": str(len(left_running)),
         "leaked after the node stopped": str(len(left)),
     }
@@ -132,7 +136,8 @@ def main() -> None:
         text += f"\nmean time to first command: {statistics.mean(fc):.2f} s\n"
     write(args.name, {"count": args.count, "capacity": args.capacity,
                     "queue_timeout_s": args.queue_timeout, "rows": rows, "raw": result,
-                    "left_running": left_running, "leaks": left}, text)
+                    "left_running": left_running, "admission": admission, "leaks": left},
+          text)
 
 
 async def _warm() -> None:

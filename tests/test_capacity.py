@@ -35,6 +35,7 @@ def test_capacity_queues_then_is_a_clear_429(tmp_path: Path) -> None:
                 assert 1 <= int(full.headers["Retry-After"]) <= 60
             with sdk_env(node.e2b_env()), pytest.raises(RateLimitException):
                 Sandbox.create(template="base", request_timeout=2)
+            assert api.get("/cluster/status").json()["admission"]["refused"] >= 5
             fork = api.post(f"/sandboxes/{first.json()['sandboxID']}/fork", json={"count": 1})
             assert fork.status_code == 201
             assert fork.json()[0]["error"]["code"] == 503

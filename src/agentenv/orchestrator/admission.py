@@ -121,6 +121,8 @@ class Admission:
         self._buckets: dict[str, _Bucket] = {}
         self._admits: deque[float] = deque()
         self._timer: asyncio.TimerHandle | None = None
+        # Since start: admitted at once, admitted after waiting, refused (429), gave up.
+        self._counts = {"admitted": 0, "waited": 0, "refused": 0, "gone": 0}
 
     # -- what callers use ---------------------------------------------------------------
 
@@ -128,13 +130,19 @@ class Admission:
     def waiting(self) -> int:
         return self._waiting
 
+    def stats(self) -> dict[str, int]:
+        return {**self._counts, "waiting": self._waiting,
+                "reserved": sum(self._reserved.values())}
+
     async def admit(self, owner: str = "",
                     gone: Callable[[], Awaitable[bool]] | None = None) -> Ticket:
         """Wait for room (at most ``timeout_s``); the ticket must be released once the
         create's record exists. Raises TooManyRequests or ClientGone."""
         if not self._waiting and self._why_not(owner) is None:
+            self._counts["admitted"] += 1
             return self._grant(owner)
         if self._waiting >= self.max_waiting:
+            self._counts["refused"] += 1
             raise TooManyRequests(
                 f"{self._waiting} creates are already waiting for room on this node (the "
                 f"most it queues); retry later", self._retry_after(owner))
@@ -144,12 +152,14 @@ class Admission:
         try:
             self._pump()
             await self._wait(waiter, gone)
-        except BaseException:
+        except BaseException as exc:
+            self._counts["refused" if isinstance(exc, TooManyRequests) else "gone"] += 1
             self._drop(waiter)
             if waiter.admitted.done() and not waiter.admitted.cancelled() and \
                     waiter.admitted.exception() is None:
                 self._unreserve(owner)  # admitted as it gave up: hand the room on
             raise
+        self._counts["waited"] += 1
         return Ticket(self, owner)
 
     def wake(self) -> None:
