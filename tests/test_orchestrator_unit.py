@@ -599,3 +599,14 @@ async def test_a_run_ends_with_its_sandboxes_and_survives_a_restart(node: Node) 
                 ("ok", 5, "explode")):
         with pytest.raises(BadRequest):
             mgr.create_run(*bad)
+
+
+async def test_a_creates_per_second_quota_paces_a_key(node: Node) -> None:
+    mgr = node.manager
+    mgr.admission.timeout_s = 5
+    node.config.key_quotas = {"paced": {"creates_per_s": 2}}
+    for _ in range(3):
+        record = await mgr.create(CreateRequest("base", owner="paced"))
+        await mgr.kill(record.sandbox_id)
+    # Two go at once (the bucket holds two); the third waits for a token, woken by time.
+    assert mgr.admission.stats()["waited"] == 1

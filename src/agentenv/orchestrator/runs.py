@@ -50,11 +50,15 @@ class Runs(Pausing):
             for record in self.run_members(run.run_id):
                 if record.state is SandboxState.CREATING:
                     creating = True  # it is killed once it runs (or it fails by itself)
-                elif record.state is SandboxState.RUNNING and run.on_expiry == "pause":
-                    await self._pause_or_kill(record)
-                elif record.state is not SandboxState.PAUSED or run.on_expiry == "kill":
-                    with contextlib.suppress(NotFound, Conflict):
-                        await self.kill(record.sandbox_id)
+                    continue
+                try:
+                    if record.state is SandboxState.RUNNING and run.on_expiry == "pause":
+                        await self._pause_or_kill(record)
+                    elif record.state is not SandboxState.PAUSED or run.on_expiry == "kill":
+                        with contextlib.suppress(NotFound, Conflict):
+                            await self.kill(record.sandbox_id)
+                except Exception:  # the others still go; its own TTL ends it at worst
+                    log.exception("ending %s of run %s failed", record.sandbox_id, run.run_id)
             if not creating or time.monotonic() > end:
                 break
             await asyncio.sleep(0.2)
