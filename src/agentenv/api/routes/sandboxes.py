@@ -96,7 +96,7 @@ async def create_sandbox(
     if idem is None:
         return JSONResponse(await make(), status_code=201)
     check_key(idem)
-    print_ = fingerprint({"path": request.url.path, "run": run_id,
+    print_ = fingerprint({"run": run_id,
                           "body": body.model_dump(mode="json", by_alias=True)})
     return JSONResponse(await mgr.idempotency.once(owner, idem, print_, make), status_code=201)
 
