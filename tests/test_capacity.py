@@ -1,27 +1,45 @@
-"""A node at capacity refuses new sandboxes with a clear 503 and keeps serving."""
+"""A node at capacity queues creates for its queue time, then answers a clear 429 with
+Retry-After (the e2b SDK's RateLimitException), keeps serving and leaks nothing."""
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
+from e2b import RateLimitException, Sandbox
 
-from agentenv.testing import Node, leaks
+from agentenv.testing import Node, leaks, sdk_env
 
 
-def test_capacity_is_a_clear_503(tmp_path: Path) -> None:
+def test_capacity_queues_then_is_a_clear_429(tmp_path: Path) -> None:
     prefix = f"c{os.getpid() % 4096:03x}"
     node = Node(tmp_path / "home", prefix, f"10.{120 + os.getpid() % 20}.0.0/16",
-                AENV_MAX_SANDBOXES="1", AENV_TEMPLATE_SNAPSHOTS="false")
+                AENV_MAX_SANDBOXES="1", AENV_TEMPLATE_SNAPSHOTS="false",
+                AENV_ADMISSION_QUEUE_TIMEOUT_S="0.5")
     node.start()
     try:
         with node.client() as api:
             first = api.post("/sandboxes", json={"templateID": "base"})
             assert first.status_code == 201, first.text
-            full = api.post("/sandboxes", json={"templateID": "base"})
-            assert full.status_code == 503
-            assert full.json()["code"] == 503 and "capacity" in full.json()["message"]
+            # A burst beyond capacity: each waits its queue time, then a 429.
+            with ThreadPoolExecutor(4) as pool:
+                burst = list(pool.map(lambda _: api.post("/sandboxes",
+                                                         json={"templateID": "base"}),
+                                      range(4)))
+            for full in burst:
+                assert full.status_code == 429, full.text
+                assert full.json()["code"] == 429 and "capacity" in full.json()["message"]
+                assert 1 <= int(full.headers["Retry-After"]) <= 60
+            with sdk_env(node.e2b_env()), pytest.raises(RateLimitException):
+                Sandbox.create(template="base", request_timeout=2)
+            assert api.get("/cluster/status").json()["admission"]["refused"] >= 5
+            scraped = api.get("/metrics").text  # what an operator's Prometheus sees
+            refused = [ln for ln in scraped.splitlines() if ln.startswith(
+                'aenv_create_refusals_total{reason="queue_timeout"}')]
+            assert refused and float(refused[0].split()[-1]) >= 5, scraped[-2000:]
             fork = api.post(f"/sandboxes/{first.json()['sandboxID']}/fork", json={"count": 1})
             assert fork.status_code == 201
             assert fork.json()[0]["error"]["code"] == 503

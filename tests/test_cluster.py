@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -31,11 +32,13 @@ from proxy_attacks import (
 )
 from sandbox_helpers import COUNTER, counting, start_host_echo, start_ws_echo, wait_port
 
+GATEWAY_QUEUE_S = 4.0
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("cluster"), f"{os.getpid() % 1296:x}"[:3], nodes=3,
-                AENV_PEER_TRANSFER="1")
+                gateway_queue_s=GATEWAY_QUEUE_S, AENV_PEER_TRANSFER="1")
     try:
         c.start()
         c.warm()
@@ -252,6 +255,41 @@ def test_capacity_is_respected_across_the_cluster(cluster: Cluster, api: httpx.C
         # the gateway learned of node 1's own sandboxes from its heartbeats
         assert {owner(cluster, sid) for sid in direct} == {"node-1"}
         assert api.get(f"/sandboxes/{direct[0]}").json()["sandboxID"] == direct[0]
+        rest = [api.post("/sandboxes", json={"templateID": "base"}) for _ in range(4)]
+        assert [r.status_code for r in rest] == [201] * 4  # 9 of 9 places taken
+        full = api.post("/sandboxes", json={"templateID": "base"})
+        assert full.status_code == 429, full.text  # after the gateway's queue time
+        assert "no node had room" in full.json()["message"]
+        assert int(full.headers["Retry-After"]) >= 1
+        # A create that waits for room gets it as soon as a node has some.
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(api.post, "/sandboxes", json={"templateID": "base"})
+            time.sleep(0.5)
+            assert api.delete(f"/sandboxes/{direct[0]}").status_code == 204
+            assert waiting.result().status_code == 201, waiting.result().text
+    finally:
+        kill_all(api)
+
+
+def test_runs_through_the_gateway_live_on_one_node(cluster: Cluster,
+                                                   api: httpx.Client) -> None:
+    run = api.post("/runs", json={"name": "gw-trainer", "leaseSeconds": 60})
+    assert run.status_code == 201, run.text
+    run_id = run.json()["runID"]
+    try:
+        members = [Sandbox.create(template="base", timeout=120,
+                                  metadata={"aenv.run": run_id}).sandbox_id,
+                   api.post("/sandboxes", json={"templateID": "base"},
+                            headers={"X-Aenv-Run": run_id}).json()["sandboxID"]]
+        assert len({owner(cluster, sid) for sid in members}) == 1  # the run's node
+        assert api.post(f"/runs/{run_id}/heartbeat").json()["sandboxes"] == 2
+        assert [r["runID"] for r in api.get("/runs").json()] == [run_id]
+        bad = api.post("/sandboxes", json={"templateID": "base"},
+                       headers={"X-Aenv-Run": "run_" + "0" * 20})
+        assert bad.status_code == 400 and "unknown or has ended" in bad.json()["message"]
+        assert api.delete(f"/runs/{run_id}").status_code == 204
+        assert api.get(f"/runs/{run_id}").status_code == 404
+        assert [s["sandboxID"] for s in api.get("/v2/sandboxes").json()] == []
     finally:
         kill_all(api)
 

@@ -52,7 +52,9 @@ def _kill_all(api: httpx.Client) -> None:
 
 
 def test_fuzz_api_from_openapi(tmp_path: Path) -> None:
-    node = Node(tmp_path / "home", PREFIX, CIDR, AENV_MAX_SANDBOXES="8")
+    # A create beyond capacity waits its queue time, then a 429: kept short here.
+    node = Node(tmp_path / "home", PREFIX, CIDR, AENV_MAX_SANDBOXES="8",
+                AENV_ADMISSION_QUEUE_TIMEOUT_S="0.5")
     node.start()
     try:
         argv = [

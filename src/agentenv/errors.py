@@ -9,3 +9,5 @@ class AgentenvError(Exception):
     """An error a client is told about, with the HTTP status it is answered with."""
 
     status: int = 500
+    # Headers the answer carries (e.g. Retry-After of a 429).
+    headers: dict[str, str] | None = None

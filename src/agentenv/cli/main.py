@@ -152,7 +152,8 @@ def gateway(
     config = _cluster_config(home, redis_url)
     asgi = create_gateway_app(config.redis_url,
                               scheduler_url or config.scheduler_url or "http://127.0.0.1:9090",
-                              load_or_create_api_key(config.secrets_dir), config.domain)
+                              load_or_create_api_key(config.secrets_dir), config.domain,
+                              config.admission_queue_timeout_s)
     typer.echo(f"agentenv gateway on http://{host}:{port}", err=True)
     uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on",
                 timeout_graceful_shutdown=5, **server_options(config.http_head_timeout))
@@ -166,6 +167,10 @@ app.registered_groups += commands.cli.registered_groups
 from .templates import template_app  # noqa: E402
 
 app.add_typer(template_app, name="template")
+
+from .runs import run_app  # noqa: E402
+
+app.add_typer(run_app, name="run")
 
 from .pull import pull as _pull  # noqa: E402
 

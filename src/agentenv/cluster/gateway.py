@@ -26,6 +26,7 @@ import binascii
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
@@ -41,18 +42,29 @@ from ..web.errors import error_response, install_error_handlers
 from ..web.keys import require_api_key
 from .common import ClusterError
 from .gateway_proxy import GatewayProxy
+from .gateway_runs import GatewayRuns, parse_body, run_of
 from .node_registry import NodeStatus, Registry
 from .routing import Gateway, error_message
 
 log = logging.getLogger(__name__)
 MAX_PAGE = 100
+# Seconds between placements of a create no node had room for.
+PLACE_RETRY_S = 0.5
+GATEWAY_RETRY_AFTER_S = 5
+
+
+def _too_many(queue_timeout_s: float, why: str) -> ClusterError:
+    err = ClusterError(429, f"no node had room for the sandbox within {queue_timeout_s:g}s "
+                            f"({why}); retry after the time in Retry-After")
+    err.headers = {"Retry-After": str(GATEWAY_RETRY_AFTER_S)}
+    return err
 
 __all__ = ["Gateway", "GatewayProxy", "create_gateway_app"]
 
 
 def _relay(r: httpx.Response) -> Response:
     headers = {k: v for k, v in r.headers.items()
-               if k.lower() in ("content-type", "x-next-token", "location")}
+               if k.lower() in ("content-type", "x-next-token", "location", "retry-after")}
     return Response(r.content, status_code=r.status_code, headers=headers)
 
 
@@ -86,7 +98,7 @@ def _decode_cursor(token: str, desc: bool) -> tuple[datetime, str]:
 
 
 def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
-                       domain: str = "localhost") -> ASGIApp:
+                       domain: str = "localhost", queue_timeout_s: float = 30.0) -> ASGIApp:
     registry = Registry(redis_url)
     gw = Gateway(registry, scheduler_url, api_key)
     holder: dict[str, GatewayProxy] = {}
@@ -111,6 +123,8 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     install_error_handlers(app)
     auth = [Depends(require_api_key)]
     app.include_router(prometheus.metrics_router(require_api_key))  # before the catch-all
+    runs = GatewayRuns(gw, registry)
+    runs.install(app, auth, _relay)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -122,36 +136,47 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     @app.post("/v2/sandboxes", dependencies=auth)
     async def create(request: Request) -> Response:
         body = await request.body()
-        try:
-            template = str(json.loads(body or b"{}").get("templateID") or "")
-        except (ValueError, AttributeError):
-            raise ClusterError(400, "invalid request: body must be a JSON object") from None
+        parsed = parse_body(body)
+        template = str(parsed.get("templateID") or "")
+        run_id = run_of(request, parsed)
+        if run_id:  # on the run's node, which queues it if it must
+            r, node = await runs.create_in_run(request, run_id, body)
+            if r.status_code == 201:
+                await registry.set_sandbox(r.json()["sandboxID"], node.node_id, "running")
+            return _relay(r)
+        # No node with room: wait (as a node's admission queue does) for one, up to
+        # the queue time, then 429 with Retry-After; a full node's 503/429 sends the
+        # create to the next best node.
+        deadline = time.monotonic() + queue_timeout_s
         exclude: list[str] = []
         last: httpx.Response | None = None
-        for _ in range(3):
+        while True:
             try:
                 pick = (await gw.place(template=template, snapshot=template,
                                        exclude=exclude))[0]
-            except ClusterError:
+            except ClusterError as exc:
+                if exc.status != 503:
+                    raise
+                if time.monotonic() < deadline and not await request.is_disconnected():
+                    await asyncio.sleep(PLACE_RETRY_S)
+                    exclude = []
+                    continue
                 if last is not None:
                     return _relay(last)
-                raise
+                raise _too_many(queue_timeout_s, str(exc)) from None
             try:
                 r = await gw.forward(request, pick["url"], body=body)
             except httpx.HTTPError as exc:
                 log.warning("create on node %s failed: %s", pick["nodeID"], exc)
                 exclude.append(pick["nodeID"])
                 continue
-            if r.status_code == 503:  # full after all: the next best node
+            if r.status_code in (429, 503):  # full after all: the next best node
                 exclude.append(pick["nodeID"])
                 last = r
                 continue
             if r.status_code == 201:
                 await registry.set_sandbox(r.json()["sandboxID"], pick["nodeID"], "running")
             return _relay(r)
-        if last is not None:
-            return _relay(last)
-        raise ClusterError(503, "no node could create the sandbox; retry later")
 
     async def _gather(request: Request, path: str, params: dict[str, Any]
                       ) -> list[dict[str, Any]]:

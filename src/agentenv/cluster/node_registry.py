@@ -207,3 +207,14 @@ class Registry:
 
     async def forget_sandbox(self, sandbox_id: str) -> None:
         await self.redis.delete(self._k("sbx", sandbox_id))
+
+    # -- runs (the node each lives on; leases are at most a day) ------------------
+
+    async def set_run(self, run_id: str, node_id: str) -> None:
+        await self.redis.set(self._k("run", run_id), node_id, ex=2 * 86400)
+
+    async def run_node(self, run_id: str) -> str | None:
+        return await self.redis.get(self._k("run", run_id))
+
+    async def forget_run(self, run_id: str) -> None:
+        await self.redis.delete(self._k("run", run_id))

@@ -297,6 +297,14 @@ class SlotPool:
             async with self._changed:
                 await self._changed.wait()
 
+    async def wait_change(self, seconds: float) -> None:
+        """Wait (at most ``seconds``) until a slot is freed, built or destroyed."""
+        self._check_open()
+        assert self._changed is not None
+        with contextlib.suppress(TimeoutError):
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait(), seconds)
+
     # --- internals ------------------------------------------------------------
 
     def _check_open(self) -> None:

@@ -78,6 +78,7 @@ def create_app(config: Config) -> ASGIApp:
         unregister = [metrics.register(metrics.HostCollector()), metrics.register(
             metrics.CountsCollector("aenv_sandboxes", "Sandboxes on this node, by state",
                                     "state", by_state, always=[str(s) for s in SandboxState]))]
+        metrics.QUEUE_LENGTH.set_function(lambda: manager.admission.waiting)
         await manager.start()
         await builder.start()
         log.info("node %s serving on %s:%d (home %s)", config.node_id, config.host, config.port,
@@ -98,6 +99,8 @@ def create_app(config: Config) -> ASGIApp:
             await builder.close()
             await manager.close(destroy=True)
             manager.store.close()
+            manager.runbook.close()
+            manager.idempotency.close()
             for undo in unregister:
                 undo()
             log.info("node stopped cleanly")

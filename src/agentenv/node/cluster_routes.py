@@ -63,9 +63,10 @@ async def signer(request: Request, signature: str, operation: str, path: str = "
 
 @router.get("/status")
 async def status(request: Request) -> dict[str, Any]:
-    """What the node heartbeats, plus peer-transfer counters."""
+    """What the node heartbeats, plus peer-transfer and admission counters."""
     mgr = _manager(request)
     cfg = request.app.state.config
     body = node_status(mgr, cfg.advertise_url or f"http://{cfg.host}:{cfg.port}").to_dict()
     body["peer"] = getattr(mgr.snapshots.repo, "stats", None)
+    body["admission"] = mgr.admission.stats()
     return body

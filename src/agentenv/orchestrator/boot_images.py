@@ -21,7 +21,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -86,6 +86,8 @@ class BootImages:
         self._pool: dict[str, list[PooledSandbox]] = {}
         self._refilling: dict[str, asyncio.Task] = {}
         self._closed = False
+        # Called when a capture or a refill ends (the slot it held may be free).
+        self.on_freed: Callable[[], None] = lambda: None
 
     # -- images -----------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class BootImages:
         task = asyncio.create_task(self._build(template, alias), name=f"image-{alias}")
         self._building[alias] = task
         task.add_done_callback(lambda _: self._building.pop(alias, None))
+        task.add_done_callback(lambda _: self.on_freed())
 
     async def _build(self, template: Template, alias: str) -> None:
         """Boot a sandbox of the template (no record: a crash leaves nothing the
@@ -242,6 +245,7 @@ class BootImages:
         task = asyncio.create_task(self._fill(template), name=f"pool-{tid}")
         self._refilling[tid] = task
         task.add_done_callback(lambda _: self._refilling.pop(tid, None))
+        task.add_done_callback(lambda _: self.on_freed())
 
     async def _fill(self, template: Template) -> None:
         m = self.manager
@@ -295,6 +299,11 @@ class BootImages:
         building = {alias[4:].rsplit(".", 1)[0] for alias in list(self._building)}
         return building | set(self._refilling) | {tid for tid, members in
                                                   list(self._pool.items()) if members}
+
+    def slots_held(self) -> int:
+        """Slots this holds outside any record, at most: one per image being captured
+        and per pool refill under way, and the pooled sandboxes'."""
+        return len(self._building) + len(self._refilling) + self.pooled()
 
     def pooled(self) -> int:
         return sum(len(v) for v in self._pool.values())

@@ -78,6 +78,8 @@ class LaunchPlan:
     # readied again (a reset: SlotPool.reuse): launched into as it is, egress policy
     # and all, instead of a slot from the pool.
     slot: Slot | None = None
+    # Called once the runtime has started or restored (the record's ``booted_at``).
+    on_started: Callable[[], None] | None = None
 
     @property
     def verb(self) -> str:
@@ -93,6 +95,8 @@ class SlotSource(Protocol):
 
     async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None: ...
 
+    async def wait_change(self, seconds: float) -> None: ...
+
 
 SpecBuilder = Callable[[LaunchPlan, str], SandboxSpec]
 
@@ -101,7 +105,8 @@ class Launcher:
     def __init__(self, runtime: Runtime, slots: SlotSource, envd: EnvdClient,
                  spec: SpecBuilder, ensure_rootfs: Callable[[Template], Awaitable[None]],
                  egress_refresh_s: float = 60.0,
-                 make_room: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 make_room: Callable[[], Awaitable[bool]] | None = None,
+                 slot_wait_s: float = 0.0) -> None:
         self.runtime = runtime
         self.slots = slots
         self.envd = envd
@@ -110,6 +115,9 @@ class Launcher:
         self.egress_refresh_s = egress_refresh_s
         # Frees a slot held by something idle (a resident paused sandbox); True if it did.
         self.make_room = make_room
+        # How long a launch waits for a slot held outside the records admission counts
+        # (a template's boot image being captured, a slot still being reset).
+        self.slot_wait_s = slot_wait_s
 
     async def launch(self, plan: LaunchPlan) -> Slot:
         """Bring the plan's sandbox up; return the slot it runs in (now the caller's).
@@ -138,6 +146,8 @@ class Launcher:
                 else:
                     await self.runtime.start(spec)
                 marks.append((plan.verb, time.perf_counter()))
+                if plan.on_started is not None:
+                    plan.on_started()
                 await self.envd.wait_ready(slot.address)
                 marks.append(("envd", time.perf_counter()))
                 if plan.init is not None:
@@ -188,8 +198,18 @@ class Launcher:
         try:
             return await self.slots.acquire(internet=internet)
         except SlotPoolExhausted as exc:
-            if self.make_room is None or not await self.make_room():
-                raise CapacityExceeded(f"no network slot free: {exc}") from exc
+            if self.make_room is not None and await self.make_room():
+                return await self._acquire_or_raise(internet)
+            end = time.monotonic() + self.slot_wait_s
+            while (left := end - time.monotonic()) > 0:
+                await self.slots.wait_change(left)
+                try:
+                    return await self.slots.acquire(internet=internet)
+                except SlotPoolExhausted:
+                    continue
+            raise CapacityExceeded(f"no network slot free: {exc}") from exc
+
+    async def _acquire_or_raise(self, internet: bool) -> Slot:
         try:
             return await self.slots.acquire(internet=internet)
         except SlotPoolExhausted as exc:

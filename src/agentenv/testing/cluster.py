@@ -98,7 +98,8 @@ class ClusterNode(Node):
 class Cluster:
     def __init__(self, root: Path, tag: str, nodes: int = 3, link_net: int = 23,
                  pool_nets: tuple[int, ...] = (24, 25, 26), max_sandboxes: int = 3,
-                 heartbeat_ms: int = 300, node_ttl_ms: int = 1500, **node_env: str):
+                 heartbeat_ms: int = 300, node_ttl_ms: int = 1500,
+                 gateway_queue_s: float = 30.0, **node_env: str):
         self.root = root
         self.tag = tag
         self.count = nodes
@@ -107,6 +108,8 @@ class Cluster:
         self.max_sandboxes = max_sandboxes
         self.heartbeat_ms = heartbeat_ms
         self.node_ttl_ms = node_ttl_ms
+        # How long the gateway waits for a node with room before a 429.
+        self.gateway_queue_s = gateway_queue_s
         self.node_env = node_env
         self.home = root / "cluster-home"
         self.repo = root / "repository"
@@ -160,7 +163,8 @@ class Cluster:
         env = {**os.environ, "AENV_HOME": str(self.home),
                "AENV_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
                "AENV_NODE_TTL_MS": str(self.node_ttl_ms),
-               "AENV_HTTP_HEAD_TIMEOUT": str(SERVICE_HEAD_TIMEOUT)}
+               "AENV_HTTP_HEAD_TIMEOUT": str(SERVICE_HEAD_TIMEOUT),
+               "AENV_ADMISSION_QUEUE_TIMEOUT_S": str(self.gateway_queue_s)}
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True)
         log.close()

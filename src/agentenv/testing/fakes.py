@@ -167,6 +167,9 @@ class FakeSlots:
         del self.holding[slot.index]
         self.policies.pop(slot.index, None)
 
+    async def wait_change(self, seconds: float) -> None:
+        await asyncio.sleep(min(seconds, 0.02))
+
     async def reuse(self, slot: Slot) -> None:
         await self.faults.check("reuse")
         if self.holding.get(slot.index) is not slot:
