@@ -43,6 +43,10 @@ def test_capacity_queues_then_is_a_clear_429(tmp_path: Path) -> None:
             fork = api.post(f"/sandboxes/{first.json()['sandboxID']}/fork", json={"count": 1})
             assert fork.status_code == 201
             assert fork.json()[0]["error"]["code"] == 503
+            # A batch takes its turn per sandbox: none found room within the queue time.
+            batch = api.post("/sandboxes/batch", json={"templateID": "base", "count": 2})
+            assert batch.status_code == 201
+            assert [c["error"]["code"] for c in batch.json()] == [429, 429]
             assert httpx.get(node.url + "/health").status_code == 200
             assert [s["sandboxID"] for s in api.get("/sandboxes").json()] == \
                 [first.json()["sandboxID"]]

@@ -127,6 +127,46 @@ def test_a_streamed_fork_hands_over_each_child_as_it_comes_up(node: Node, api: h
     assert r.status_code == 404 and r.json()["message"]
 
 
+def test_a_batch_create_from_a_template_and_from_a_snapshot(node: Node, api: httpx.Client,
+                                                            source) -> None:
+    made: list[str] = []
+    try:
+        r = api.post("/sandboxes/batch", json={"templateID": "base", "count": 3,
+                                               "metadata": {"batch": "t"}})
+        assert r.status_code == 201, r.text
+        ids = [x["sandbox"]["sandboxID"] for x in r.json()]
+        made += ids
+        assert len(set(ids)) == 3
+        for sid in ids:
+            assert Sandbox.connect(sid).commands.run("echo up").stdout == "up\n"
+        assert {s["sandboxID"] for s in api.get("/sandboxes", params={
+            "metadata": "batch=t"}).json()} == set(ids)
+
+        snap = api.post(f"/sandboxes/{source.sandbox_id}/snapshots").json()["snapshotID"]
+        with api.stream("POST", "/sandboxes/batch", json={"snapshotID": snap, "count": 2},
+                        headers={"Accept": "application/x-ndjson"}) as stream:
+            assert stream.status_code == 201
+            for line in stream.iter_lines():
+                sid = json.loads(line)["sandbox"]["sandboxID"]
+                made.append(sid)  # the snapshot's files and live processes, in each
+                assert Sandbox.connect(sid).files.read("/home/user/origin.txt") == \
+                    "from the source"
+                assert memory(node, sid) == 0
+        assert len(made) == 5
+    finally:
+        for sid in made:
+            api.delete(f"/sandboxes/{sid}")
+    before = {s["sandboxID"] for s in api.get("/sandboxes").json()}
+    for body, status in (({"templateID": "base", "count": 0}, 400),
+                         ({"templateID": "base", "count": 65}, 400),
+                         ({"templateID": "base", "snapshotID": "x", "count": 1}, 400),
+                         ({"count": 1}, 400),
+                         ({"templateID": "no-such-template", "count": 2}, 404)):
+        r = api.post("/sandboxes/batch", json=body)
+        assert r.status_code == status and r.json()["message"], (body, r.text)
+    assert {s["sandboxID"] for s in api.get("/sandboxes").json()} == before  # none made
+
+
 @pytest.mark.parametrize("n", [0, 17, -1])
 def test_fork_count_out_of_range_is_400(api: httpx.Client, source, n: int) -> None:
     r = api.post(f"/sandboxes/{source.sandbox_id}/fork", json={"count": n})

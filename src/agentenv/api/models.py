@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 # The SDK gates features on the envd version a sandbox reports.
 from ..envd.protocol import ENVD_VERSION
-from ..orchestrator import SandboxRecord
+from ..orchestrator import OrchestratorError, SandboxRecord
 from ..orchestrator.query import public_state
 from ..resources import MIN_CPU_COUNT, MIN_MEMORY_MB
 from ..templates import Template
@@ -296,3 +299,55 @@ def _common(record: SandboxRecord) -> dict:
         "ready_at": _ts(record.ready_at) if record.ready_at else None,
         "run_id": record.run_id or None,
     }
+
+
+# -- the sandboxes of a fork or a batch create ----------------------------------------
+
+NDJSON = "application/x-ndjson"
+NDJSON_RESPONSES: dict[int | str, dict[str, Any]] = {
+    201: {"content": {NDJSON: {}},
+          "description": "With `Accept: application/x-ndjson`: one result a line, each "
+                         "as its sandbox comes up"}}
+
+
+class ChildError(_Body):
+    code: int
+    message: str
+
+
+class ChildResult(_Body):
+    """One sandbox of a fork or a batch: the sandbox, or the error that stopped it."""
+
+    sandbox: SandboxCreated | None = None
+    error: ChildError | None = None
+
+
+def child_result(result: SandboxRecord | OrchestratorError, domain: str | None
+                 ) -> ChildResult:
+    if isinstance(result, OrchestratorError):
+        return ChildResult(error=ChildError(code=result.status, message=str(result)))
+    return ChildResult(sandbox=created(result, domain))
+
+
+async def children_answer(children: AsyncIterator[SandboxRecord | OrchestratorError],
+                          request: Request) -> list[ChildResult] | StreamingResponse:
+    """The results as one JSON list once all are in, or (``Accept: application/x-ndjson``)
+    a line each as it comes. Errors of the whole (raised before the first result)
+    answer with their own status either way."""
+    domain = request.app.state.config.domain
+    if NDJSON not in request.headers.get("accept", ""):
+        return [child_result(r, domain) async for r in children]
+    first = await anext(children)
+
+    async def lines() -> AsyncIterator[bytes]:
+        for result in (first,):
+            yield _line(result, domain)
+        async for result in children:
+            yield _line(result, domain)
+
+    return StreamingResponse(lines(), status_code=201, media_type=NDJSON)
+
+
+def _line(result: SandboxRecord | OrchestratorError, domain: str | None) -> bytes:
+    return child_result(result, domain).model_dump_json(by_alias=True, exclude_none=True
+                                                        ).encode() + b"\n"

@@ -14,9 +14,10 @@ import fcntl
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 
 from ..metrics import observed
-from ..snapshot import SnapshotError, SnapshotNotFound
+from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound
 from ..templates.registry import InvalidTemplateRef
 from .boot_images import BootImage, PooledSandbox
@@ -33,7 +34,7 @@ from .models import (
 )
 from .reconcile import Reconciling
 from .records import new_record
-from .requests import CreateRequest, check_create
+from .requests import CreateRequest, check_batch_count, check_create
 from .resetting import Resetting
 from .runs import Runs
 from .snapshots import SnapshotUse, resolve_snapshot
@@ -107,19 +108,10 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
     async def create(self, req: CreateRequest) -> SandboxRecord:
         ttl = self._check_timeout(req.timeout)
         check_create(req, self.limits)
-        try:
-            template = self.templates.get(req.template)
-        except TemplateNotFound as exc:
-            try:
-                manifest = await self._resolve(req.template, f"template or snapshot "
-                                               f"'{req.template}' not found", exc)
-            except NotFound:
-                if isinstance(exc, InvalidTemplateRef):
-                    raise BadRequest(str(exc)) from exc
-                if ":" in req.template:  # say which tag is missing
-                    raise NotFound(str(exc)) from exc
-                raise
-            return await self._create_from_snapshot(req, manifest, ttl)
+        source = await self._source(req)
+        if isinstance(source, Manifest):
+            return await self._create_from_snapshot(req, source, ttl)
+        template = source
         pool = self.boot_images
         if template.snapshot_id and not (pool and pool.pool_size > 0):
             # A built template: restore its snapshot (with a warm pool, the path
@@ -234,6 +226,41 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
         await self.launcher.run_start_command(template, address, token)
 
     # -- kill and timeouts --------------------------------------------------------------
+
+    async def create_each(self, req: CreateRequest, count: int
+                          ) -> AsyncIterator[SandboxRecord | OrchestratorError]:
+        """``count`` sandboxes of one create, each handed over as it comes up (a record,
+        or the error that stopped it). They start at once from the same image (the
+        template's boot image, or the snapshot), each taking its turn for room as a
+        create does. A bad request (count, timeout, an unknown template) fails the
+        batch as a whole, before any sandbox."""
+        check_batch_count(count)
+        self._check_timeout(req.timeout)
+        check_create(req, self.limits)
+        await self._source(req)
+        creates = [asyncio.create_task(self.create(req)) for _ in range(count)]
+        for create in asyncio.as_completed(creates):
+            try:
+                yield await create
+            except OrchestratorError as exc:
+                yield exc
+            except Exception as exc:
+                yield OrchestratorError(f"sandbox failed to start: {exc}")
+
+    async def _source(self, req: CreateRequest) -> Template | Manifest:
+        """What a create starts from: a template, or a snapshot (ID, name or tag)."""
+        try:
+            return self.templates.get(req.template)
+        except TemplateNotFound as exc:
+            try:
+                return await self._resolve(req.template, f"template or snapshot "
+                                           f"'{req.template}' not found", exc)
+            except NotFound:
+                if isinstance(exc, InvalidTemplateRef):
+                    raise BadRequest(str(exc)) from exc
+                if ":" in req.template:  # say which tag is missing
+                    raise NotFound(str(exc)) from exc
+                raise
 
     @observed("delete")
     async def kill(self, sandbox_id: str) -> None:

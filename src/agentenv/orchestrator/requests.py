@@ -18,6 +18,8 @@ MAX_ENV_ENTRIES = 256
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 256, 8 * 1024
 MAX_ENV_NAME, MAX_ENV_VALUE = 1024, 128 * 1024 - 1024 - 2
 MAX_FORK = 16
+# Sandboxes one batch create asks for (each still waits its turn for room).
+MAX_BATCH = 64
 
 
 @dataclass
@@ -87,6 +89,11 @@ def check_timeout(timeout: int | None, default: int, maximum: int) -> int:
     if timeout > maximum:
         raise BadRequest(f"timeout must be at most {maximum} seconds")
     return timeout
+
+
+def check_batch_count(count: int) -> None:
+    if not 1 <= count <= MAX_BATCH:
+        raise BadRequest(f"count must be between 1 and {MAX_BATCH}")
 
 
 def check_fork_count(count: int) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Query, Request, Response
@@ -19,7 +18,6 @@ from ...orchestrator import (
     NotFound,
     OrchestratorError,
     SandboxManager,
-    SandboxRecord,
     StorageFull,
 )
 from ...orchestrator.requests import MAX_FORK
@@ -41,58 +39,22 @@ class ForkRequest(models._Body):
                                 description="Children's time to live in seconds")
 
 
-class ForkError(models._Body):
-    code: int
-    message: str
-
-
-class ForkResult(models._Body):
-    sandbox: models.SandboxCreated | None = None
-    error: ForkError | None = None
-
-
 def _manager(request: Request) -> SandboxManager:
     return request.app.state.manager
 
 
-NDJSON = "application/x-ndjson"
-
-
-@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, response_model=list[ForkResult],
-             response_model_by_alias=True, response_model_exclude_none=True,
-             responses={201: {"content": {NDJSON: {}},
-                              "description": "With `Accept: application/x-ndjson`: one "
-                                             "ForkResult a line, each as its child comes up"}})
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201,
+             response_model=list[models.ChildResult], response_model_by_alias=True,
+             response_model_exclude_none=True, responses=models.NDJSON_RESPONSES)
 async def fork_sandbox(sandbox_id: str, body: ForkRequest, request: Request
-                       ) -> list[ForkResult] | StreamingResponse:
+                       ) -> list[models.ChildResult] | StreamingResponse:
     """Branch a running sandbox into children that continue its memory, processes and files.
 
     One result per child, in the order they came up. Asked for NDJSON, each is sent
     as soon as its child is up, so a client can use the first children while the
     others are still being restored."""
-    domain = request.app.state.config.domain
     children = _manager(request).fork_each(sandbox_id, body.count, body.timeout)
-    if NDJSON not in request.headers.get("accept", ""):
-        return [_fork_result(r, domain) async for r in children]
-    first = await anext(children)  # the fork's own errors answer with their status
-
-    async def lines() -> AsyncIterator[bytes]:
-        yield _fork_line(first, domain)
-        async for result in children:
-            yield _fork_line(result, domain)
-
-    return StreamingResponse(lines(), status_code=201, media_type=NDJSON)
-
-
-def _fork_result(result: SandboxRecord | OrchestratorError, domain: str | None) -> ForkResult:
-    if isinstance(result, OrchestratorError):
-        return ForkResult(error=ForkError(code=result.status, message=str(result)))
-    return ForkResult(sandbox=models.created(result, domain))
-
-
-def _fork_line(result: SandboxRecord | OrchestratorError, domain: str | None) -> bytes:
-    return _fork_result(result, domain).model_dump_json(by_alias=True, exclude_none=True
-                                                        ).encode() + b"\n"
+    return await models.children_answer(children, request)
 
 
 class ResumeRequest(models._Body):

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import httpx
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
 
 from ... import __version__
 from ...envd.protocol import ENVD_PORT
@@ -21,6 +22,7 @@ from ...orchestrator import (
 )
 from ...orchestrator import query as q
 from ...orchestrator.idempotency import MAX_KEY_CHARS, check_key, fingerprint
+from ...orchestrator.requests import MAX_BATCH
 from ...web import shared_tls
 from ...web.keys import key_id
 from .. import models
@@ -77,20 +79,7 @@ async def create_sandbox(
     owner = key_id(request.headers.get("X-API-Key") or "")
 
     async def make() -> dict:
-        record = await mgr.create(CreateRequest(
-            template=body.template_id,
-            timeout=body.timeout,
-            metadata=body.metadata or {},
-            env_vars=body.env_vars or {},
-            auto_pause=body.auto_pause,
-            auto_pause_memory=body.auto_pause_memory,
-            internet=_internet(body),
-            network=network_routes.policy_of(body.network, body.allow_internet_access),
-            public_traffic=network_routes.public_traffic(body.network),
-            auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
-            mask_request_host=network_routes.mask_request_host(body.network),
-            owner=owner, run_id=run_id, client_gone=request.is_disconnected,
-        ))
+        record = await mgr.create(_create_request(body, request, owner, run_id))
         return models.created(record, _domain(request)).model_dump(
             mode="json", by_alias=True, exclude_none=True)
 
@@ -100,6 +89,54 @@ async def create_sandbox(
     print_ = fingerprint({"run": run_id,
                           "body": body.model_dump(mode="json", by_alias=True)})
     return JSONResponse(await mgr.idempotency.once(owner, idem, print_, make), status_code=201)
+
+
+class NewSandboxes(models.NewSandbox):
+    """A batch: ``count`` sandboxes of one create (``snapshotID`` may name the
+    snapshot in place of ``templateID``, which also takes one)."""
+
+    template_id: str = Field(default="", alias="templateID", max_length=256)
+    snapshot_id: str = Field(default="", alias="snapshotID", max_length=256)
+    count: int = Field(ge=1, le=MAX_BATCH, description=f"Sandboxes to create, 1..{MAX_BATCH}")
+
+
+@router.post("/sandboxes/batch", status_code=201, response_model=list[models.ChildResult],
+             response_model_by_alias=True, response_model_exclude_none=True,
+             responses=models.NDJSON_RESPONSES)
+async def create_sandboxes(
+    body: NewSandboxes, request: Request,
+    run: Annotated[str | None, Header(alias=RUN_HEADER, max_length=64)] = None,
+) -> list[models.ChildResult] | StreamingResponse:
+    """``count`` sandboxes from one template or snapshot, started at once from its one
+    image; one result per sandbox (the sandbox, or its error) in the order they came
+    up, or as NDJSON lines as each comes (``Accept: application/x-ndjson``). Each
+    takes its turn for room as a create does: those that find none within the queue
+    time are 429 results."""
+    if bool(body.template_id) == bool(body.snapshot_id):
+        raise BadRequest("give one of templateID and snapshotID")
+    source = body.model_copy(update={"template_id": body.template_id or body.snapshot_id})
+    req = _create_request(source, request, key_id(request.headers.get("X-API-Key") or ""),
+                          _run_of(run, body))
+    return await models.children_answer(manager(request).create_each(req, body.count),
+                                        request)
+
+
+def _create_request(body: models.NewSandbox, request: Request, owner: str,
+                    run_id: str) -> CreateRequest:
+    return CreateRequest(
+        template=body.template_id,
+        timeout=body.timeout,
+        metadata=body.metadata or {},
+        env_vars=body.env_vars or {},
+        auto_pause=body.auto_pause,
+        auto_pause_memory=body.auto_pause_memory,
+        internet=_internet(body),
+        network=network_routes.policy_of(body.network, body.allow_internet_access),
+        public_traffic=network_routes.public_traffic(body.network),
+        auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+        mask_request_host=network_routes.mask_request_host(body.network),
+        owner=owner, run_id=run_id, client_gone=request.is_disconnected,
+    )
 
 
 def _run_of(header: str | None, body: models.NewSandbox) -> str:
