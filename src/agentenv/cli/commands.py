@@ -7,6 +7,7 @@ import sys
 import threading
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import quote
 
 import typer
 
@@ -359,6 +360,36 @@ def snapshot_ls(
             for s in items]
     output.table(["SNAPSHOT ID", "NAME", "SANDBOX", "TEMPLATE", "CREATED", "SIZE", "STORED"],
                  rows)
+
+
+@snapshot_app.command("tree")
+def snapshot_tree(
+    snapshot: Annotated[str | None, typer.Argument(
+        help="Snapshot ID, prefix or name: its ancestors and what was made from it "
+             "(default: every tree).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Snapshot lineage: template -> sandboxes -> snapshots -> sandboxes made from them
+    (forks, creates, resets) -> their snapshots."""
+    with Client() as c:
+        if snapshot is None:
+            data = c.json("GET", "/lineage")
+        else:
+            data = c.json("GET", f"/snapshots/{quote(c.resolve_snapshot(snapshot), safe='')}"
+                                 "/lineage")
+    if as_json:
+        output.print_json(data)
+        return
+    if snapshot is None:
+        for root in data["roots"]:
+            output.out.print(output.lineage_tree(root))
+        return
+    trunk = output.lineage_tree(data["tree"], mark=True)
+    for node in reversed(data["ancestors"]):  # each ancestor wraps what came of it
+        wrapper = output.lineage_tree({**node, "children": []})
+        wrapper.children.append(trunk)
+        trunk = wrapper
+    output.out.print(trunk)
 
 
 @snapshot_app.command("rm")

@@ -9,6 +9,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -73,3 +75,23 @@ def size(n: Any) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def lineage_tree(node: dict, mark: bool = False) -> Tree:
+    """A lineage node and what came of it (GET /snapshots/{id}/lineage) as a rich tree;
+    ``mark``: this node is the one asked about."""
+    tree = Tree(Text(_lineage_label(node), style="bold" if mark else ""))
+    for child in node.get("children", []):
+        tree.children.append(lineage_tree(child))
+    return tree
+
+
+def _lineage_label(node: dict) -> str:
+    kind, ident = node["kind"], node["id"]
+    if kind == "template":
+        return f"template {ident}"
+    if kind == "sandbox":
+        return f"sandbox {ident} ({node.get('state', '?')})"
+    what = "pause" if node.get("snapshotKind") == "pause" else "snapshot"
+    name = f" {node['name']}" if node.get("name") else ""
+    return f"{what} {ident}{name}, {size(node.get('bytes'))}, {ago(node.get('createdAt'))}"

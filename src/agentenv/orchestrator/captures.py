@@ -32,6 +32,8 @@ class Captures(ManagerCore):
             "alias": record.alias,
             "source_sandbox_id": record.sandbox_id,
             "parent_snapshot_id": record.snapshot_id or None,
+            # What the sandbox came from: the lineage outlives the sandbox.
+            "origin": record.origin,
             "cpu_count": record.cpu_count,
             "memory_mb": record.memory_mb,
             "disk_size_mb": record.disk_size_mb,

@@ -19,6 +19,7 @@ from ..snapshot import Manifest, SnapshotError
 from ..templates import Template, TemplateNotFound
 from . import disk_pause
 from .core import ManagerCore
+from .lineage import fork_origin
 from .models import (
     Conflict,
     NotFound,
@@ -115,7 +116,8 @@ class Forking(ManagerCore):
             auto_resume=source.auto_resume, resume_timeout=ttl,
             mask_request_host=source.mask_request_host, owner=source.owner,
             # Children belong to their source's run while it goes on (they end with it).
-            run_id=source.run_id if self.runbook.joinable(source.run_id) else "")
+            run_id=source.run_id if self.runbook.joinable(source.run_id) else "",
+            origin=fork_origin(source))
         self._add(record)
         return await self._as_task(record, self._restore_new(
             record, image, source_token=source.envd_token, hostname_of=source.sandbox_id))
@@ -133,7 +135,7 @@ class Forking(ManagerCore):
             raise OrchestratorError(f"snapshot repository: {exc}") from exc
         ticket = await self._admit(req)
         try:
-            record = self._snapshot_record(req, meta, ttl, template)
+            record = self._snapshot_record(req, meta, ttl, template, manifest.snapshot_id)
         finally:
             ticket.release()
         return await self._as_task(record, self._restore_new(
@@ -142,7 +144,7 @@ class Forking(ManagerCore):
             template=template))
 
     def _snapshot_record(self, req: CreateRequest, meta: dict, ttl: int,
-                         template: Template | None) -> SandboxRecord:
+                         template: Template | None, snapshot_id: str) -> SandboxRecord:
         record = new_record(
             node_id=self.config.node_id,
             template_id=template.template_id if template else meta["template_id"],
@@ -155,7 +157,10 @@ class Forking(ManagerCore):
             # A template build's sandbox metadata is not the template's sandboxes'.
             metadata={**({} if template else meta.get("metadata", {})), **req.metadata},
             env_vars={**meta.get("env_vars", {}), **dict(template.envs if template else ()),
-                      **req.env_vars}, **req.ingress(ttl), **req.stamps())
+                      **req.env_vars}, **req.ingress(ttl), **req.stamps(),
+            # A built template's snapshot is the template's own: its sandboxes are of it.
+            origin=f"template:{template.template_id}" if template
+            else f"snapshot:{snapshot_id}")
         self._add(record)
         return record
 

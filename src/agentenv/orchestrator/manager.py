@@ -23,6 +23,7 @@ from ..templates.registry import InvalidTemplateRef
 from .boot_images import BootImage, PooledSandbox
 from .egress import Egress
 from .forking import Forking
+from .lineage import Lineage
 from .models import (
     BadRequest,
     CapacityExceeded,
@@ -151,7 +152,7 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
             internet=req.internet, network=req.network.to_json() if req.network else {},
             private_ports=not req.public_traffic, metadata=req.metadata,
             env_vars={**dict(template.envs), **req.env_vars}, **req.ingress(ttl),
-            **req.stamps())
+            **req.stamps(), origin=f"template:{template.template_id}")
         self._add(record)
         return record, member
 
@@ -246,6 +247,25 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
                 yield exc
             except Exception as exc:
                 yield OrchestratorError(f"sandbox failed to start: {exc}")
+
+    async def lineage(self, snapshot_id: str | None = None) -> dict:
+        """Where snapshots and sandboxes came from (lineage.py): one snapshot's
+        ancestors and everything made from it, or (no ID) every tree."""
+        records = self.list()  # read on the loop, which alone changes them
+        try:
+            manifests = await asyncio.to_thread(self.snapshots.list)
+        except SnapshotError as exc:
+            raise OrchestratorError(f"snapshot repository: {exc}") from exc
+        graph = await asyncio.to_thread(Lineage, manifests, records)
+        if snapshot_id is None:
+            return {"roots": [graph.tree(k) for k in graph.roots()]}
+        manifest = await self._resolve(snapshot_id, f"snapshot '{snapshot_id}' not found")
+        key = f"snapshot:{manifest.snapshot_id}"
+        if key not in graph.nodes:
+            raise BadRequest(f"'{snapshot_id}' is a {manifest.metadata.get('kind')} capture, "
+                             "not a snapshot of a sandbox")
+        return {"snapshotID": manifest.snapshot_id, "ancestors": graph.ancestors(key),
+                "tree": graph.tree(key)}
 
     async def _source(self, req: CreateRequest) -> Template | Manifest:
         """What a create starts from: a template, or a snapshot (ID, name or tag)."""

@@ -114,6 +114,9 @@ class SandboxRecord:
     queued_at: float = 0.0
     booted_at: float = 0.0
     ready_at: float = 0.0
+    # What it came from, for snapshot lineage: "template:<id>", "snapshot:<id>" (a
+    # create from it, or a reset to it) or "sandbox:<id>" (a fork child's source).
+    origin: str = ""
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.end_at

@@ -456,7 +456,8 @@ class Pausing(Captures):
                 env_vars=meta.get("env_vars"), envd_token=meta["envd_token"],
                 snapshot_id=snapshot_id, auto_resume=bool(meta.get("auto_resume")),
                 resume_timeout=int(meta.get("resume_timeout") or 0),
-                mask_request_host=str(meta.get("mask_request_host") or ""))
+                mask_request_host=str(meta.get("mask_request_host") or ""),
+                origin=str(meta.get("origin") or ""))
             self._add(record)
             log.info("adopted paused sandbox %s from snapshot %s", sandbox_id, snapshot_id)
             return record

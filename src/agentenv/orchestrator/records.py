@@ -27,7 +27,7 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
                snapshot_id: str = "", started_at: float | None = None,
                auto_resume: bool = False, resume_timeout: int = 0,
                mask_request_host: str = "", owner: str = "", run_id: str = "",
-               queued_at: float = 0.0) -> SandboxRecord:
+               queued_at: float = 0.0, origin: str = "") -> SandboxRecord:
     """A record with a fresh unguessable ID and envd token (unless given: an adopted
     pause keeps its own), ending ``ttl`` seconds from now."""
     now = time.time()
@@ -57,4 +57,5 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
         owner=owner,
         run_id=run_id,
         queued_at=queued_at or now,
+        origin=origin,
     )

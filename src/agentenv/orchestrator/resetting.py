@@ -166,6 +166,7 @@ class Resetting(Pausing):
             if paused or seconds is not None:
                 record.end_at = time.time() + (
                     seconds if seconds is not None else self.config.default_timeout)
+            record.origin = f"snapshot:{manifest.snapshot_id}"  # it descends from it now
             self.store.put(record)
             log.info("reset %s to snapshot %s in %.0f ms (%s; old runtime destroyed in "
                      "%.0f ms)", sandbox_id, manifest.snapshot_id,

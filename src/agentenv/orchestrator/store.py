@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     run_id       TEXT NOT NULL DEFAULT '',
     queued_at    REAL NOT NULL DEFAULT 0,
     booted_at    REAL NOT NULL DEFAULT 0,
-    ready_at     REAL NOT NULL DEFAULT 0
+    ready_at     REAL NOT NULL DEFAULT 0,
+    origin       TEXT NOT NULL DEFAULT ''
 );
 """
 _COLUMNS = [
@@ -53,6 +54,7 @@ _COLUMNS = [
     "envd_token", "slot_index", "slot_address", "snapshot_id", "network",
     "traffic_token", "error", "auto_pause_memory", "auto_resume", "resume_timeout",
     "mask_request_host", "owner", "run_id", "queued_at", "booted_at", "ready_at",
+    "origin",
 ]
 # Columns added after the first release, with their defaults (for old files).
 _ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL DEFAULT '{}'",
@@ -63,7 +65,7 @@ _ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL D
           "mask_request_host": "TEXT NOT NULL DEFAULT ''",
           "owner": "TEXT NOT NULL DEFAULT ''", "run_id": "TEXT NOT NULL DEFAULT ''",
           "queued_at": "REAL NOT NULL DEFAULT 0", "booted_at": "REAL NOT NULL DEFAULT 0",
-          "ready_at": "REAL NOT NULL DEFAULT 0"}
+          "ready_at": "REAL NOT NULL DEFAULT 0", "origin": "TEXT NOT NULL DEFAULT ''"}
 
 
 class SandboxStore:
@@ -109,7 +111,7 @@ def _to_row(r: SandboxRecord) -> tuple:
         r.slot_address, r.snapshot_id, json.dumps(r.network),
         r.traffic_token, r.error, int(r.auto_pause_memory), int(r.auto_resume),
         r.resume_timeout, r.mask_request_host, r.owner, r.run_id, r.queued_at,
-        r.booted_at, r.ready_at,
+        r.booted_at, r.ready_at, r.origin,
     )
 
 

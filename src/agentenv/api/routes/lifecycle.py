@@ -245,6 +245,21 @@ async def get_snapshot(snapshot_id: str, request: Request) -> SnapshotInfo:
     return _info(await snapshot_call(asyncio.to_thread(resolve_snapshot, store, snapshot_id)))
 
 
+@router.get("/snapshots/{snapshot_id}/lineage")
+async def snapshot_lineage(snapshot_id: str, request: Request) -> dict:
+    """Where a snapshot came from (``ancestors``: template, sandboxes, snapshots, from
+    the root down) and everything made from it since (``tree``: sandboxes created
+    from it or reset to it, their forks, their snapshots). Sandboxes are this node's;
+    one that is gone shows as ``gone``."""
+    return await snapshot_call(_manager(request).lineage(snapshot_id))
+
+
+@router.get("/lineage")
+async def all_lineage(request: Request) -> dict:
+    """Every lineage tree: templates at the roots, then sandboxes and their snapshots."""
+    return await snapshot_call(_manager(request).lineage())
+
+
 @router.delete("/snapshots/{snapshot_id}", status_code=204)
 async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
     """A user's snapshot (by ID or name); 409 while a paused sandbox or a template needs it."""
