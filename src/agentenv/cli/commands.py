@@ -392,6 +392,40 @@ def snapshot_tree(
     output.out.print(trunk)
 
 
+@cli.command()
+def diff(
+    before: Annotated[str, typer.Argument(help="A snapshot (ID, prefix or name) or a "
+                                               "running sandbox (ID or prefix).")],
+    after: Annotated[str, typer.Argument(help="The same, to compare it with.")],
+    text: Annotated[bool, typer.Option("--text", help="Unified diffs of changed text "
+                                                      "files.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """What changed in the files from BEFORE to AFTER: + added, - removed, ~ changed."""
+    with Client() as c:
+        refs = [quote(_diff_ref(c, ref), safe="") for ref in (before, after)]
+        data = c.json("GET", f"/snapshots/{refs[0]}/diff/{refs[1]}",
+                      params={"text": "true"} if text else None)
+    if as_json:
+        output.print_json(data)
+        return
+    for mark, key in (("+", "added"), ("-", "removed"), ("~", "changed")):
+        for item in data[key]:
+            output.out.print(f"{mark} {item['path']}", markup=False)
+    if data.get("truncated"):
+        output.err.print("aenv: more changes than listed (the node lists 10,000 of each)")
+    for patch in (data.get("diffs") or {}).values():
+        output.out.print(patch, markup=False, end="")
+
+
+def _diff_ref(c: Client, ref: str) -> str:
+    """A running sandbox's full ID for a prefix of one, else the snapshot's."""
+    try:
+        return c.resolve(ref)
+    except CliError:
+        return c.resolve_snapshot(ref)
+
+
 @snapshot_app.command("rm")
 def snapshot_rm(
     snapshots: Annotated[list[str], typer.Argument(help="Snapshot IDs, prefixes or names.")],

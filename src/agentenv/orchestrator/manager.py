@@ -16,12 +16,15 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+from ..envd.protocol import ENVD_PORT
 from ..metrics import observed
 from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound
 from ..templates.registry import InvalidTemplateRef
+from . import diffing, disk_pause
 from .boot_images import BootImage, PooledSandbox
 from .egress import Egress
+from .envd_client import EnvdUnavailable
 from .forking import Forking
 from .lineage import Lineage
 from .models import (
@@ -266,6 +269,67 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
                              "not a snapshot of a sandbox")
         return {"snapshotID": manifest.snapshot_id, "ancestors": graph.ancestors(key),
                 "tree": graph.tree(key)}
+
+    async def diff(self, before: str, after: str, text: bool = False,
+                   owner: str = "") -> dict:
+        """What changed in the files from ``before`` to ``after`` (diffing.py): each a
+        running sandbox of this node, or a snapshot (ID or name), restored for the
+        purpose into a sandbox of its own that is killed afterwards."""
+        async with contextlib.AsyncExitStack() as stack:
+            work = stack.enter_context(diffing.scratch_dir(self.config.run_dir / "diffs"))
+            sides = [await self._diff_side(ref, stack, owner) for ref in (before, after)]
+            listings = []
+            for i, (address, token) in enumerate(sides):
+                raw = work / f"listing-{i}"
+                try:
+                    await self.envd.disk_download(address, token, "list", raw,
+                                                  disk_pause.MAX_LISTING_BYTES)
+                except EnvdUnavailable as exc:
+                    raise OrchestratorError(f"listing the files of "
+                                            f"'{(before, after)[i]}' failed: {exc}") from exc
+                listings.append(await asyncio.to_thread(diffing.parse_listing, raw))
+            result = await asyncio.to_thread(diffing.compare, *listings)
+            if text:
+                paths = diffing.text_candidates(result, *listings)
+                body = work / "paths.jsonl"
+                await asyncio.to_thread(diffing.paths_body, paths, body)
+                versions = []
+                for i, (address, token) in enumerate(sides):
+                    tar = work / f"export-{i}.tar"
+                    try:
+                        await self.envd.disk_download(address, token, "export", tar,
+                                                      diffing.EXPORT_LIMIT, body=body)
+                    except EnvdUnavailable as exc:
+                        raise OrchestratorError(f"reading files of '{(before, after)[i]}' "
+                                                f"failed: {exc}") from exc
+                    versions.append(await asyncio.to_thread(diffing.read_export, tar, paths))
+                result["diffs"] = await asyncio.to_thread(
+                    lambda: {p: d for p in paths if (d := diffing.unified(
+                        p, versions[0].get(p) if p in listings[0].entries else None,
+                        versions[1].get(p) if p in listings[1].entries else None))})
+        return {"from": before, "to": after, **result}
+
+    async def _diff_side(self, ref: str, stack: contextlib.AsyncExitStack,
+                         owner: str) -> tuple[str, str]:
+        """Where envd of ``ref``'s files answers: a running sandbox's own, or that of a
+        sandbox restored from the snapshot ``ref`` names (killed when ``stack`` ends)."""
+        record = self._records.get(ref)
+        if record is None or record.state is SandboxState.KILLED:
+            manifest = await self._resolve(ref, f"no sandbox or snapshot '{ref}'")
+            record = await self.create(CreateRequest(
+                template=manifest.snapshot_id, timeout=600, internet=False, owner=owner,
+                metadata={"aenv.purpose": f"files of snapshot {manifest.snapshot_id} for a "
+                                          "diff"}))
+            stack.push_async_callback(self._kill_quietly, record.sandbox_id)
+        if record.state is not SandboxState.RUNNING:
+            raise Conflict(f"sandbox '{ref}' is {record.state}: only a running sandbox's "
+                           "files can be compared (resume it first)")
+        address, _ = self.endpoint(record.sandbox_id, ENVD_PORT)
+        return address, record.envd_token
+
+    async def _kill_quietly(self, sandbox_id: str) -> None:
+        with contextlib.suppress(OrchestratorError):
+            await asyncio.shield(self.kill(sandbox_id))
 
     async def _source(self, req: CreateRequest) -> Template | Manifest:
         """What a create starts from: a template, or a snapshot (ID, name or tag)."""

@@ -27,6 +27,7 @@ from ...snapshot import StorageFull as SnapshotStorageFull
 from ...snapshot.manifest import NAME_MAX_LENGTH, NAME_PATTERN, check_name
 from ...templates import TemplateNotFound
 from ...templates.tags import DEFAULT_TAG
+from ...web.keys import key_id
 from .. import models
 
 router = APIRouter()
@@ -252,6 +253,18 @@ async def snapshot_lineage(snapshot_id: str, request: Request) -> dict:
     from it or reset to it, their forks, their snapshots). Sandboxes are this node's;
     one that is gone shows as ``gone``."""
     return await snapshot_call(_manager(request).lineage(snapshot_id))
+
+
+@router.get("/snapshots/{before}/diff/{after}")
+async def snapshot_diff(before: str, after: str, request: Request,
+                        text: bool = Query(default=False, description="Unified diffs of "
+                                           "changed text files (small ones, up to 50)")
+                        ) -> dict:
+    """Files added, removed and changed from ``before`` to ``after``: each a snapshot
+    (ID or name) or a running sandbox of this node. A snapshot is restored for the
+    purpose into a sandbox without network that is killed afterwards."""
+    owner = key_id(request.headers.get("X-API-Key") or "")
+    return await snapshot_call(_manager(request).diff(before, after, text, owner))
 
 
 @router.get("/lineage")
