@@ -6,6 +6,7 @@ The file is ``$AENV_CONFIG`` or ``$AENV_HOME/config.toml`` when it exists.
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -119,6 +120,20 @@ class Config:
     # A node may fetch snapshot chunks from a peer that caches them (digest-verified;
     # the repository stays the source of truth).
     peer_transfer: bool = False
+    # Admission (README "For RL trainers"): a create beyond the node's room waits up to
+    # admission_queue_timeout_s (below the SDKs' 60 s request timeout) in a queue of at
+    # most admission_queue_max creates, fair across API keys; past either, 429 with
+    # Retry-After. Per-key quotas (0: none): concurrent sandboxes and creates per
+    # second, for every key; key_quotas overrides them per key ID (`aenv keys id`):
+    # [key_quotas.<key ID>] max_sandboxes = 8, creates_per_s = 2.
+    admission_queue_timeout_s: float = 30.0
+    admission_queue_max: int = 1024
+    key_max_sandboxes: int = 0
+    key_creates_per_s: float = 0.0
+    key_quotas: dict[str, Any] = field(default_factory=dict)
+    # Idempotency-Key of creates: remembered this long, at most this many (oldest go).
+    idempotency_ttl_s: int = 24 * 3600
+    idempotency_max_keys: int = 100_000
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -187,10 +202,17 @@ def _coerce(name: str, raw: Any, kind: Any) -> Any:
             return Path(text) if text else None
         if kind in (int, "int"):
             return int(text)
+        if kind in (float, "float"):
+            return float(text)
+        if str(kind).startswith("dict"):
+            value = raw if isinstance(raw, dict) else json.loads(text or "{}")
+            if not isinstance(value, dict):
+                raise ValueError(text)
+            return value
         if kind in (bool, "bool"):
             return text.lower() in ("1", "true", "yes", "on")
         return text
-    except ValueError as exc:
+    except (ValueError, json.JSONDecodeError) as exc:
         raise ConfigError(f"config {name}: cannot read {raw!r} as {kind}") from exc
 
 
@@ -229,6 +251,27 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         value = getattr(cfg, name)
         if value and value < low:
             raise ConfigError(f"{name} must be 0 (derived from the host) or at least {low}")
+    _check_admission(cfg)
     if cfg.build_log_max_bytes < 64 * 1024:
         raise ConfigError("build_log_max_bytes must be at least 65536")
     return cfg
+
+
+def _check_admission(cfg: Config) -> None:
+    if not 0 <= cfg.admission_queue_timeout_s <= 600:
+        raise ConfigError("admission_queue_timeout_s must be between 0 and 600")
+    if not 1 <= cfg.admission_queue_max <= 100_000:
+        raise ConfigError("admission_queue_max must be between 1 and 100000")
+    if cfg.key_max_sandboxes < 0 or cfg.key_creates_per_s < 0:
+        raise ConfigError("key_max_sandboxes and key_creates_per_s must not be negative")
+    if not 60 <= cfg.idempotency_ttl_s <= 30 * 86400 or \
+            not 100 <= cfg.idempotency_max_keys <= 10_000_000:
+        raise ConfigError("idempotency_ttl_s must be 60..2592000 and idempotency_max_keys "
+                          "100..10000000")
+    for key_id, quota in cfg.key_quotas.items():
+        if not isinstance(quota, dict) or set(quota) - {"max_sandboxes", "creates_per_s"}:
+            raise ConfigError(f"key_quotas.{key_id}: expected a table of max_sandboxes "
+                              "and creates_per_s")
+        for name, value in quota.items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"key_quotas.{key_id}.{name} must be a number >= 0")

@@ -100,6 +100,14 @@ class ListedSandbox(_Body):
     envd_version: str = Field(serialization_alias="envdVersion")
     # Why a sandbox in state "error" ended ("was killed: out of memory: ..."); else null.
     error: str | None = None
+    # agentenv's timings (the SDKs keep fields they do not know as extra properties):
+    # when the create arrived, was placed (startedAt), its runtime started, it was
+    # ready; and the run that owns it.
+    queued_at: datetime | None = Field(default=None, serialization_alias="queuedAt")
+    placed_at: datetime | None = Field(default=None, serialization_alias="placedAt")
+    booted_at: datetime | None = Field(default=None, serialization_alias="bootedAt")
+    ready_at: datetime | None = Field(default=None, serialization_alias="readyAt")
+    run_id: str | None = Field(default=None, serialization_alias="runID")
 
 
 class SandboxDetail(ListedSandbox):
@@ -282,4 +290,9 @@ def _common(record: SandboxRecord) -> dict:
         "disk_size_mb": record.disk_size_mb, "metadata": record.metadata,
         "state": public_state(record) or "running", "envd_version": ENVD_VERSION,
         "error": record.error or None,
+        "queued_at": _ts(record.queued_at) if record.queued_at else None,
+        "placed_at": _ts(record.started_at),
+        "booted_at": _ts(record.booted_at) if record.booted_at else None,
+        "ready_at": _ts(record.ready_at) if record.ready_at else None,
+        "run_id": record.run_id or None,
     }

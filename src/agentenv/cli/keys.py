@@ -33,3 +33,32 @@ def rotate(
     typer.echo(f"new API key written to {where} (mode 0600){note}", err=True)
     if show:
         typer.echo(key)
+
+
+@keys.command("id")
+def key_id_cmd(
+    key: Annotated[str | None, typer.Argument(
+        help="The API key (default: the one in AENV_API_KEY, else the node's file).")] = None,
+    home: Annotated[Path | None, typer.Option(help="State directory (AENV_HOME).")] = None,
+) -> None:
+    """Print an API key's ID: what per-key quotas are configured by (key_quotas)."""
+    import os
+
+    from ..config import ConfigError, load_config
+    from ..web.keys import KEY_FILE
+    from ..web.keys import key_id as id_of
+
+    if not key:
+        key = os.environ.get("AENV_API_KEY", "")
+    if not key:
+        try:
+            config = load_config({"home": home})
+        except ConfigError as exc:
+            typer.echo(f"aenv: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        try:
+            key = (config.secrets_dir / KEY_FILE).read_text()
+        except OSError as exc:
+            typer.echo(f"aenv: no API key given and none readable here: {exc}", err=True)
+            raise typer.Exit(2) from exc
+    typer.echo(id_of(key.strip()))

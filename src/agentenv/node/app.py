@@ -91,6 +91,8 @@ def create_app(config: Config) -> ASGIApp:
             await builder.close()
             await manager.close(destroy=True)
             manager.store.close()
+            manager.runbook.close()
+            manager.idempotency.close()
             log.info("node stopped cleanly")
 
     # The API document is served to key holders only (see docs/security.md); the

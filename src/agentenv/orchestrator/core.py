@@ -30,11 +30,13 @@ from ..resources import CPU, DISK, MEMORY
 from ..runtime import Runtime
 from ..snapshot import SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
+from .admission import Admission, Quota, Ticket
 from .boot_images import BootImages
 from .collect import SnapshotCollector
 from .disk_pause import TemplateListings
 from .envd_client import EnvdClient
 from .exits import ExitHandler
+from .idempotency import IdempotencyKeys
 from .launch import EnvdInit, Launcher, LaunchPlan
 from .models import (
     TRANSITIONS,
@@ -50,6 +52,7 @@ from .models import (
 from .records import Resources
 from .requests import check_timeout
 from .resident import ResidentSet, default_budget_bytes
+from .runbook import RunBook
 from .specs import BUNDLE_MOUNT, SpecFactory
 from .store import SandboxStore
 
@@ -96,6 +99,15 @@ class ManagerCore:
         # pause, fork): the proxy closes its idle connections to it, which a copy
         # restored elsewhere would hold half-open (see SandboxProxy.release_idle).
         self.on_capture: list[Callable[[str], Awaitable[None]]] = []
+        # Creates beyond the node's room wait here, fair across API keys (admission.py).
+        self.admission = Admission(
+            timeout_s=config.admission_queue_timeout_s, max_waiting=config.admission_queue_max,
+            no_room=self._no_room, owned=self._owned, quotas=self._quota)
+        # Runs own sandboxes: their leases, persisted beside the records (runs.py).
+        self.runbook = RunBook(store.path)
+        # Answers of creates sent with an Idempotency-Key (idempotency.py).
+        self.idempotency = IdempotencyKeys(store.path, config.idempotency_ttl_s,
+                                           config.idempotency_max_keys)
         # What each template's rootfs holds (filesystem-only pauses compare with it).
         self._template_listings = TemplateListings()
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
@@ -149,9 +161,45 @@ class ManagerCore:
         return False
 
     def _check_capacity(self) -> None:
-        if self.active_count() >= self.config.max_sandboxes:
-            raise CapacityExceeded(
-                f"node is at capacity ({self.config.max_sandboxes} sandboxes); retry later")
+        why = self._no_room(0)
+        if why is not None:
+            raise CapacityExceeded(f"{why}; retry later")
+
+    def _no_room(self, reserved: int) -> str | None:
+        """Why one more sandbox does not fit now, with ``reserved`` creates admitted but
+        not yet recorded (None: it fits). A sandbox being torn down still holds its slot
+        until the slot is handed back, so it still counts (a burst right after kills
+        otherwise found "no network slot free"); a resident paused one does not (a
+        launch evicts it when it needs the slot)."""
+        cap = self.config.max_sandboxes
+        busy = sum(1 for r in self._records.values()
+                   if r.state in (SandboxState.CREATING, SandboxState.RUNNING)
+                   or (r.sandbox_id in self._slots and r.state is not SandboxState.PAUSED))
+        if busy + reserved >= cap:
+            return (f"node is at capacity ({cap} sandboxes, counting those whose slots "
+                    "are being released)")
+        return None
+
+    def _owned(self, owner: str) -> int:
+        return sum(1 for r in self._records.values() if r.owner == owner and
+                   r.state in (SandboxState.CREATING, SandboxState.RUNNING))
+
+    def _quota(self, owner: str) -> Quota:
+        own = self.config.key_quotas.get(owner) or {}
+        return Quota(int(own.get("max_sandboxes", self.config.key_max_sandboxes)),
+                     float(own.get("creates_per_s", self.config.key_creates_per_s)))
+
+    async def _admit(self, req: Any) -> Ticket:
+        """Wait for room for a create (admission.py); it joins its run (if it names
+        one) only if that run is still going once admitted."""
+        self.runbook.check_joinable(req.run_id)
+        ticket = await self.admission.admit(req.owner, req.client_gone)
+        try:
+            self.runbook.check_joinable(req.run_id)
+        except BaseException:
+            ticket.release()
+            raise
+        return ticket
 
     def _check_timeout(self, timeout: int | None) -> int:
         return check_timeout(timeout, self.config.default_timeout, self.config.max_timeout)
@@ -212,7 +260,8 @@ class ManagerCore:
             memory_mb=record.memory_mb, hostname_of=hostname_of, image=image,
             internet=record.internet, network=record.network,
             init=self._envd_init(record, template, current_token, new_boot) if init else None,
-            files=files, start_command=start_command, purpose=purpose, slot=slot)
+            files=files, start_command=start_command, purpose=purpose, slot=slot,
+            on_started=lambda: setattr(record, "booted_at", time.time()))
 
     @staticmethod
     def _envd_init(record: SandboxRecord, template: Template, current_token: str = "",
@@ -229,6 +278,7 @@ class ManagerCore:
         On failure the launcher has undone its part; the caller drops the record."""
         slot = await self.launcher.launch(plan)
         self._hold(record, slot)
+        record.ready_at = time.time()
         self._transition(record, SandboxState.RUNNING)
         return record
 
@@ -271,6 +321,7 @@ class ManagerCore:
                 await self.slots.release(slot)
             except Exception:
                 log.exception("release of slot %s of %s failed", slot.index, record.sandbox_id)
+            self.admission.wake()
 
     async def _before_capture(self, sandbox_id: str) -> None:
         for listener in self.on_capture:
@@ -285,6 +336,7 @@ class ManagerCore:
         self.store.delete(record.sandbox_id)
         self._records.pop(record.sandbox_id, None)
         self._locks.pop(record.sandbox_id, None)
+        self.admission.wake()
 
     async def _teardown(self, record: SandboxRecord, started: bool) -> None:
         """Stop a sandbox (if ``started``), free its slot and drop its record."""
@@ -329,6 +381,8 @@ class ManagerCore:
             raise Conflict(f"sandbox '{record.sandbox_id}' cannot go from {record.state} to {to}")
         record.state = to
         self.store.put(record)
+        if to is not SandboxState.RUNNING:
+            self.admission.wake()
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())

@@ -88,11 +88,23 @@ class Forking(ManagerCore):
         built template's (the sandbox is then of that template, with its env vars)."""
         meta = manifest.metadata
         self.specs.check_restorable(meta)
-        self._check_capacity()
+        self.runbook.check_joinable(req.run_id)
         try:
             image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
         except SnapshotError as exc:
             raise OrchestratorError(f"snapshot repository: {exc}") from exc
+        ticket = await self._admit(req)
+        try:
+            record = self._snapshot_record(req, meta, ttl, template)
+        finally:
+            ticket.release()
+        return await self._as_task(record, self._restore_new(
+            record, image, source_token=meta["envd_token"],
+            hostname_of=meta.get("source_sandbox_id", record.sandbox_id), new_boot=True,
+            template=template))
+
+    def _snapshot_record(self, req: CreateRequest, meta: dict, ttl: int,
+                         template: Template | None) -> SandboxRecord:
         record = new_record(
             node_id=self.config.node_id,
             template_id=template.template_id if template else meta["template_id"],
@@ -105,12 +117,9 @@ class Forking(ManagerCore):
             # A template build's sandbox metadata is not the template's sandboxes'.
             metadata={**({} if template else meta.get("metadata", {})), **req.metadata},
             env_vars={**meta.get("env_vars", {}), **dict(template.envs if template else ()),
-                      **req.env_vars}, **req.ingress(ttl))
+                      **req.env_vars}, **req.ingress(ttl), **req.stamps())
         self._add(record)
-        return await self._as_task(record, self._restore_new(
-            record, image, source_token=meta["envd_token"],
-            hostname_of=meta.get("source_sandbox_id", record.sandbox_id), new_boot=True,
-            template=template))
+        return record
 
     async def _restore_new(self, record: SandboxRecord, image: Path, source_token: str,
                            hostname_of: str, new_boot: bool = False,

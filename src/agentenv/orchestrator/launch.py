@@ -78,6 +78,8 @@ class LaunchPlan:
     # readied again (a reset: SlotPool.reuse): launched into as it is, egress policy
     # and all, instead of a slot from the pool.
     slot: Slot | None = None
+    # Called once the runtime has started or restored (the record's ``booted_at``).
+    on_started: Callable[[], None] | None = None
 
     @property
     def verb(self) -> str:
@@ -138,6 +140,8 @@ class Launcher:
                 else:
                     await self.runtime.start(spec)
                 marks.append((plan.verb, time.perf_counter()))
+                if plan.on_started is not None:
+                    plan.on_started()
                 await self.envd.wait_ready(slot.address)
                 marks.append(("envd", time.perf_counter()))
                 if plan.init is not None:

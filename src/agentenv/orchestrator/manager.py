@@ -34,13 +34,14 @@ from .reconcile import Reconciling
 from .records import new_record
 from .requests import CreateRequest, check_create
 from .resetting import Resetting
+from .runs import Runs
 from .snapshots import SnapshotUse, resolve_snapshot
 
 log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 
 
-class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
+class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs):
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -74,6 +75,7 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
             ttl_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ttl_task
+        self.admission.close()
         for task in list(self._tasks):
             task.cancel()
         if destroy:  # their runtimes go below: what is frozen is captured first
@@ -123,7 +125,23 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
             manifest = await self._resolve(template.snapshot_id, f"snapshot of template "
                                            f"'{req.template}' is gone")
             return await self._create_from_snapshot(req, manifest, ttl, template)
-        self._check_capacity()
+        ticket = await self._admit(req)
+        try:
+            record, member = self._new_create(req, template, ttl)
+        finally:
+            ticket.release()
+        custom = req.custom_resources and not template.snapshot_id
+        if member is not None:
+            return await self._as_task(record, self._hand_out(record, member, template))
+        image = await pool.image(template) if pool and not custom else None
+        work = (self._restore_or_boot(record, template, image) if image
+                else self._boot(record, template))
+        return await self._as_task(record, work)
+
+    def _new_create(self, req: CreateRequest, template: Template, ttl: int
+                    ) -> tuple[SandboxRecord, PooledSandbox | None]:
+        """The record of an admitted create (a warm-pool member's, if one is there)."""
+        pool = self.boot_images
         # A built template's resources are its snapshot's: only a boot takes others.
         custom = req.custom_resources and not template.snapshot_id
         member = pool.take(template) if pool and not custom else None
@@ -138,14 +156,10 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
             ttl=ttl, auto_pause=req.auto_pause, auto_pause_memory=req.auto_pause_memory,
             internet=req.internet, network=req.network.to_json() if req.network else {},
             private_ports=not req.public_traffic, metadata=req.metadata,
-            env_vars={**dict(template.envs), **req.env_vars}, **req.ingress(ttl))
+            env_vars={**dict(template.envs), **req.env_vars}, **req.ingress(ttl),
+            **req.stamps())
         self._add(record)
-        if member is not None:
-            return await self._as_task(record, self._hand_out(record, member, template))
-        image = await pool.image(template) if pool and not custom else None
-        work = (self._restore_or_boot(record, template, image) if image
-                else self._boot(record, template))
-        return await self._as_task(record, work)
+        return record, member
 
     async def _resolve(self, name: str, missing: str, cause: BaseException | None = None):
         try:
@@ -161,6 +175,7 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
         egress policy and envd's token and env vars are set, nothing else."""
         t0 = time.perf_counter()
         self._hold(record, member.slot)
+        record.booted_at = time.time()
         self.store.put(record)
         try:
             await self.launcher.apply_egress(record.sandbox_id, member.slot, record.network,
@@ -170,6 +185,7 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
                                  default_user=init.default_user,
                                  default_workdir=init.default_workdir,
                                  current_token=init.current_token, boot_id=init.boot_id)
+            record.ready_at = time.time()
             self._transition(record, SandboxState.RUNNING)
         except Exception as exc:
             log.warning("handing out pooled sandbox %s failed: %s", record.sandbox_id, exc)
@@ -241,6 +257,7 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse):
                 log.exception("runtime housekeeping failed")
             ticks += 1
             await self._tend_residents()
+            await self._tend_runs()
             if ticks % COMMIT_RETRY_TICKS == 0:
                 self._retry_failed_commits()
             if ticks % max(1, int(self.config.egress_refresh_s)) == 0:

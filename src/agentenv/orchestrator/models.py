@@ -104,6 +104,16 @@ class SandboxRecord:
     # E2B's network.maskRequestHost: the Host its ports see ("${PORT}" replaced); ""
     # = the client's own Host.
     mask_request_host: str = ""
+    # Who made it (the API key's ID: per-key quotas count it) and the run that owns
+    # it ("" for none: runs.py ends it with the run).
+    owner: str = ""
+    run_id: str = ""
+    # When its create arrived (and maybe waited for room: admission.py), when its
+    # runtime started (or was restored), and when it was ready (running); epoch
+    # seconds, 0 unknown. ``started_at`` is when it was placed (its record made).
+    queued_at: float = 0.0
+    booted_at: float = 0.0
+    ready_at: float = 0.0
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.end_at

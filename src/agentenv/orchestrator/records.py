@@ -26,7 +26,8 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
                state: SandboxState = SandboxState.CREATING, envd_token: str = "",
                snapshot_id: str = "", started_at: float | None = None,
                auto_resume: bool = False, resume_timeout: int = 0,
-               mask_request_host: str = "") -> SandboxRecord:
+               mask_request_host: str = "", owner: str = "", run_id: str = "",
+               queued_at: float = 0.0) -> SandboxRecord:
     """A record with a fresh unguessable ID and envd token (unless given: an adopted
     pause keeps its own), ending ``ttl`` seconds from now."""
     now = time.time()
@@ -53,4 +54,7 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
         auto_resume=auto_resume,
         resume_timeout=resume_timeout,
         mask_request_host=mask_request_host,
+        owner=owner,
+        run_id=run_id,
+        queued_at=queued_at or now,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ..network import EgressPolicy
@@ -40,10 +42,22 @@ class CreateRequest:
     # sandbox boots, as no template image or pooled sandbox has them.
     cpu_count: int | None = None
     memory_mb: int | None = None
+    # Who asks (the API key's ID: quotas and fairness are per owner), the run the
+    # sandbox joins ("" none), and whether the client has hung up (a create waiting
+    # for room then gives up its place).
+    owner: str = ""
+    run_id: str = ""
+    client_gone: Callable[[], Awaitable[bool]] | None = None
+    # When the create arrived (the record's ``queued_at``).
+    queued_at: float = field(default_factory=time.time)
 
     @property
     def custom_resources(self) -> bool:
         return bool(self.cpu_count or self.memory_mb)
+
+    def stamps(self) -> dict:
+        """The record fields a create sets from its request: owner, run, arrival."""
+        return {"owner": self.owner, "run_id": self.run_id, "queued_at": self.queued_at}
 
     def ingress(self, ttl: int) -> dict:
         """The record fields for traffic to the sandbox: a resume by traffic runs for the

@@ -39,7 +39,12 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     auto_pause_memory INTEGER NOT NULL DEFAULT 1,
     auto_resume  INTEGER NOT NULL DEFAULT 0,
     resume_timeout INTEGER NOT NULL DEFAULT 0,
-    mask_request_host TEXT NOT NULL DEFAULT ''
+    mask_request_host TEXT NOT NULL DEFAULT '',
+    owner        TEXT NOT NULL DEFAULT '',
+    run_id       TEXT NOT NULL DEFAULT '',
+    queued_at    REAL NOT NULL DEFAULT 0,
+    booted_at    REAL NOT NULL DEFAULT 0,
+    ready_at     REAL NOT NULL DEFAULT 0
 );
 """
 _COLUMNS = [
@@ -47,7 +52,7 @@ _COLUMNS = [
     "disk_size_mb", "started_at", "end_at", "auto_pause", "internet", "metadata", "env_vars",
     "envd_token", "slot_index", "slot_address", "snapshot_id", "network",
     "traffic_token", "error", "auto_pause_memory", "auto_resume", "resume_timeout",
-    "mask_request_host",
+    "mask_request_host", "owner", "run_id", "queued_at", "booted_at", "ready_at",
 ]
 # Columns added after the first release, with their defaults (for old files).
 _ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL DEFAULT '{}'",
@@ -55,11 +60,15 @@ _ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL D
           "auto_pause_memory": "INTEGER NOT NULL DEFAULT 1",
           "auto_resume": "INTEGER NOT NULL DEFAULT 0",
           "resume_timeout": "INTEGER NOT NULL DEFAULT 0",
-          "mask_request_host": "TEXT NOT NULL DEFAULT ''"}
+          "mask_request_host": "TEXT NOT NULL DEFAULT ''",
+          "owner": "TEXT NOT NULL DEFAULT ''", "run_id": "TEXT NOT NULL DEFAULT ''",
+          "queued_at": "REAL NOT NULL DEFAULT 0", "booted_at": "REAL NOT NULL DEFAULT 0",
+          "ready_at": "REAL NOT NULL DEFAULT 0"}
 
 
 class SandboxStore:
     def __init__(self, path: Path):
+        self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         # The file holds env vars and envd tokens: owner-only.
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
@@ -99,7 +108,8 @@ def _to_row(r: SandboxRecord) -> tuple:
         json.dumps(r.metadata), json.dumps(r.env_vars), r.envd_token, r.slot_index,
         r.slot_address, r.snapshot_id, json.dumps(r.network),
         r.traffic_token, r.error, int(r.auto_pause_memory), int(r.auto_resume),
-        r.resume_timeout, r.mask_request_host,
+        r.resume_timeout, r.mask_request_host, r.owner, r.run_id, r.queued_at,
+        r.booted_at, r.ready_at,
     )
 
 

@@ -51,7 +51,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _agentenv(_: Request, exc: AgentenvError) -> JSONResponse:
         if exc.status >= 500:
             log.error("request failed: %s", exc)
-        return error_response(exc.status, str(exc))
+        response = error_response(exc.status, str(exc))
+        response.headers.update(getattr(exc, "headers", None) or {})  # Retry-After
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

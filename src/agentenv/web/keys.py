@@ -3,6 +3,7 @@ rotated by ``aenv keys rotate`` (the running node notices the new file)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
@@ -34,6 +35,12 @@ def key_matches(given: str | None, expected: str) -> bool:
     if not given:
         return False
     return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def key_id(key: str) -> str:
+    """A key's public ID (what per-key quotas are configured by, and what scopes
+    idempotency keys): a hash prefix, so config files and logs never hold the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 PREVIOUS_FILE = "api-key.previous"

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import httpx
 from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
 
 from ... import __version__
 from ...envd.protocol import ENVD_PORT
@@ -19,6 +20,8 @@ from ...orchestrator import (
     SandboxState,
 )
 from ...orchestrator import query as q
+from ...orchestrator.idempotency import check_key, fingerprint
+from ...web.keys import key_id
 from .. import models
 from . import network as network_routes
 
@@ -49,14 +52,25 @@ def _internet(body: models.NewSandbox) -> bool:
 
 # -- sandboxes ----------------------------------------------------------------------
 
+RUN_HEADER = "X-Aenv-Run"
+RUN_METADATA = "aenv.run"
+
+
 @router.post("/sandboxes", status_code=201, response_model=models.SandboxCreated,
              response_model_by_alias=True, response_model_exclude_none=True)
 @router.post("/v2/sandboxes", status_code=201, response_model=models.SandboxCreated,
              response_model_by_alias=True, response_model_exclude_none=True)
-async def create_sandbox(body: models.NewSandbox, request: Request) -> models.SandboxCreated:
+async def create_sandbox(body: models.NewSandbox, request: Request) -> Response:
+    """A new sandbox. Beyond the node's room the create waits its turn (429 with
+    Retry-After past the queue time); with an Idempotency-Key a retry gets the first
+    answer; ``X-Aenv-Run`` (or metadata ``aenv.run``) puts it in a run."""
     mgr = manager(request)
-    record = await mgr.create(
-        CreateRequest(
+    run_id = _run_of(request, body)
+    owner = key_id(request.headers.get("X-API-Key") or "")
+    idem = request.headers.get("Idempotency-Key")
+
+    async def make() -> dict:
+        record = await mgr.create(CreateRequest(
             template=body.template_id,
             timeout=body.timeout,
             metadata=body.metadata or {},
@@ -68,9 +82,27 @@ async def create_sandbox(body: models.NewSandbox, request: Request) -> models.Sa
             public_traffic=network_routes.public_traffic(body.network),
             auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
             mask_request_host=network_routes.mask_request_host(body.network),
-        )
-    )
-    return models.created(record, _domain(request))
+            owner=owner, run_id=run_id, client_gone=request.is_disconnected,
+        ))
+        return models.created(record, _domain(request)).model_dump(
+            mode="json", by_alias=True, exclude_none=True)
+
+    if idem is None:
+        return JSONResponse(await make(), status_code=201)
+    check_key(idem)
+    print_ = fingerprint({"path": request.url.path, "run": run_id,
+                          "body": body.model_dump(mode="json", by_alias=True)})
+    return JSONResponse(await mgr.idempotency.once(owner, idem, print_, make), status_code=201)
+
+
+def _run_of(request: Request, body: models.NewSandbox) -> str:
+    """The run a create joins: the X-Aenv-Run header or the metadata key aenv.run."""
+    header = request.headers.get(RUN_HEADER, "").strip()
+    meta = (body.metadata or {}).get(RUN_METADATA, "")
+    meta = meta.strip() if isinstance(meta, str) else ""
+    if header and meta and header != meta:
+        raise BadRequest(f"{RUN_HEADER} and metadata {RUN_METADATA!r} name different runs")
+    return header or meta
 
 
 @router.get("/sandboxes", response_model=list[models.ListedSandbox],
@@ -263,3 +295,6 @@ from . import templates as template_routes  # noqa: E402  (after the sandbox rou
 
 router.include_router(template_routes.router)
 router.include_router(network_routes.router)
+from . import runs as run_routes  # noqa: E402
+
+router.include_router(run_routes.router)

@@ -1,0 +1,76 @@
+"""Runs own sandboxes: a run ends when its lease lapses (no heartbeat for its
+``leaseSeconds``) or on DELETE, and every sandbox created in it is then killed (or
+paused, if the run asked so). A trainer killed with -9 thus leaks nothing past its
+lease. The books (and their persistence) are ``runbook.py``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from .models import Conflict, NotFound, SandboxRecord, SandboxState
+from .pausing import Pausing
+from .runbook import Run, check_run
+
+log = logging.getLogger(__name__)
+# How long ending a run waits for its sandboxes still being created.
+END_WAIT_S = 120.0
+
+
+class Runs(Pausing):
+    def create_run(self, name: object, lease_s: object, on_expiry: object) -> Run:
+        return self.runbook.create(*check_run(name, lease_s, on_expiry))
+
+    def run_members(self, run_id: str) -> list[SandboxRecord]:
+        return [r for r in self._records.values()
+                if r.run_id == run_id and r.state is not SandboxState.KILLED]
+
+    async def end_run(self, run_id: str) -> None:
+        """DELETE: the run's sandboxes killed (or paused), then the run gone."""
+        run = self.runbook.get(run_id)
+        await self._end_run(run, "deleted")
+
+    async def _tend_runs(self) -> None:
+        """Runs whose lease lapsed end (in the background: the TTL loop goes on)."""
+        for run in self.runbook.lapsed(time.time()):
+            log.info("run %s (%s): its lease of %ss lapsed; ending it", run.run_id, run.name,
+                     run.lease_s)
+            task = asyncio.create_task(self._end_run(run, "lease lapsed"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _end_run(self, run: Run, why: str) -> None:
+        run.ending = True  # no create joins it from now on
+        end = time.monotonic() + END_WAIT_S
+        while True:
+            creating = False
+            for record in self.run_members(run.run_id):
+                if record.state is SandboxState.CREATING:
+                    creating = True  # it is killed once it runs (or it fails by itself)
+                elif record.state is SandboxState.RUNNING and run.on_expiry == "pause":
+                    await self._pause_or_kill(record)
+                elif record.state is not SandboxState.PAUSED or run.on_expiry == "kill":
+                    with contextlib.suppress(NotFound, Conflict):
+                        await self.kill(record.sandbox_id)
+            if not creating or time.monotonic() > end:
+                break
+            await asyncio.sleep(0.2)
+        self.runbook.forget(run.run_id)
+        log.info("run %s (%s) ended (%s)", run.run_id, run.name, why)
+
+    async def _pause_or_kill(self, record: SandboxRecord) -> None:
+        try:
+            await self.pause(record.sandbox_id, memory=True)
+        except (NotFound, Conflict):
+            return
+        except Exception as exc:
+            log.error("pausing %s of its ended run failed (%s); killing it",
+                      record.sandbox_id, exc)
+            with contextlib.suppress(NotFound, Conflict):
+                await self.kill(record.sandbox_id)
+
+    async def kill(self, sandbox_id: str) -> None:
+        raise NotImplementedError  # SandboxManager's
