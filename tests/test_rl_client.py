@@ -4,14 +4,16 @@ leaves nothing behind; the client's exec, files, timeouts and durable exec."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from agentenv.rl import ApiError, EnvPool, ExecTimeout
+from agentenv.rl import ApiError, EnvPool, ExecTimeout, RetryPolicy
 from agentenv.rl.pool import POOL_METADATA
-from agentenv.testing import Node
+from agentenv.testing import Node, leaks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -42,6 +44,10 @@ async def test_env_exec_files_timeouts_and_reset(node: Node) -> None:
                        run_name="rl-test") as pool:
         env = await pool.acquire()
         first = env.sandbox_id
+        run_id = pool.run.run_id  # the pool's run owns its sandboxes
+        with node.client() as api:
+            run = api.get(f"/runs/{run_id}").json()
+        assert run["name"] == "rl-test" and run["sandboxes"] == 1
         code, out, err = await env.exec("echo out; echo err >&2; exit 7")
         assert (code, out, err) == (7, "out\n", "err\n")
         await env.upload("/home/user/x/data.bin", bytes(range(256)) * 10)
@@ -65,6 +71,7 @@ async def test_env_exec_files_timeouts_and_reset(node: Node) -> None:
     assert _pool_sandboxes(node) == []
     with node.client() as api:
         assert api.get(f"/sandboxes/{first}").status_code == 404
+        assert api.get(f"/runs/{run_id}").status_code == 404  # ended with the pool
 
 
 async def test_pool_refuses_bad_input(node: Node) -> None:
@@ -81,3 +88,38 @@ async def test_pool_refuses_bad_input(node: Node) -> None:
             pass
     assert bad_key.value.status == 401
     assert _pool_sandboxes(node) == []
+
+
+@pytest.mark.timeout(180)
+async def test_pool_waits_out_a_full_node(tmp_path: Path) -> None:
+    """A node with room for 2 and a 1 s admission queue: a pool's create past it is
+    answered 429 + Retry-After; the pool retries as told, gives up at its deadline
+    with that 429, and succeeds once room is made. Nothing leaks."""
+    prefix = f"rl{os.getpid() % 4096:03x}"
+    node = Node(tmp_path / "home", prefix, f"10.{140 + os.getpid() % 10}.0.0/16",
+                AENV_MAX_SANDBOXES="2", AENV_ADMISSION_QUEUE_TIMEOUT_S="1")
+    node.start()
+    try:
+        async with EnvPool(node.url, node.api_key, template="base", size=2):
+            late = EnvPool(node.url, node.api_key, template="base", size=1,
+                           retry=RetryPolicy(deadline_s=3))
+            with pytest.raises(ApiError) as gave_up:
+                async with late:
+                    pass
+            assert gave_up.value.status == 429 and "deadline" in gave_up.value.message
+            assert set(late.api.refusals) == {429}
+            waiting = EnvPool(node.url, node.api_key, template="base", size=1)
+            start = asyncio.create_task(waiting.start())
+            while 429 not in waiting.api.refusals:  # queued, refused, retrying
+                assert not start.done(), start
+                await asyncio.sleep(0.1)
+        await start  # room made by the first pool's close: the retry gets in
+        env = await waiting.acquire()
+        assert (await env.exec("echo in")).stdout == "in\n"
+        await waiting.close()
+        with node.client() as api:
+            assert api.get("/sandboxes").json() == []
+            assert api.get("/runs").json() == []
+    finally:
+        node.stop()
+    assert leaks(prefix, node.home) == []

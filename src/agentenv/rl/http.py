@@ -75,6 +75,8 @@ class Api:
     def __init__(self, url: str, api_key: str, retry: RetryPolicy | None = None,
                  max_connections: int = 64, timeout_s: float = 120.0) -> None:
         self.retry = retry or RetryPolicy()
+        # Every answer that asked for a retry (a status; 0: no answer), for the curious.
+        self.refusals: list[int] = []
         self.client = httpx.AsyncClient(
             base_url=url.rstrip("/"), headers={"X-API-Key": api_key},
             timeout=httpx.Timeout(timeout_s, connect=10.0),
@@ -110,6 +112,7 @@ class Api:
                     raise ApiError(r.status_code, _message(r))
                 wait = retry_after(r)
                 last, last_status = _message(r), r.status_code
+            self.refusals.append(last_status)
             pause = self.retry.wait(attempt, wait)
             if time.monotonic() + pause >= deadline:
                 raise ApiError(last_status,
