@@ -145,6 +145,7 @@ def sdk_way(snapshot: str) -> Callable[[Rollout], Awaitable[None]]:
         try:
             clock.lap("create")
             await sbx.files.write(PATCH_PATH, patch_of(r))
+            clock.lap("upload")
             applied = await _sdk_code(sbx, APPLY)
             clock.lap("exec patch")
             tested = await _sdk_code(sbx, TESTS) if applied == 0 else None
@@ -168,6 +169,7 @@ def fork_way(api: httpx.AsyncClient, envd_http: httpx.AsyncClient, source: str
             clock.lap("fork")
             envd = Envd(envd_http, child["sandboxID"], child.get("envdAccessToken"))
             await envd.upload(PATCH_PATH, patch_of(r))
+            clock.lap("upload")
             applied = (await envd.exec(APPLY, 30)).exit_code
             clock.lap("exec patch")
             tested = (await envd.exec(TESTS, 60)).exit_code if applied == 0 else None
@@ -185,6 +187,7 @@ def reset_way(pool: EnvPool) -> Callable[[Rollout], Awaitable[None]]:
         try:
             clock = Clock(r)
             await env.upload(PATCH_PATH, patch_of(r))
+            clock.lap("upload")
             applied = (await env.exec(APPLY, 30)).exit_code
             clock.lap("exec patch")
             tested = (await env.exec(TESTS, 60)).exit_code if applied == 0 else None
@@ -197,8 +200,25 @@ def reset_way(pool: EnvPool) -> Callable[[Rollout], Awaitable[None]]:
     return one
 
 
+def pooled_way(pool: EnvPool) -> Callable[[Rollout], Awaitable[None]]:
+    """As a trainer would use the pool: acquire (waiting for a reset env if none is
+    idle), work, release; the release resets in the background."""
+    async def one(r: Rollout) -> None:
+        clock = Clock(r)
+        async with pool.env() as env:
+            clock.lap("acquire")
+            await env.upload(PATCH_PATH, patch_of(r))
+            clock.lap("upload")
+            applied = (await env.exec(APPLY, 30)).exit_code
+            clock.lap("exec patch")
+            tested = (await env.exec(TESTS, 60)).exit_code if applied == 0 else None
+            clock.lap("exec tests")
+            _grade(r, applied, tested)
+    return one
+
+
 # -- the run ----------------------------------------------------------------------------
-async def bench(node: Node, n: int, c: int) -> dict[str, dict]:
+async def bench(node: Node, n: int, c: int, ways: set[str]) -> dict[str, dict]:
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-rollouts-") as tmp:
         root = Path(tmp)
@@ -209,19 +229,27 @@ async def bench(node: Node, n: int, c: int) -> dict[str, dict]:
         await prepare(env)
         snapshot = await env.snapshot()
         try:
-            with sdk_env(node.e2b_env()):
-                rows["e2b SDK: create from snapshot"] = await run_way(
-                    "sdk", n, c, sdk_way(snapshot))
-            async with httpx.AsyncClient(base_url=node.url, timeout=120,
-                                         headers={"X-API-Key": node.api_key}) as api, \
-                    httpx.AsyncClient(base_url=node.url, timeout=120) as envd_http:
-                rows["fork of the set-up sandbox"] = await run_way(
-                    "fork", n, c, fork_way(api, envd_http, env.sandbox_id))
-            async with EnvPool(node.url, node.api_key, snapshot=snapshot, size=c,
-                               run_name="bench-rollouts") as pool:
-                rows["agentenv.rl: reset in place"] = await run_way(
-                    "reset", n, c, reset_way(pool))
-                rows["agentenv.rl: reset in place"]["reset_in_place"] = pool.reset_in_place
+            if "sdk" in ways:
+                with sdk_env(node.e2b_env()):
+                    rows["e2b SDK: create from snapshot"] = await run_way(
+                        "sdk", n, c, sdk_way(snapshot))
+            if "fork" in ways:
+                async with httpx.AsyncClient(base_url=node.url, timeout=120,
+                                             headers={"X-API-Key": node.api_key}) as api, \
+                        httpx.AsyncClient(base_url=node.url, timeout=120) as envd_http:
+                    rows["fork of the set-up sandbox"] = await run_way(
+                        "fork", n, c, fork_way(api, envd_http, env.sandbox_id))
+            if "reset" in ways:
+                async with EnvPool(node.url, node.api_key, snapshot=snapshot, size=c,
+                                   run_name="bench-rollouts") as pool:
+                    row = await run_way("reset", n, c, reset_way(pool))
+                    row["reset_in_place"] = pool.reset_in_place
+                    rows["agentenv.rl: reset in place"] = row
+            if "pool" in ways:
+                async with EnvPool(node.url, node.api_key, snapshot=snapshot, size=2 * c,
+                                   run_name="bench-rollouts") as pool:
+                    rows[f"agentenv.rl: pool of {2 * c}, background reset"] = await run_way(
+                        "pool", n, c, pooled_way(pool))
         finally:
             await setup.delete_snapshot(snapshot)
     return rows
@@ -252,13 +280,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("-c", type=int, default=8)
+    ap.add_argument("--ways", default="sdk,fork,reset,pool",
+                    help="besides host processes: sdk, fork, reset, pool (all by default)")
     args = ap.parse_args()
+    ways = set(args.ways.split(","))
     work = Path(tempfile.mkdtemp(prefix="bench-rollouts-node-"))
     node = Node(work / "home", "abo", "10.37.0.0/16", AENV_MAX_SANDBOXES="24")
     rows: dict[str, dict] = {}
     try:
         node.start()
-        rows = asyncio.run(bench(node, args.n, args.c))
+        rows = asyncio.run(bench(node, args.n, args.c, ways))
     finally:
         node.stop()
         left = leaks("abo", work / "home")

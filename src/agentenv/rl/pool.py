@@ -103,12 +103,14 @@ class EnvPool:
                                 max_keepalive_connections=2 * size + 8))
         self.run = RunLease(self.api, run_name, lease_s)
         self._inflight = asyncio.Semaphore(max_inflight or size)
-        self._idle: asyncio.Queue[Env] = asyncio.Queue()
+        # None in it wakes a waiter to see that envs were lost (see _lose).
+        self._idle: asyncio.Queue[Env | None] = asyncio.Queue()
         self._envs: dict[int, Env] = {}
         self._pending: set[asyncio.Task] = set()
         # None: not known yet; False: the node has no reset (404/405), so kill + create.
         self.reset_in_place: bool | None = None if snapshot else False
         self._closed = False
+        self._lost: BaseException | None = None
 
     # -- lifecycle ------------------------------------------------------------------
     async def __aenter__(self) -> EnvPool:
@@ -163,9 +165,15 @@ class EnvPool:
 
     # -- handing envs out -------------------------------------------------------------
     async def acquire(self) -> Env:
-        if self._closed:
-            raise RuntimeError("the pool is closed")
-        return await self._idle.get()
+        while True:
+            if self._closed:
+                raise RuntimeError("the pool is closed")
+            if not self._envs:
+                self._idle.put_nowait(None)  # the next waiter learns it too
+                raise RuntimeError(f"the pool lost every environment: {self._lost!r}")
+            env = await self._idle.get()
+            if env is not None:
+                return env
 
     def release(self, env: Env, reset: bool = True) -> None:
         """Give ``env`` back; with ``reset`` it is reset (in the background) first."""
@@ -181,12 +189,23 @@ class EnvPool:
     async def _reset_and_return(self, env: Env) -> None:
         try:
             await env.reset()
-        except ApiError as e:
+        except Exception as e:
             log.warning("env %s: reset failed (%s); it leaves the pool", env.sandbox_id, e)
             self._envs.pop(id(env), None)
             await self._kill(env.sandbox_id)
-            env = await self._new_env()  # the pool keeps its size
+            try:
+                env = await self._new_env()  # the pool keeps its size
+            except Exception as again:
+                self._lose(again)
+                return
         self._idle.put_nowait(env)
+
+    def _lose(self, why: BaseException) -> None:
+        """An env is gone for good: the pool is smaller (and waiters must not wait
+        for envs that will never come)."""
+        log.warning("the pool is one environment short: %s", why)
+        self._lost = why
+        self._idle.put_nowait(None)
 
     @contextlib.asynccontextmanager
     async def env(self, reset: bool = True) -> AsyncIterator[Env]:
