@@ -142,3 +142,30 @@ async def test_durable_foreground_command_survives_its_stream(node: Node) -> Non
             assert (await sbx.commands.run("echo ok")).stdout == "ok\n"
     finally:
         await sbx.kill()
+
+
+def test_output_log_and_book_bounds() -> None:
+    """The kept output is the last cap bytes, offsets counting every byte; ended
+    commands are dropped oldest first past the count bound; running ones never."""
+    from agentenv.envd import durable
+
+    log = durable.OutputLog(10)
+    for chunk in (b"0123456", b"789abc", b"def"):
+        log.append(chunk)
+    assert (log.start, log.end) == (6, 16)
+    assert log.read(0, 100) == (6, b"6789abcdef")
+    assert log.read(12, 2) == (12, b"cd")
+    assert durable.requested({}, {"AENV_DURABLE": "1", "AENV_DURABLE_OUTPUT_BYTES": "1"}) \
+        == (True, durable.MIN_OUTPUT_BYTES)
+    assert durable.requested({"x-aenv-durable": "0"}, {}) == (False, durable.DEFAULT_OUTPUT_BYTES)
+
+    book = durable.DurableBook()
+    running = durable.DurableCommand(1, None, "sleep", [], 4096)
+    book.add(running)
+    for pid in range(2, 2 + durable.MAX_ENDED + 5):
+        cmd = durable.DurableCommand(pid, None, "true", [], 4096)
+        book.add(cmd)
+        cmd.finish(0, "exit status 0")
+        book.ended(cmd)
+    assert len(book.commands) == durable.MAX_ENDED + 1
+    assert 1 in book.commands and 2 not in book.commands  # oldest ended went first
