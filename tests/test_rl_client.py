@@ -41,7 +41,7 @@ async def test_swe_rollouts_example_rewards(node: Node) -> None:
 @pytest.mark.timeout(120)
 async def test_env_exec_files_timeouts_and_reset(node: Node) -> None:
     async with EnvPool(node.url, node.api_key, template="base", size=1,
-                       run_name="rl-test") as pool:
+                       run_name="rl-test", lease_s=5) as pool:
         env = await pool.acquire()
         first = env.sandbox_id
         run_id = pool.run.run_id  # the pool's run owns its sandboxes
@@ -68,6 +68,9 @@ async def test_env_exec_files_timeouts_and_reset(node: Node) -> None:
         assert env.sandbox_id != first and pool.reset_in_place is False
         assert (await env.exec("ls /home/user/x 2>&1; true")).stdout.startswith("ls:")
         pool.release(env, reset=False)
+        with node.client() as api:  # a 5 s lease, kept alive by the pool's heartbeat
+            later = api.get(f"/runs/{run_id}").json()
+        assert later["expiresAt"] > run["expiresAt"] and later["sandboxes"] == 1
     assert _pool_sandboxes(node) == []
     with node.client() as api:
         assert api.get(f"/sandboxes/{first}").status_code == 404
