@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -77,6 +79,7 @@ async def run_way(name: str, n: int, c: int, one: Callable[[Rollout], Awaitable[
                 r.error = f"{type(e).__name__}: {str(e)[:200]}"
             r.seconds = time.perf_counter() - t0
 
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     await asyncio.gather(*(go(r) for r in items))
     wall = time.perf_counter() - t0
@@ -91,6 +94,8 @@ async def run_way(name: str, n: int, c: int, one: Callable[[Rollout], Awaitable[
         "rewards_right": sum(r.ok for r in items),
         "phases_p50_s": {k: round(statistics.median(v), 3) for k, v in phases.items()},
         "errors": [f"#{r.index} {r.name}: {r.error}" for r in items if r.error][:10],
+        # The machine is shared: its 1-minute load average before and after this way.
+        "load_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)],
     }
     print(f"{name}: {row}", flush=True)
     return row
@@ -244,6 +249,7 @@ async def bench(node: Node, n: int, c: int, ways: set[str]) -> dict[str, dict]:
                                    run_name="bench-rollouts") as pool:
                     row = await run_way("reset", n, c, reset_way(pool))
                     row["reset_in_place"] = pool.reset_in_place
+                    row["node_reset_p50_s"] = node_resets(node)
                     rows["agentenv.rl: reset in place"] = row
             if "pool" in ways:
                 async with EnvPool(node.url, node.api_key, snapshot=snapshot, size=2 * c,
@@ -255,15 +261,31 @@ async def bench(node: Node, n: int, c: int, ways: set[str]) -> dict[str, dict]:
     return rows
 
 
+def node_resets(node: Node) -> dict[str, float]:
+    """The node's own account of its resets (its log): the whole reset, and the
+    destruction of the old runtime within it (the rest is the restore)."""
+    found = re.findall(r"reset \S+ to snapshot \S+ in (\d+) ms \([^;]*; old runtime "
+                       r"destroyed in (\d+) ms\)", node.log_path.read_text(errors="replace"))
+    if not found:
+        return {}
+    return {"reset": round(statistics.median(float(a) for a, _ in found) / 1000, 3),
+            "destroy": round(statistics.median(float(b) for _, b in found) / 1000, 3),
+            "n": len(found)}
+
+
 def render(rows: dict[str, dict], n: int, c: int, left: list[str]) -> str:
     host = rows["host processes"]["per_min"]
     lines = [f"### SWE-style rollouts: {n} rollouts, {c} at a time (template base)", "",
-             "| way | rollouts/min | x host | p50 s/rollout | rewards right | phases (p50 s) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| way | rollouts/min | x host | p50 s/rollout | rewards right | phases (p50 s) "
+             "| load 1m |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in rows.items():
         phases = ", ".join(f"{k} {v}" for k, v in row["phases_p50_s"].items())
+        if row.get("node_reset_p50_s"):
+            nr = row["node_reset_p50_s"]
+            phases += f" (node-side reset {nr['reset']}, of which destroy {nr['destroy']})"
         lines.append(f"| {name} | {row['per_min']} | {round(host / row['per_min'], 1)} | "
-                     f"{row['p50_s']} | {row['rewards_right']}/{row['rollouts']} | {phases} |")
+                     f"{row['p50_s']} | {row['rewards_right']}/{row['rollouts']} | {phases} | "
+                     f"{row['load_1m'][0]} → {row['load_1m'][1]} |")
     lines += ["", f"Goal: ≥ {GOAL_PER_MIN} rollouts/min and within 3x of host processes, "
               "every reward right. The SDK runs commands as `bash -l -c`, agentenv.rl as "
               "`bash -c`. A rollout's time includes its create/fork/reset and its kill; "
