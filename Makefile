@@ -51,6 +51,6 @@ soak: setup
 
 # Style, types, and the one-way rule between packages (docs/architecture.md).
 lint: venv
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports

@@ -18,6 +18,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
+from . import durable as durable_cmds
 from .launch import set_winsize, spawn_process
 from .running import Proc, Registry, process_event
 from .state import PathError, State, User, UserError, resolve_path
@@ -124,8 +125,18 @@ class ProcessService:
                 raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
             await self._check_cwd(cwd, user)
         deadline = _deadline(ctx)
+        durable, output_bytes = durable_cmds.requested(
+            ctx.request_headers, dict(cfg.envs) if cfg is not None else {})
+        if durable and not self.registry.durable.can_start():
+            raise ConnectError(Code.RESOURCE_EXHAUSTED,
+                               f"{durable_cmds.MAX_RUNNING} durable commands already running")
         proc = spawn_process(self.state, self.registry, request, user, cwd)
-        if deadline is not None:  # E2B semantics: the stream's deadline bounds the process
+        if durable:  # no connection bounds it: the deadline ends the stream only
+            assert cfg is not None  # spawn_process refuses a request without one
+            proc.durable = durable_cmds.DurableCommand(
+                proc.pid, proc.tag, cfg.cmd, list(cfg.args), output_bytes)
+            self.registry.durable.add(proc.durable)
+        elif deadline is not None:  # E2B semantics: the stream's deadline bounds the process
             proc.set_deadline(deadline)
         q = proc.subscribe()
         started = pb.ProcessEvent.StartEvent(pid=proc.pid)

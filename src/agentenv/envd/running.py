@@ -23,6 +23,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
+from .durable import DurableBook, DurableCommand
 from .sudo import Children
 
 READ_CHUNK = 64 * 1024
@@ -84,6 +85,8 @@ class Proc:
         self._grace: asyncio.TimerHandle | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self.ended = False
+        # Set when started durable: keeps its output and exit status (durable.py).
+        self.durable: DurableCommand | None = None
         for fd in self._out:
             os.set_blocking(fd, False)
             self._loop.add_reader(fd, self._on_readable, fd)
@@ -142,10 +145,15 @@ class Proc:
                 raise
             chunk = b""
         if chunk:
-            self._broadcast(_data(self._out[fd], chunk))
+            self._output(fd, chunk)
         else:
             self._close_out(fd)
             self._maybe_finish()
+
+    def _output(self, fd: int, chunk: bytes) -> None:
+        if self.durable is not None:
+            self.durable.output(self._out[fd], chunk)
+        self._broadcast(_data(self._out[fd], chunk))
 
     def _close_out(self, fd: int) -> None:
         if fd in self._out:
@@ -165,7 +173,7 @@ class Proc:
                 except OSError:
                     chunk = b""
                 if chunk:
-                    self._broadcast(_data(self._out[fd], chunk))
+                    self._output(fd, chunk)
                 else:
                     self._close_out(fd)
 
@@ -208,6 +216,9 @@ class Proc:
         self._broadcast(process_event(end=end))
         self._broadcast(None)
         self.registry.remove(self)
+        if self.durable is not None:
+            self.durable.finish(end.exit_code, status)
+            self.registry.durable.ended(self.durable)
 
     def _close_inputs(self) -> None:
         for attr in ("stdin_fd", "pty_fd"):
@@ -278,6 +289,8 @@ class Registry:
         self.by_pid: dict[int, Proc] = {}
         # The sudo broker's processes (started outside the process service).
         self.children = Children()
+        # Durable commands, running and recently ended (durable.py).
+        self.durable = DurableBook()
 
     def add(self, proc: Proc) -> None:
         self.by_pid[proc.pid] = proc

@@ -6,7 +6,8 @@ A bare ASGI callable (no framework) to keep envd's memory small:
 Every request except /health needs ``X-Access-Token`` once a token is set
 (/files also accepts E2B's signed-URL parameters instead). This module routes
 requests and answers /health, /init, /envs and /metrics; /files is files_http's,
-/aenv/fs/* (filesystem-only pauses) disk_capture's.
+/aenv/fs/* (filesystem-only pauses) disk_capture's, /aenv/commands (durable
+commands) durable's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .asgi import HTTPError, header, read_small_body, send_error, send_json, sen
 from .bootid import canonical, set_boot_id
 from .disk_capture import PREFIX as DISK_PREFIX
 from .disk_capture import DiskCapture
+from .durable import PREFIX as COMMANDS_PREFIX
+from .durable import CommandsEndpoint, DurableBook
 from .files_http import FilesEndpoint
 from .state import State
 from .userfs import UserFS
@@ -82,13 +85,14 @@ class EnvdApp:
     """The ASGI callable: authenticates and routes every request."""
 
     def __init__(self, state: State, process_app, filesystem_app,
-                 userfs: UserFS | None = None) -> None:
+                 userfs: UserFS | None = None, durable: DurableBook | None = None) -> None:
         self.state = state
         self.process_app = process_app
         self.filesystem_app = filesystem_app
         self.userfs = userfs or UserFS()
         self.files = FilesEndpoint(state, self.userfs)
         self.disk = DiskCapture()
+        self.commands = CommandsEndpoint(durable or DurableBook())
         self._cpu_prev: tuple[int, int] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -137,6 +141,8 @@ class EnvdApp:
                 raise HTTPError(401, "invalid or missing access token")
             if path.startswith(DISK_PREFIX):
                 await self.disk(scope, receive, send)
+            elif path == COMMANDS_PREFIX or path.startswith(COMMANDS_PREFIX + "/"):
+                await self.commands(method, path, query, send)
             elif path == "/init" and method == "POST":
                 await self._init(receive, send)
             elif path == "/envs" and method == "GET":
@@ -240,6 +246,7 @@ def build_app(state: State):
     registry = Registry()
     userfs = UserFS()
     app = EnvdApp(state, ProcessASGIApplication(ProcessService(state, registry, userfs)),
-                  FilesystemASGIApplication(FilesystemService(state, userfs)), userfs)
+                  FilesystemASGIApplication(FilesystemService(state, userfs)), userfs,
+                  registry.durable)
     app.registry = registry  # type: ignore[attr-defined]
     return app
