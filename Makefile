@@ -22,9 +22,11 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $@
 
+# The two templates build side by side (each mostly waits on downloads and dpkg).
 template: system
-	@bash scripts/build-base-template.sh
-	@bash scripts/build-code-interpreter-template.sh
+	@bash scripts/build-base-template.sh & base=$$!; \
+	bash scripts/build-code-interpreter-template.sh; ci=$$?; \
+	wait $$base && exit $$ci
 
 # The e2b JavaScript SDKs the suite runs (tests/js, pinned by its package-lock.json).
 js: tests/js/node_modules/.package-lock.json
