@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentenv.testing import Node, leaks, sdk_env
+from agentenv.testing import Node, free_cidr, leaks, sdk_env
 
 # Per session, so that two test runs on one machine never take each other's
 # slots for crash leftovers (each node removes unknown slots of its prefix).
@@ -15,7 +15,7 @@ TEST_PREFIX = f"t{os.getpid() % 46656:03x}"
 # 10.50-89 is the session node's alone: the nodes single test files start use
 # fixed or per-file ranges (10.13-44, 10.120-249); a session node sharing one with
 # them (as 10.100-199 could) broke their creates on the host's routes.
-TEST_CIDR = f"10.{50 + os.getpid() % 40}.0.0/16"
+TEST_CIDR = free_cidr(50, 40, os.getpid())
 
 
 @pytest.fixture(scope="session")

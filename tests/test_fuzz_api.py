@@ -34,10 +34,10 @@ PREFIX = "afz"
 CIDR = "10.41.0.0/16"
 SCHEMATHESIS = Path(sys.executable).parent / "st"
 HOOKS = Path(__file__).parent / "fuzz_hooks.py"
-# Bounded so the whole run stays well under a minute on a noisy 2-core machine (the
-# API grew: resets, evictions, tags);
+# Bounded for the suite's time: the coverage phase's cases dominate (5 examples made
+# 1,808 cases in 14 s here, 15 made 2,331 in 45 s);
 # AENV_FUZZ_EXAMPLES / AENV_FUZZ_SEED widen or replay a run.
-EXAMPLES = os.environ.get("AENV_FUZZ_EXAMPLES", "15")
+EXAMPLES = os.environ.get("AENV_FUZZ_EXAMPLES", "5")
 
 
 def _kill_all(api: httpx.Client) -> None:

@@ -19,6 +19,20 @@ AENV = Path(sys.executable).parent / "aenv"
 SHARED_HOME = Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))
 
 
+def free_cidr(first: int, count: int, seed: int) -> str:
+    """A 10.N.0.0/16 with N in first..first+count-1, starting at ``seed`` (mod count),
+    that no host address is in yet: two test runs on one machine (or one run beside a
+    benchmark's node) must not route one node's slot addresses to the other's."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                         text=True).stdout
+    used = {int(f.split(".")[1]) for f in out.split() if f.startswith("10.") and "." in f[3:]}
+    for i in range(count):
+        n = first + (seed + i) % count
+        if n not in used:
+            return f"10.{n}.0.0/16"
+    return f"10.{first + seed % count}.0.0/16"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
