@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -358,6 +359,32 @@ def _corrupt_cached(cluster: Cluster, home: Path, snapshot_id: str) -> None:
         data = f.read(min(size, 4096))
         f.seek(offset)
         f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_a_kill_reaches_a_node_whose_heartbeats_are_late(cluster: Cluster,
+                                                         api: httpx.Client) -> None:
+    """A node whose heartbeats stop reaching the scheduler (a loaded machine) but which
+    still serves: a kill through the gateway kills the sandbox there, not only the
+    gateway's record of it (a burst of 200 creates left sandboxes running so)."""
+    k = 2
+    with cluster.client(cluster.nodes[k - 1].url) as direct:
+        sid = direct.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        with cluster.client(cluster.scheduler_url) as sched:
+            for _ in range(100):  # the gateway knows the sandbox from a heartbeat
+                if sched.get(f"/sandboxes/{sid}").status_code == 200:
+                    break
+                time.sleep(0.1)
+        drop = ["ip", "netns", "exec", cluster.netns(k), "iptables", "OUTPUT", "-p", "tcp",
+                "--dport", str(cluster.scheduler_port), "-j", "DROP"]
+        subprocess.run([*drop[:5], "-I", *drop[5:]], check=True)
+        try:
+            cluster.wait_state(k, "down")
+            assert api.delete(f"/sandboxes/{sid}").status_code == 204
+            assert direct.get(f"/sandboxes/{sid}").status_code == 404
+        finally:
+            subprocess.run([*drop[:5], "-D", *drop[5:]], check=True)
+            direct.delete(f"/sandboxes/{sid}")
+    cluster.wait_state(k, "up")
 
 
 def test_cut_link_marks_node_down_and_it_rejoins(cluster: Cluster, api: httpx.Client) -> None:

@@ -51,6 +51,8 @@ MAX_PAGE = 100
 # Seconds between placements of a create no node had room for.
 PLACE_RETRY_S = 0.5
 GATEWAY_RETRY_AFTER_S = 5
+# How long a kill waits for a node past its heartbeat TTL (it may be dead).
+LATE_NODE_TIMEOUT = httpx.Timeout(10.0, connect=3.0)
 
 
 def _too_many(queue_timeout_s: float, why: str) -> ClusterError:
@@ -304,6 +306,20 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
             results += [{"error": {"code": 503, "message": message}}] * short
         return Response(json.dumps(results), status_code=201, media_type="application/json")
 
+    async def _kill_on_late_node(sandbox_id: str) -> Response | None:
+        """The answer of the down node's kill when it gave one other than done or
+        not found; None when it killed the sandbox, had none, or did not answer."""
+        found = await registry.route(sandbox_id)
+        if found is None or found[1] is None:
+            return None
+        try:
+            r = await gw.http.delete(f"{found[1].url}/sandboxes/{sandbox_id}",
+                                     headers={"X-API-Key": api_key},
+                                     timeout=LATE_NODE_TIMEOUT)
+        except httpx.HTTPError:
+            return None
+        return None if r.status_code in (204, 404) else _relay(r)
+
     @app.api_route("/sandboxes/{sandbox_id}", methods=["GET", "DELETE"], dependencies=auth)
     @app.api_route("/sandboxes/{sandbox_id}/{rest:path}", methods=["GET", "POST", "DELETE"],
                    dependencies=auth)
@@ -314,6 +330,11 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
             entry, node = await gw.owner(sandbox_id)
         except ClusterError as exc:
             if request.method == "DELETE" and exc.status == 410:
+                # A node past its heartbeat TTL may only be slow (a loaded machine):
+                # it is asked to kill all the same, else it keeps the sandbox running.
+                late = await _kill_on_late_node(sandbox_id)
+                if late is not None:
+                    return late
                 await registry.forget_sandbox(sandbox_id)  # nothing is left to kill
                 return Response(status_code=204)
             raise

@@ -21,6 +21,12 @@ from typing import Any
 
 import redis.asyncio as redis
 
+# Connections to Redis a gateway or scheduler holds at most; a burst of requests
+# beyond waits up to REDIS_WAIT_S for one (redis-py's default pool fails at once
+# past 100: a burst of 200 creates got 500s).
+REDIS_MAX_CONNECTIONS = 100
+REDIS_WAIT_S = 30.0
+
 
 @dataclass
 class SandboxEntry:
@@ -80,7 +86,10 @@ class Registry:
     def __init__(self, url: str, prefix: str = "aenv:") -> None:
         # decode_responses: every answer is a str, which redis-py's types cannot say
         # (they give bytes | str), so the client is untyped here.
-        self.redis: Any = redis.from_url(url, decode_responses=True)
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=REDIS_MAX_CONNECTIONS, timeout=REDIS_WAIT_S,
+            decode_responses=True)
+        self.redis: Any = redis.Redis.from_pool(pool)
         self.prefix = prefix
         self._route = self.redis.register_script(_ROUTE)
 
