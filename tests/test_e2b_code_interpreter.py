@@ -157,7 +157,7 @@ def test_sudo_works_from_commands_and_from_code(sbx: Sandbox) -> None:
     assert sbx.commands.run("sudo -n id -u").stdout == "0\n"
     code = ("import subprocess\n"
             "subprocess.run(['sudo', '-n', 'id', '-u'], capture_output=True, text=True).stdout")
-    assert sbx.run_code(code).text == "'0\\n'"
+    assert sbx.run_code(code).text == "0\\n"  # E2B strips the repr's quotes
 
 
 def test_execution_timeout(sbx: Sandbox) -> None:
