@@ -32,6 +32,7 @@ if [ -f "$dest/template.json" ] && grep -q "\"buildID\": \"$build_id\"" "$dest/t
   exit 0
 fi
 
+command -v npm >/dev/null || { echo "the code-interpreter template needs npm (tslab)" >&2; exit 1; }
 if [ -x "$here/.venv/bin/python" ]; then pip=("$here/.venv/bin/python" -m pip); else pip=(python3 -m pip); fi
 mkdir -p "$images/templates"
 tmp=$(mktemp -d "$images/templates/.code-interpreter.XXXXXX")

@@ -168,6 +168,7 @@ class Context:
         self.manager: Any = None
         self.client: Any = None
         self.running: str | None = None  # msg_id of the execution in progress
+        self.started = False  # whether the kernel took the execution in progress
         # The sandbox's env vars as last set in this kernel (empty for a new kernel).
         self.sandbox_env: dict[str, str] = {}
 
@@ -272,10 +273,12 @@ class Context:
 
     async def execute(self, code: str):
         """Run ``code``; yield the SDK's output lines (dicts) as they come."""
+        self.started = False
         msg_id = self.client.execute(code, store_history=True, allow_stdin=False,
                                      stop_on_error=True)
         self.running = msg_id
         async for kind, content in self._messages(msg_id):
+            self.started = True  # the kernel took the request (busy, then the rest)
             line = _output(kind, content)
             if line is not None:
                 yield line
@@ -518,36 +521,45 @@ class Server:
             await send({"type": "http.response.body", "more_body": True,
                         "body": json.dumps(line).encode() + b"\n"})
 
-        try:
-            await context.apply_env(sandbox_env, env)
-            outputs = context.execute(code).__aiter__()
-            while True:
-                step = asyncio.ensure_future(outputs.__anext__())
-                stop = asyncio.ensure_future(gone.wait())
-                done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if step not in done:
-                    # The client went away (its timeout): stop the code, drain its output.
-                    step.cancel()
-                    await context.interrupt()
-                    with contextlib.suppress(BaseException):
-                        await step
-                    return
-                stop.cancel()
-                try:
-                    line = step.result()
-                except StopAsyncIteration:
-                    break
-                await emit(line)
-            await emit({"type": "end_of_execution"})
-        except KernelDied:
-            await emit({"type": "error", "name": "KernelDied",
-                        "value": "the kernel died while running the code; it was restarted",
-                        "traceback": ""})
-            await context.restart()
-            env = {}  # a new kernel: nothing to put back
-        finally:
-            if env and await context.manager.is_alive():
-                await context.reset_env(env)
+        for attempt in (1, 2):
+            context.started = False
+            try:
+                await context.apply_env(sandbox_env, env)
+                outputs = context.execute(code).__aiter__()
+                while True:
+                    step = asyncio.ensure_future(outputs.__anext__())
+                    stop = asyncio.ensure_future(gone.wait())
+                    done, _ = await asyncio.wait({step, stop},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if step not in done:
+                        # The client went away (its timeout): stop the code, drain it.
+                        step.cancel()
+                        await context.interrupt()
+                        with contextlib.suppress(BaseException):
+                            await step
+                        break
+                    stop.cancel()
+                    try:
+                        line = step.result()
+                    except StopAsyncIteration:
+                        await emit({"type": "end_of_execution"})
+                        break
+                    await emit(line)
+                if env and await context.manager.is_alive():
+                    await context.reset_env(env)
+                return
+            except KernelDied:
+                await context.restart()
+                if attempt == 1 and not context.started:
+                    # Killed before it took the code (between the liveness check and
+                    # the request): the code never ran, so it runs in the new kernel.
+                    log.warning("context %s: the kernel died before the code ran; "
+                                "running it in a new kernel", context.id)
+                    continue
+                await emit({"type": "error", "name": "KernelDied",
+                            "value": "the kernel died while running the code; it was restarted",
+                            "traceback": ""})
+                return
 
 
 def _check_env_names(env: dict[str, str]) -> None:
