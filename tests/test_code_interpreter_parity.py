@@ -204,14 +204,17 @@ def test_a_killed_kernel_comes_back(sbx: Sandbox) -> None:
 def test_a_killed_server_comes_back(sbx: Sandbox) -> None:
     server = _server_pid(sbx)
     kernel = int(sbx.run_code("import os\nos.getpid()").text)
+    js_kernel = int(_stdout(sbx, "console.log(process.pid)", language="js"))
     sbx.commands.run(f"kill -9 {server}", user="root")
     new_kernel = int(_run_when_back(sbx, "import os\nos.getpid()"))
     assert _server_pid(sbx) != server and new_kernel != kernel
-    # the old server's kernels went with it; the default contexts are back
+    # the old server's kernels went with it (none left to hold memory); the
+    # default contexts are back
     deadline = time.monotonic() + 20
-    while _alive(sbx, kernel):
-        assert time.monotonic() < deadline, "the old kernel outlived its server"
+    while _alive(sbx, kernel) or _alive(sbx, js_kernel):
+        assert time.monotonic() < deadline, "an old kernel outlived its server"
         time.sleep(0.5)
+    assert int(_stdout(sbx, "console.log(process.pid)", language="js")) != js_kernel
     assert {"python", "javascript"} <= {c.language for c in sbx.list_code_contexts()}
 
 

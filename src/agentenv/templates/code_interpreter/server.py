@@ -52,6 +52,7 @@ DEFAULT_CWD = os.environ.get("CODE_INTERPRETER_CWD", "/home/user")
 MAX_BODY = 16 << 20
 KERNEL_START_TIMEOUT = 60.0
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+KERNEL_MARK = "AENV_CI_SERVER"
 
 
 class Language:
@@ -192,7 +193,10 @@ class Context:
                                               ip="127.0.0.1")
         self.sandbox_env = {}
         self.running = None
-        await self.manager.start_kernel(cwd=self.cwd, extra_arguments=self.spec.args)
+        # Marked with this server's pid: a server started again ends the kernels of
+        # the one before (tslab and IRkernel do not exit with their parent).
+        env = {**os.environ, KERNEL_MARK: str(os.getpid())}
+        await self.manager.start_kernel(cwd=self.cwd, extra_arguments=self.spec.args, env=env)
         self.client = self.manager.client()
         self.client.start_channels()
         try:
@@ -286,6 +290,26 @@ class Context:
 
 class KernelDied(Exception):
     pass
+
+
+def end_orphan_kernels() -> int:
+    """Kill the kernels an earlier server left (it was killed); how many there were."""
+    mark = f"{KERNEL_MARK}=".encode()
+    mine = mark + str(os.getpid()).encode()
+    ended = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(mark) and v != mine for v in environ):
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), 9)
+                ended += 1
+    return ended
 
 
 def _runtime_dir() -> str:
@@ -421,6 +445,9 @@ class Server:
         """Start the default contexts (Python, JavaScript) before anyone asks: /health
         waits for them, so a sandbox's create returns with both listed, as on E2B."""
         try:
+            ended = await asyncio.to_thread(end_orphan_kernels)
+            if ended:
+                log.warning("ended %d kernels of an earlier server", ended)
             for language in DEFAULT_LANGUAGES:
                 try:
                     await self.default_context(language)
