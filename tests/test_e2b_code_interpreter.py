@@ -57,7 +57,7 @@ def test_errors_carry_name_value_traceback(sbx: Sandbox) -> None:
     assert "ZeroDivisionError" in err.traceback and "return 1 / 0" in err.traceback
     assert "\x1b[" not in err.traceback  # plain text, no terminal colours
     # the kernel lives on after an error
-    assert sbx.run_code("'still here'").text == "'still here'"
+    assert sbx.run_code("'still here'").text == "still here"
 
 
 def test_streaming_callbacks(sbx: Sandbox) -> None:
@@ -74,7 +74,7 @@ def test_streaming_callbacks(sbx: Sandbox) -> None:
     assert "".join(line for _, line in out) == "tick 0\ntick 1\ntick 2\n"
     assert out[-1][0] - out[0][0] > 0.4  # streamed as printed
     assert "".join(err) == "oops\n"
-    assert [r.text for r in results] == ["'done'"]
+    assert [r.text for r in results] == ["done"]
 
 
 def test_rich_results(sbx: Sandbox) -> None:
@@ -130,7 +130,7 @@ def test_a_snapshot_taken_right_after_code_ran_makes_sandboxes_that_run_code(
 def test_contexts(sbx: Sandbox) -> None:
     ctx = sbx.create_code_context(cwd="/tmp")
     assert ctx.cwd == "/tmp" and ctx.language == "python"
-    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
+    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "/tmp"
     sbx.run_code("only_here = 1", context=ctx)
     # contexts are separate kernels
     assert sbx.run_code("'only_here' in globals()").text == "False"
@@ -142,9 +142,10 @@ def test_contexts(sbx: Sandbox) -> None:
     assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
 
 
-def test_runs_as_user_in_home(sbx: Sandbox) -> None:
+def test_runs_as_root_in_home_user(sbx: Sandbox) -> None:
+    """As E2B's: the kernels are root's, in /home/user."""
     assert sbx.run_code("import os, getpass\n(getpass.getuser(), os.getcwd())").text == \
-        "('user', '/home/user')"
+        "('root', '/home/user')"
     # files written by code are visible to the rest of the SDK
     sbx.run_code("open('from-kernel.txt', 'w').write('written by the kernel')")
     assert sbx.files.read("/home/user/from-kernel.txt") == "written by the kernel"
@@ -156,7 +157,7 @@ def test_sudo_works_from_commands_and_from_code(sbx: Sandbox) -> None:
     assert sbx.commands.run("sudo -n id -u").stdout == "0\n"
     code = ("import subprocess\n"
             "subprocess.run(['sudo', '-n', 'id', '-u'], capture_output=True, text=True).stdout")
-    assert sbx.run_code(code).text == "'0\\n'"
+    assert sbx.run_code(code).text == "0\\n"  # E2B strips the repr's quotes
 
 
 def test_execution_timeout(sbx: Sandbox) -> None:
@@ -176,5 +177,5 @@ def test_execution_timeout(sbx: Sandbox) -> None:
 
 def test_unsupported_language_is_refused(sbx: Sandbox) -> None:
     with pytest.raises(Exception) as failed:
-        sbx.run_code("console.log(1)", language="javascript")
+        sbx.run_code("puts 1", language="ruby")
     assert "not supported" in str(failed.value)

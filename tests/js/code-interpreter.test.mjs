@@ -34,6 +34,19 @@ test('runCode: errors with traceback', async () => {
 
 test('contexts', async () => {
   const ctx = await sbx.createCodeContext({ cwd: '/tmp' })
-  assert.equal((await sbx.runCode('import os; os.getcwd()', { context: ctx })).text, "'/tmp'")
+  assert.equal((await sbx.runCode('import os; os.getcwd()', { context: ctx })).text, '/tmp')
   await sbx.removeCodeContext(ctx.id)
+})
+
+test('languages: a default JavaScript context, env vars per run', async () => {
+  const languages = (await sbx.listCodeContexts()).map((c) => c.language)
+  assert.ok(languages.includes('python') && languages.includes('javascript'))
+  const run = await sbx.runCode('console.log(process.env.PER_RUN ?? "-")', {
+    language: 'js',
+    envs: { PER_RUN: 'set' },
+  })
+  assert.deepEqual(run.logs.stdout, ['set\n'])
+  const after = await sbx.runCode('console.log(process.env.PER_RUN ?? "-")', { language: 'js' })
+  assert.deepEqual(after.logs.stdout, ['-\n'])
+  assert.equal((await sbx.runCode("'hello'")).text, 'hello')
 })

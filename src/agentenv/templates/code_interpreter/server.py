@@ -15,9 +15,14 @@ Speaks the HTTP protocol the ``e2b-code-interpreter`` SDKs use:
   POST   /contexts/{id}/restart  -> 204
   GET    /health                 -> 200 once the default Python context is up
 
-Each context is one Jupyter kernel (ipykernel, driven with jupyter_client);
-executions in a context run one at a time and keep their state between calls.
-A client that goes away mid-execution (the SDK's timeout) interrupts the kernel.
+Each context is one Jupyter kernel driven with jupyter_client (Python: ipykernel;
+the other languages: the kernels in LANGUAGES); executions in a context run one at
+a time and keep their state between calls. A client that goes away mid-execution
+(the SDK's timeout) interrupts the kernel; a kernel found dead (killed, crashed) is
+started again before the next execution. As in E2B's template, the kernels run as
+root with /home/user as the default working directory, and the sandbox's env vars
+(asked of envd) are set in each kernel, a request's ``env_vars`` for that execution
+only. The server itself is kept running by supervise.sh.
 
 Runs inside the sandbox with the template's own Python environment; it imports
 nothing from agentenv. Errors are JSON ``{"code": <status>, "message": "..."}``.
@@ -30,6 +35,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shlex
 import sys
 import time
 import uuid
@@ -44,9 +51,87 @@ MAX_ENVS = 1 << 20
 DEFAULT_CWD = os.environ.get("CODE_INTERPRETER_CWD", "/home/user")
 MAX_BODY = 16 << 20
 KERNEL_START_TIMEOUT = 60.0
-# IPython's colour codes make tracebacks unreadable outside a terminal.
-KERNEL_ARGS = ["--InteractiveShell.colors=nocolor"]
-LANGUAGES = {"python": "python3", "python3": "python3"}
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+KERNEL_MARK = "AENV_CI_SERVER"
+
+
+class Language:
+    """A language: its Jupyter kernel and how to set env vars in it."""
+
+    def __init__(self, name: str, kernel: str, args: list[str] | None = None,
+                 ipc: bool = False) -> None:
+        self.name = name
+        self.kernel = kernel
+        self.args = args or []
+        # Unix sockets where the kernel takes them (ipykernel): nothing else in the
+        # sandbox can dial it. The others (zeromq.js, pbdZMQ) listen on 127.0.0.1,
+        # their messages signed with the connection file's key (root's, 0600).
+        self.ipc = ipc
+
+    def set_env(self, env: dict[str, str]) -> str:
+        raise NotImplementedError
+
+    def unset_env(self, names: list[str]) -> str:
+        raise NotImplementedError
+
+
+class Python(Language):
+    # The names stay out of the user's namespace (no assignment at top level).
+    def set_env(self, env: dict[str, str]) -> str:
+        return f"__import__('os').environ.update(__import__('json').loads({json.dumps(env)!r}))"
+
+    def unset_env(self, names: list[str]) -> str:
+        return f"[__import__('os').environ.pop(k, None) for k in {names!r}]"
+
+
+class JavaScript(Language):
+    # JSON is a JS expression; one block so nothing is declared at top level.
+    def set_env(self, env: dict[str, str]) -> str:
+        return f"Object.assign(process.env, {json.dumps(env)});"
+
+    def unset_env(self, names: list[str]) -> str:
+        return f"{{ for (const k of {json.dumps(names)}) delete process.env[k]; }}"
+
+
+class Bash(Language):
+    def set_env(self, env: dict[str, str]) -> str:
+        return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+
+    def unset_env(self, names: list[str]) -> str:
+        return "unset " + " ".join(names)
+
+
+class R(Language):
+    def set_env(self, env: dict[str, str]) -> str:
+        # JSON strings (non-ASCII kept as is) are R string literals.
+        args = ", ".join(f"{k} = {json.dumps(v, ensure_ascii=False)}" for k, v in env.items())
+        return f"invisible(Sys.setenv({args}))"
+
+    def unset_env(self, names: list[str]) -> str:
+        return f"invisible(Sys.unsetenv(c({', '.join(json.dumps(n) for n in names)})))"
+
+
+# IPython's colour codes make tracebacks unreadable outside a terminal; the
+# extension adds E2B's result formats (DataFrames as data, figures as charts).
+PYTHON_ARGS = ["--InteractiveShell.colors=nocolor",
+               "--IPKernelApp.extra_extensions=aenv_ci_display"]
+LANGUAGES: dict[str, Language] = {
+    "python": Python("python", "python3", PYTHON_ARGS, ipc=True),
+    "javascript": JavaScript("javascript", "jslab"),
+    "typescript": JavaScript("typescript", "tslab"),
+    "bash": Bash("bash", "bash", ipc=True),
+    "r": R("r", "ir"),
+}
+ALIASES = {"python3": "python", "py": "python", "js": "javascript", "ts": "typescript",
+           "sh": "bash"}
+# Languages E2B's template has that this one does not build, and why.
+NOT_BUILT = {
+    "java": "Java is not in this template: its JDK (openjdk-17-jdk-headless, ~260 MB "
+            "installed) and two JVMs per context (JShell) did not fit the template's size "
+            "and memory budget",
+}
+# Started with the server (E2B's template starts these two).
+DEFAULT_LANGUAGES = ("python", "javascript")
 
 # Jupyter MIME types -> the result fields the SDKs read.
 FORMATS = {
@@ -60,6 +145,8 @@ FORMATS = {
     "text/latex": "latex",
     "application/json": "json",
     "application/javascript": "javascript",
+    "e2b/data": "data",
+    "e2b/chart": "chart",
 }
 
 
@@ -76,27 +163,40 @@ class Context:
     def __init__(self, language: str, cwd: str) -> None:
         self.id = str(uuid.uuid4())
         self.language = language
+        self.spec = LANGUAGES[language]
         self.cwd = cwd
         self.lock = asyncio.Lock()
         self.manager: Any = None
         self.client: Any = None
         self.running: str | None = None  # msg_id of the execution in progress
+        self.started = False  # whether the kernel took the execution in progress
+        # The sandbox's env vars as last set in this kernel (empty for a new kernel).
+        self.sandbox_env: dict[str, str] = {}
 
     def describe(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
     async def start(self) -> None:
-        from jupyter_client.manager import AsyncKernelManager
-
         if not os.path.isdir(self.cwd):
             raise HTTPError(400, f"cwd '{self.cwd}' is not a directory")
-        # Unix sockets, not TCP: nothing else in the sandbox can dial the kernel.
-        self.manager = AsyncKernelManager(kernel_name=LANGUAGES[self.language], transport="ipc",
-                                          ip=os.path.join(_runtime_dir(), self.id))
-        await self.manager.start_kernel(cwd=self.cwd, extra_arguments=KERNEL_ARGS)
-        await self._connect()
+        await self._launch()
 
-    async def _connect(self) -> None:
+    async def _launch(self) -> None:
+        from jupyter_client.manager import AsyncKernelManager
+
+        # A new manager each time: shutting a kernel down ends its manager's sockets.
+        if self.spec.ipc:
+            self.manager = AsyncKernelManager(kernel_name=self.spec.kernel, transport="ipc",
+                                              ip=os.path.join(_runtime_dir(), self.id))
+        else:
+            self.manager = AsyncKernelManager(kernel_name=self.spec.kernel, transport="tcp",
+                                              ip="127.0.0.1")
+        self.sandbox_env = {}
+        self.running = None
+        # Marked with this server's pid: a server started again ends the kernels of
+        # the one before (tslab and IRkernel do not exit with their parent).
+        env = {**os.environ, KERNEL_MARK: str(os.getpid())}
+        await self.manager.start_kernel(cwd=self.cwd, extra_arguments=self.spec.args, env=env)
         self.client = self.manager.client()
         self.client.start_channels()
         try:
@@ -105,15 +205,41 @@ class Context:
             raise HTTPError(500, f"the kernel did not start: {e}") from None
 
     async def restart(self) -> None:
-        self.client.stop_channels()
-        await self.manager.restart_kernel(now=True)
-        await self._connect()
+        """A fresh kernel in the same context (the SDK's restart, or after a death)."""
+        with contextlib.suppress(Exception):
+            self.client.stop_channels()
+        # shutdown (not restart_kernel): it also copes with a kernel already gone.
+        with contextlib.suppress(Exception):
+            await self.manager.shutdown_kernel(now=True)
+        await self._launch()
+
+    async def ensure_alive(self) -> None:
+        if not await self.manager.is_alive():
+            log.warning("context %s: the kernel is gone; starting a new one", self.id)
+            await self.restart()
 
     async def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             self.client.stop_channels()
         with contextlib.suppress(Exception):
             await self.manager.shutdown_kernel(now=True)
+
+    async def apply_env(self, sandbox_env: dict[str, str], run_env: dict[str, str]) -> None:
+        """Set the sandbox's env vars that changed since last time, and this run's."""
+        changed = {k: v for k, v in sandbox_env.items() if self.sandbox_env.get(k) != v}
+        env = {**changed, **run_env}
+        if env:
+            await self.run_silently(self.spec.set_env(env))
+        self.sandbox_env = {**self.sandbox_env, **changed}
+
+    async def reset_env(self, run_env: dict[str, str]) -> None:
+        """Put back what ``run_env`` replaced: the sandbox's value, or nothing."""
+        back = {k: self.sandbox_env[k] for k in run_env if k in self.sandbox_env}
+        gone = [k for k in run_env if k not in self.sandbox_env]
+        if back:
+            await self.run_silently(self.spec.set_env(back))
+        if gone:
+            await self.run_silently(self.spec.unset_env(gone))
 
     async def interrupt(self, wait: float = 10.0) -> None:
         """Stop the running execution and wait until the kernel has let go of it."""
@@ -151,10 +277,12 @@ class Context:
 
     async def execute(self, code: str):
         """Run ``code``; yield the SDK's output lines (dicts) as they come."""
+        self.started = False
         msg_id = self.client.execute(code, store_history=True, allow_stdin=False,
                                      stop_on_error=True)
         self.running = msg_id
         async for kind, content in self._messages(msg_id):
+            self.started = True  # the kernel took the request (busy, then the rest)
             line = _output(kind, content)
             if line is not None:
                 yield line
@@ -162,6 +290,26 @@ class Context:
 
 class KernelDied(Exception):
     pass
+
+
+def end_orphan_kernels() -> int:
+    """Kill the kernels an earlier server left (it was killed); how many there were."""
+    mark = f"{KERNEL_MARK}=".encode()
+    mine = mark + str(os.getpid()).encode()
+    ended = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(mark) and v != mine for v in environ):
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), 9)
+                ended += 1
+    return ended
 
 
 def _runtime_dir() -> str:
@@ -188,6 +336,10 @@ def _output(kind: str, content: dict[str, Any]) -> dict[str, Any] | None:
                 result[field] = value
             else:
                 extra[mime] = value
+        text = result.get("text")
+        # As E2B's server: a repr's one pair of surrounding quotes goes ('hello' -> hello).
+        if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+            result["text"] = text[1:-1]
         if extra:
             result["extra"] = extra
         return result
@@ -229,31 +381,12 @@ async def envd_env_vars(token: str | None) -> dict[str, str]:
     return {}
 
 
-def _env_code(env: dict[str, str]) -> tuple[str, str]:
-    """Code that sets ``env`` in the kernel, and code that puts the old values back."""
-    payload = json.dumps(env)
-    setup = (
-        "import os as _aenv_os, json as _aenv_json\n"
-        f"_aenv_env = _aenv_json.loads({payload!r})\n"
-        "_aenv_saved = {k: _aenv_os.environ.get(k) for k in _aenv_env}\n"
-        "_aenv_os.environ.update(_aenv_env)\n"
-    )
-    restore = (
-        "for _aenv_k, _aenv_v in _aenv_saved.items():\n"
-        "    if _aenv_v is None:\n"
-        "        _aenv_os.environ.pop(_aenv_k, None)\n"
-        "    else:\n"
-        "        _aenv_os.environ[_aenv_k] = _aenv_v\n"
-        "del _aenv_env, _aenv_saved\n"
-    )
-    return setup, restore
-
-
 class Server:
     def __init__(self) -> None:
         self.contexts: dict[str, Context] = {}
         self.defaults: dict[str, str] = {}  # language -> its default context
         self.ready = asyncio.Event()
+        self.warmed = asyncio.Event()  # the warm-up is over, however it went
         self._default_lock = asyncio.Lock()
 
     # -- contexts ---------------------------------------------------------------------
@@ -309,12 +442,22 @@ class Server:
                 return
 
     async def _warm_up(self) -> None:
-        """Start the default Python context before anyone asks: /health waits for it."""
+        """Start the default contexts (Python, JavaScript) before anyone asks: /health
+        waits for them, so a sandbox's create returns with both listed, as on E2B."""
         try:
-            await self.default_context("python")
+            ended = await asyncio.to_thread(end_orphan_kernels)
+            if ended:
+                log.warning("ended %d kernels of an earlier server", ended)
+            for language in DEFAULT_LANGUAGES:
+                try:
+                    await self.default_context(language)
+                except Exception:
+                    log.exception("the default %s context did not start", language)
+                    if language == "python":
+                        return  # /health stays 503: the template is broken
             self.ready.set()
-        except Exception:
-            log.exception("the default context did not start")
+        finally:
+            self.warmed.set()
 
     async def _route(self, scope, receive, send) -> None:
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
@@ -324,7 +467,12 @@ class Server:
                 await _json(send, 200, {"status": "ok"})
             else:
                 await _json(send, 503, {"code": 503, "message": "the kernel is starting"})
-        elif path == "/execute" and method == "POST":
+            return
+        # Until the default contexts are up (a server started again), requests wait
+        # for them: a client then sees the same contexts as after a create.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.warmed.wait(), 2 * KERNEL_START_TIMEOUT)
+        if path == "/execute" and method == "POST":
             token = next((v.decode("latin-1") for k, v in scope.get("headers", [])
                           if k == b"x-access-token"), None)
             await self._execute(await _body_json(receive), receive, send, token)
@@ -357,10 +505,12 @@ class Server:
         if not isinstance(env, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise HTTPError(400, "'env_vars' must map strings to strings")
-        # The sandbox's own env vars (a create's envs) come first: this server may have
-        # started before they were given to envd (a sandbox restored from its
-        # template's image), so they are asked of envd, as E2B's server does.
-        env = {**await envd_env_vars(token), **env}
+        _check_env_names(env)
+        # The sandbox's own env vars (a create's envs) are asked of envd at each run:
+        # this server may have started before they were given to envd (a sandbox
+        # restored from its template's image, or a snapshot), as E2B's server does.
+        sandbox_env = {k: v for k, v in (await envd_env_vars(token)).items()
+                       if ENV_NAME.fullmatch(k) and "\0" not in v}
         if body.get("context_id"):
             if body.get("language"):
                 raise HTTPError(400, "give context_id or language, not both")
@@ -368,9 +518,6 @@ class Server:
         else:
             context = await self.default_context(body.get("language"))
 
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/x-ndjson"),
-                                (b"cache-control", b"no-store")]})
         gone = asyncio.Event()
 
         async def watch_disconnect() -> None:
@@ -380,59 +527,103 @@ class Server:
                     gone.set()
                     return
 
-        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
-        try:
-            async with context.lock:
-                await self._run(context, code, env, send, gone)
-        finally:
-            watcher.cancel()
+        async with context.lock:
+            # A kernel found dead starts again before the response does: should
+            # that fail, the client gets a JSON error, not a cut stream.
+            await context.ensure_alive()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/x-ndjson"),
+                                    (b"cache-control", b"no-store")]})
+            watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+            try:
+                await self._run(context, code, sandbox_env, env, send, gone)
+            finally:
+                watcher.cancel()
         with contextlib.suppress(Exception):
             await send({"type": "http.response.body", "body": b""})
 
-    async def _run(self, context: Context, code: str, env: dict[str, str], send,
-                   gone: asyncio.Event) -> None:
+    async def _run(self, context: Context, code: str, sandbox_env: dict[str, str],
+                   env: dict[str, str], send, gone: asyncio.Event) -> None:
         async def emit(line: dict[str, Any]) -> None:
             await send({"type": "http.response.body", "more_body": True,
                         "body": json.dumps(line).encode() + b"\n"})
 
-        setup, restore = _env_code(env) if env else ("", "")
-        try:
-            if setup:
-                await context.run_silently(setup)
-            outputs = context.execute(code).__aiter__()
-            while True:
-                step = asyncio.ensure_future(outputs.__anext__())
-                stop = asyncio.ensure_future(gone.wait())
-                done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if step not in done:
-                    # The client went away (its timeout): stop the code, drain its output.
-                    step.cancel()
-                    await context.interrupt()
-                    with contextlib.suppress(BaseException):
-                        await step
-                    return
-                stop.cancel()
-                try:
-                    line = step.result()
-                except StopAsyncIteration:
-                    break
-                await emit(line)
-            await emit({"type": "end_of_execution"})
-        except KernelDied:
-            await emit({"type": "error", "name": "KernelDied",
-                        "value": "the kernel died while running the code; it was restarted",
-                        "traceback": ""})
-            await context.restart()
-        finally:
-            if restore and await context.manager.is_alive():
-                await context.run_silently(restore)
+        for attempt in (1, 2):
+            context.started = False
+            try:
+                await context.apply_env(sandbox_env, env)
+                outputs = context.execute(code).__aiter__()
+                while True:
+                    step = asyncio.ensure_future(outputs.__anext__())
+                    stop = asyncio.ensure_future(gone.wait())
+                    done, _ = await asyncio.wait({step, stop},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if step not in done:
+                        # The client went away (its timeout): stop the code, drain it.
+                        step.cancel()
+                        await context.interrupt()
+                        with contextlib.suppress(BaseException):
+                            await step
+                        break
+                    stop.cancel()
+                    try:
+                        line = step.result()
+                    except StopAsyncIteration:
+                        await emit({"type": "end_of_execution"})
+                        break
+                    await emit(line)
+                if env and await context.manager.is_alive():
+                    await context.reset_env(env)
+                return
+            except KernelDied:
+                await context.restart()
+                if attempt == 1 and not context.started:
+                    # Killed before it took the code (between the liveness check and
+                    # the request): the code never ran, so it runs in the new kernel.
+                    log.warning("context %s: the kernel died before the code ran; "
+                                "running it in a new kernel", context.id)
+                    continue
+                await emit({"type": "error", "name": "KernelDied",
+                            "value": "the kernel died while running the code; it was restarted",
+                            "traceback": ""})
+                return
+
+
+def _check_env_names(env: dict[str, str]) -> None:
+    for name, value in env.items():
+        if not ENV_NAME.fullmatch(name):
+            raise HTTPError(400, f"env var name {name[:64]!r} is not valid "
+                                 "(letters, digits and _, not starting with a digit)")
+        if "\0" in value:
+            raise HTTPError(400, f"env var {name!r} holds a NUL character")
 
 
 def _language(language: str | None) -> str:
-    name = (language or "python").lower()
-    if name not in LANGUAGES:
-        raise HTTPError(400, f"language '{language}' is not supported (supported: python)")
-    return "python"
+    name = (language or "python").strip().lower()
+    name = ALIASES.get(name, name)
+    if name in NOT_BUILT:
+        raise HTTPError(400, f"language '{language}' is not supported: {NOT_BUILT[name]}")
+    if name not in LANGUAGES or not _kernel_installed(LANGUAGES[name].kernel):
+        supported = ", ".join(n for n, spec in LANGUAGES.items()
+                              if _kernel_installed(spec.kernel))
+        raise HTTPError(400, f"language '{language}' is not supported (supported: {supported})")
+    return name
+
+
+def _kernel_installed(kernel: str) -> bool:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return kernel in _kernel_specs(KernelSpecManager)
+
+
+_SPECS: set[str] | None = None
+
+
+def _kernel_specs(manager_class: Any) -> set[str]:
+    global _SPECS
+    if _SPECS is None:
+        _SPECS = set(manager_class().find_kernel_specs())
+    return _SPECS
 
 
 async def _body_json(receive) -> dict[str, Any]:
