@@ -35,7 +35,7 @@ import httpx
 from agentenv.runtime.reaping import reap_runsc_orphans
 from agentenv.testing import SHARED_HOME, Node, leaks
 from agentenv.testing.checkpoints import bare_sandbox
-from bench_node import exec_native
+from bench_snapshots import until_command
 from common import report, summary
 
 ROOTFS = SHARED_HOME / "images" / "templates" / "base" / "rootfs"
@@ -109,22 +109,6 @@ class BareRunsc:
         return together, alone
 
 
-def first_command(http: httpx.Client, sid: str, token: str, t0: float,
-                  deadline_s: float = 60) -> float:
-    """Seconds from ``t0`` until `true` ran inside the sandbox (retried until it does)."""
-    end = time.monotonic() + deadline_s
-    while True:
-        try:
-            if exec_native(http, sid, token, ["/bin/true"]) == 0:
-                return time.perf_counter() - t0
-        except (httpx.HTTPError, RuntimeError):
-            if time.monotonic() > end:
-                raise
-        if time.monotonic() > end:
-            raise TimeoutError(f"{sid}: no command ran within {deadline_s}s")
-        time.sleep(0.01)
-
-
 def fork_round(node: Node, api: httpx.Client, source: str, count: int
                ) -> tuple[float, float, list[float], list[str]]:
     t0 = time.perf_counter()
@@ -139,8 +123,8 @@ def fork_round(node: Node, api: httpx.Client, source: str, count: int
     # context: 16 of them at once were the benchmark's own cost, not the node's).
     with ThreadPoolExecutor(len(ok) or 1) as pool, \
             httpx.Client(base_url=node.url, timeout=30) as http:
-        each = list(pool.map(lambda c: first_command(http, c["sandboxID"],
-                                                     c["envdAccessToken"], t0), ok))
+        each = list(pool.map(lambda c: until_command(node, c["sandboxID"],
+                                                     c["envdAccessToken"], t0, http=http), ok))
     for c in ok:
         api.delete(f"/sandboxes/{c['sandboxID']}")
     return call, max(each, default=0.0), each, failed

@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 from e2b import AsyncSandbox, CommandExitException
@@ -59,6 +60,18 @@ from swe_task import (
 )
 
 GOAL_PER_MIN = 900
+
+
+async def _attempt(target: Any, r: Rollout, clock: Clock) -> None:
+    """Upload the rollout's patch, apply it, run the tests, grade: in an env of the
+    RL pool or straight through envd (both have ``upload`` and ``exec``)."""
+    await target.upload(PATCH_PATH, patch_of(r))
+    clock.lap("upload")
+    applied = (await target.exec(APPLY, 30)).exit_code
+    clock.lap("exec patch")
+    tested = (await target.exec(TESTS, 60)).exit_code if applied == 0 else None
+    clock.lap("exec tests")
+    _grade(r, applied, tested)
 
 
 def _grade(r: Rollout, applied: int, tested: int | None) -> None:
@@ -173,13 +186,7 @@ def fork_way(api: httpx.AsyncClient, envd_http: httpx.AsyncClient, source: str
         try:
             clock.lap("fork")
             envd = Envd(envd_http, child["sandboxID"], child.get("envdAccessToken"))
-            await envd.upload(PATCH_PATH, patch_of(r))
-            clock.lap("upload")
-            applied = (await envd.exec(APPLY, 30)).exit_code
-            clock.lap("exec patch")
-            tested = (await envd.exec(TESTS, 60)).exit_code if applied == 0 else None
-            clock.lap("exec tests")
-            _grade(r, applied, tested)
+            await _attempt(envd, r, clock)
         finally:
             await api.delete(f"/sandboxes/{child['sandboxID']}")
             clock.lap("kill")
@@ -191,13 +198,7 @@ def reset_way(pool: EnvPool) -> Callable[[Rollout], Awaitable[None]]:
         env = await pool.acquire()
         try:
             clock = Clock(r)
-            await env.upload(PATCH_PATH, patch_of(r))
-            clock.lap("upload")
-            applied = (await env.exec(APPLY, 30)).exit_code
-            clock.lap("exec patch")
-            tested = (await env.exec(TESTS, 60)).exit_code if applied == 0 else None
-            clock.lap("exec tests")
-            _grade(r, applied, tested)
+            await _attempt(env, r, clock)
             await env.reset()
             clock.lap("reset")
         finally:
@@ -212,13 +213,7 @@ def pooled_way(pool: EnvPool) -> Callable[[Rollout], Awaitable[None]]:
         clock = Clock(r)
         async with pool.env() as env:
             clock.lap("acquire")
-            await env.upload(PATCH_PATH, patch_of(r))
-            clock.lap("upload")
-            applied = (await env.exec(APPLY, 30)).exit_code
-            clock.lap("exec patch")
-            tested = (await env.exec(TESTS, 60)).exit_code if applied == 0 else None
-            clock.lap("exec tests")
-            _grade(r, applied, tested)
+            await _attempt(env, r, clock)
     return one
 
 

@@ -34,6 +34,18 @@ from .requests import CreateRequest, check_fork_count
 log = logging.getLogger(__name__)
 
 
+async def as_they_come(starts: list[asyncio.Task[SandboxRecord]], failed: str
+                       ) -> AsyncIterator[SandboxRecord | OrchestratorError]:
+    """Each sandbox as its start ends: its record, or the error that stopped it."""
+    for start in asyncio.as_completed(starts):
+        try:
+            yield await start
+        except OrchestratorError as exc:
+            yield exc
+        except Exception as exc:
+            yield OrchestratorError(f"{failed}: {exc}")
+
+
 class Forking(ManagerCore):
     async def fork(self, sandbox_id: str, count: int, ttl: int | None = None
                    ) -> list[SandboxRecord | OrchestratorError]:
@@ -70,13 +82,8 @@ class Forking(ManagerCore):
         cleanup = asyncio.create_task(self._remove_when_done(children, image, started))
         self._tasks.add(cleanup)
         cleanup.add_done_callback(self._tasks.discard)
-        for child in asyncio.as_completed(children):
-            try:
-                yield await child
-            except OrchestratorError as exc:
-                yield exc
-            except Exception as exc:
-                yield OrchestratorError(f"child failed to start: {exc}")
+        async for result in as_they_come(children, "child failed to start"):
+            yield result
         await asyncio.shield(cleanup)  # every child is up: the capture is gone on return
 
     async def _capture_for_fork(self, sandbox_id: str, image: Path) -> SandboxRecord:

@@ -25,7 +25,7 @@ from . import diffing, disk_pause
 from .boot_images import BootImage, PooledSandbox
 from .egress import Egress
 from .envd_client import EnvdUnavailable
-from .forking import Forking
+from .forking import Forking, as_they_come
 from .lineage import Lineage
 from .models import (
     BadRequest,
@@ -243,13 +243,8 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
         check_create(req, self.limits)
         await self._source(req)
         creates = [asyncio.create_task(self.create(req)) for _ in range(count)]
-        for create in asyncio.as_completed(creates):
-            try:
-                yield await create
-            except OrchestratorError as exc:
-                yield exc
-            except Exception as exc:
-                yield OrchestratorError(f"sandbox failed to start: {exc}")
+        async for result in as_they_come(creates, "sandbox failed to start"):
+            yield result
 
     async def lineage(self, snapshot_id: str | None = None) -> dict:
         """Where snapshots and sandboxes came from (lineage.py): one snapshot's
