@@ -6,7 +6,7 @@ AENV_HOME ?= /var/lib/aenv
 export AENV_HOME
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 
-.PHONY: setup system venv template js run run-cluster test bench soak lint clean-state
+.PHONY: setup system venv template templates js run run-cluster test bench soak lint clean-state
 
 setup: system venv template
 
@@ -22,8 +22,10 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $@
 
+template: system templates
+
 # The two templates build side by side (each mostly waits on downloads and dpkg).
-template: system
+templates:
 	@bash scripts/build-base-template.sh & base=$$!; \
 	bash scripts/build-code-interpreter-template.sh; ci=$$?; \
 	wait $$base && exit $$ci
@@ -41,7 +43,10 @@ run: setup
 run-cluster: setup
 	@bash deploy/run-cluster.sh
 
-test: setup js lint
+# The templates build while the JS SDKs install and the lint runs (all need the venv
+# or the system packages first, nothing of each other).
+test: system venv
+	@$(MAKE) --no-print-directory -j3 templates js lint
 	$(VENV)/bin/pytest
 
 bench: setup

@@ -156,7 +156,7 @@ def test_ctrl_c_cancels_the_build(node: Node, env: dict[str, str], tmp_path: Pat
     ids = re.search(r"Template created with ID: (\w+), Build ID: ([\w-]+)", seen)
     assert ids, seen
     proc.send_signal(signal.SIGINT)
-    rest = proc.communicate(timeout=20)[1]
+    rest = proc.communicate(timeout=10)[1]
     assert proc.returncode == 130, seen + rest
     with node.client() as api:
         status = api.get(f"/templates/{ids[1]}/builds/{ids[2]}/status").json()
