@@ -66,6 +66,9 @@ def test_fuzz_api_from_openapi(tmp_path: Path) -> None:
             "--phases", "examples,coverage,fuzzing,stateful",
             "--max-examples", EXAMPLES,
             "--request-timeout", "120",
+            # A template's first sandbox on a fresh node boots cold (the code
+            # interpreter's kernels: ~11 s); later ones restore its boot image.
+            "--max-response-time", "60",
             "--no-color",
         ]
         if os.environ.get("AENV_FUZZ_SEED"):
