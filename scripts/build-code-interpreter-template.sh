@@ -75,11 +75,11 @@ mmdebstrap --quiet --variant=minbase \
   --customize-hook='chroot "$1" env -i PATH=/usr/bin:/bin HOME=/root /opt/aenv-ci/bin/pip install --quiet --disable-pip-version-check --no-index --find-links /tmp/aenv-wheels -r /tmp/aenv-wheels/requirements.txt' \
   --customize-hook="install -m 0644 '$src/server.py' \"\$1/opt/aenv-ci/server.py\"" \
   --customize-hook="install -m 0755 '$src/supervise.sh' \"\$1/opt/aenv-ci/supervise.sh\"" \
-  --customize-hook="install -m 0644 '$src/aenv_ci_display.py' '$src/aenv_ci_charts.py' \"\$1/opt/aenv-ci/lib/python3.11/site-packages/\"" \
+  --customize-hook="install -m 0644 '$src/aenv_ci_display.py' '$src/aenv_ci_charts.py' '$src/aenv_ci_kernels.py' \"\$1/opt/aenv-ci/lib/python3.11/site-packages/\"" \
   --customize-hook="cp -r '$tmp/js' \"\$1/opt/aenv-ci/js\"" \
   --customize-hook="mkdir -p \"\$1/opt/aenv-ci/share/jupyter\" && cp -r '$tmp/kernels/.' \"\$1/opt/aenv-ci/share/jupyter/kernels/\"" \
   --customize-hook='chroot "$1" /opt/aenv-ci/bin/python -m bash_kernel.install --sys-prefix >/dev/null' \
-  --customize-hook='chroot "$1" /opt/aenv-ci/bin/python -m compileall -q /opt/aenv-ci/server.py /opt/aenv-ci/lib/python3.11/site-packages/aenv_ci_display.py /opt/aenv-ci/lib/python3.11/site-packages/aenv_ci_charts.py' \
+  --customize-hook='chroot "$1" /opt/aenv-ci/bin/python -m compileall -q /opt/aenv-ci/server.py /opt/aenv-ci/lib/python3.11/site-packages/aenv_ci_display.py /opt/aenv-ci/lib/python3.11/site-packages/aenv_ci_charts.py /opt/aenv-ci/lib/python3.11/site-packages/aenv_ci_kernels.py' \
   --customize-hook='chroot "$1" env -i PATH=/usr/bin:/bin HOME=/root MPLBACKEND=agg /opt/aenv-ci/bin/python -c "import matplotlib.pyplot"' \
   --customize-hook='rm -rf "$1/tmp/aenv-wheels" "$1"/root/.cache/pip' \
   --customize-hook='rm -rf "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/* "$1"/usr/share/doc/* "$1"/usr/share/man/*' \
