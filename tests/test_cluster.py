@@ -405,7 +405,11 @@ def test_cut_link_marks_node_down_and_it_rejoins(cluster: Cluster, api: httpx.Cl
 
 def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
                                                      api: httpx.Client) -> None:
-    sbx = Sandbox.create(template="base", timeout=300)
+    # Its egress policy and private traffic must follow it to the node that adopts it.
+    sbx = Sandbox.create(template="base", timeout=300,
+                         network={"deny_out": ["0.0.0.0/0"], "allow_public_traffic": False})
+    network = api.get(f"/sandboxes/{sbx.sandbox_id}").json()["network"]
+    assert network["denyOut"] == ["0.0.0.0/0"] and network["allowPublicTraffic"] is False
     sbx.files.write("/home/user/kept.txt", "survives its node")
     sbx.commands.run(COUNTER, background=True)
     assert counting(sbx)
@@ -436,7 +440,9 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
     assert new_home != home
     assert resumed.files.read("/home/user/kept.txt") == "survives its node"
     assert counting(resumed)
-    assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+    after = api.get(f"/sandboxes/{sbx.sandbox_id}").json()
+    assert after["state"] == "running"
+    assert after["network"] == network, (network, after["network"])
     # the dead node comes back: it rejoins, and drops its stale record of the
     # sandbox another node now runs (the sandbox is not claimed twice)
     cluster.node(home).start()

@@ -38,6 +38,11 @@ class Captures(ManagerCore):
             "memory_mb": record.memory_mb,
             "disk_size_mb": record.disk_size_mb,
             "internet": record.internet,
+            # The egress policy and the private-traffic token must follow a paused
+            # sandbox to a node that adopts it: without them it would come back open.
+            "network": record.network,
+            "traffic_token": record.traffic_token,
+            "owner": record.owner,
             "metadata": record.metadata,
             "env_vars": record.env_vars,
             # The token lives in the memory image too; a child rotates it.

@@ -27,7 +27,8 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
                snapshot_id: str = "", started_at: float | None = None,
                auto_resume: bool = False, resume_timeout: int = 0,
                mask_request_host: str = "", owner: str = "", run_id: str = "",
-               queued_at: float = 0.0, origin: str = "") -> SandboxRecord:
+               queued_at: float = 0.0, origin: str = "",
+               traffic_token: str = "") -> SandboxRecord:
     """A record with a fresh unguessable ID and envd token (unless given: an adopted
     pause keeps its own), ending ``ttl`` seconds from now."""
     now = time.time()
@@ -46,7 +47,7 @@ def new_record(*, node_id: str, template_id: str, alias: str, resources: Resourc
         auto_pause_memory=auto_pause_memory,
         internet=internet,
         network=dict(network or {}),
-        traffic_token=secrets.token_urlsafe(32) if private_ports else "",
+        traffic_token=traffic_token or (secrets.token_urlsafe(32) if private_ports else ""),
         metadata=dict(metadata or {}),
         env_vars=dict(env_vars or {}),
         envd_token=envd_token or secrets.token_urlsafe(32),
