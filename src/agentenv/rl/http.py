@@ -10,6 +10,7 @@ answer returns the sandbox the first try made instead of making a second.
 from __future__ import annotations
 
 import asyncio
+import collections
 import email.utils
 import random
 import time
@@ -75,8 +76,9 @@ class Api:
     def __init__(self, url: str, api_key: str, retry: RetryPolicy | None = None,
                  max_connections: int = 64, timeout_s: float = 120.0) -> None:
         self.retry = retry or RetryPolicy()
-        # Every answer that asked for a retry (a status; 0: no answer), for the curious.
-        self.refusals: list[int] = []
+        # How many answers asked for a retry, by status (0: no answer): counts, not a
+        # list, so a client that runs for days holds a few integers.
+        self.refusals: collections.Counter[int] = collections.Counter()
         self.client = httpx.AsyncClient(
             base_url=url.rstrip("/"), headers={"X-API-Key": api_key},
             timeout=httpx.Timeout(timeout_s, connect=10.0),
@@ -112,7 +114,7 @@ class Api:
                     raise ApiError(r.status_code, _message(r))
                 wait = retry_after(r)
                 last, last_status = _message(r), r.status_code
-            self.refusals.append(last_status)
+            self.refusals[last_status] += 1
             pause = self.retry.wait(attempt, wait)
             if time.monotonic() + pause >= deadline:
                 raise ApiError(last_status,
