@@ -47,11 +47,13 @@ def source(node: Node, api: httpx.Client):
     sbx.commands.run("python3 /home/user/mem.py", background=True)
     sbx.commands.run(COUNTER, background=True)
     sbx.files.write("/home/user/origin.txt", "from the source")
-    for _ in range(100):
+    deadline = time.monotonic() + 60  # a python3 start in gVisor, on a loaded machine
+    while True:
         try:
             memory(node, sid)
             break
         except (AssertionError, httpx.HTTPError):
+            assert time.monotonic() < deadline, "the memory server did not come up"
             time.sleep(0.1)
     yield sbx
     api.delete(f"/sandboxes/{sid}")
