@@ -44,10 +44,11 @@ run-cluster: setup
 	@bash deploy/run-cluster.sh
 
 # The templates build while the JS SDKs install and the lint runs (all need the venv
-# or the system packages first, nothing of each other).
+# or the system packages first, nothing of each other). Two pytest workers, a file
+# each at a time: the suite mostly waits on sandboxes, and a file's nodes stay its own.
 test: system venv
 	@$(MAKE) --no-print-directory -j3 templates js lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 bench: setup
 	$(PY) bench/run.py

@@ -12,10 +12,12 @@ from agentenv.testing import Node, free_cidr, leaks, sdk_env
 # Per session, so that two test runs on one machine never take each other's
 # slots for crash leftovers (each node removes unknown slots of its prefix).
 TEST_PREFIX = f"t{os.getpid() % 46656:03x}"
-# 10.50-89 is the session node's alone: the nodes single test files start use
+# 10.50-89 is the session nodes' alone: the nodes single test files start use
 # fixed or per-file ranges (10.13-44, 10.120-249); a session node sharing one with
-# them (as 10.100-199 could) broke their creates on the host's routes.
-TEST_CIDR = free_cidr(50, 40, os.getpid())
+# them (as 10.100-199 could) broke their creates on the host's routes. Under
+# pytest-xdist each of the two workers has a session node, in its own half.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+TEST_CIDR = free_cidr(50 + 20 * (int(WORKER) % 2 if WORKER.isdigit() else 0), 20, os.getpid())
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import SHARED_HOME, Node, leaks, sdk_env
+from agentenv.testing import SHARED_HOME, Node, free_cidr, leaks, sdk_env
 from agentenv.testing.nodes import AENV
 from agentenv.testing.oci_registry import (
     DEFAULT_PATH,
@@ -28,7 +28,7 @@ from agentenv.testing.oci_registry import (
 )
 
 PREFIX = f"i{os.getpid() % 4096:03x}"
-CIDR = f"10.{150 + os.getpid() % 40}.0.0/16"
+CIDR = free_cidr(160, 10, os.getpid())
 BASE_ROOTFS = SHARED_HOME / "images/templates/base/rootfs"
 TOP_MIB = 24
 ENTRY_OVERHEAD = 512  # what the store counts per tar entry

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import Node, leaks, sdk_env
+from agentenv.testing import Node, free_cidr, leaks, sdk_env
 
 CLI = [sys.executable, "-m", "agentenv.cli.main"]
 CAPACITY = 4
@@ -30,7 +30,7 @@ CAPACITY = 4
 def rl_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     prefix = f"r{os.getpid() % 4096:03x}"
     node = Node(tmp_path_factory.mktemp("rl") / "home", prefix,
-                f"10.{150 + os.getpid() % 20}.0.0/16", AENV_MAX_SANDBOXES=str(CAPACITY))
+                free_cidr(150, 10, os.getpid()), AENV_MAX_SANDBOXES=str(CAPACITY))
     node.start()
     try:
         with sdk_env(node.e2b_env()):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import Node, leaks
+from agentenv.testing import Node, free_cidr, leaks
 from sandbox_helpers import COUNTER, counting
 from test_snapshot_store import S3Server
 
@@ -26,7 +26,7 @@ def small_disk_node(tmp_path: Path) -> Iterator[Node]:
     staging = home / "snapshots-staging"
     staging.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(staging)], check=True)
-    node = Node(home, f"f{PID % 4096:03x}", f"10.{150 + PID % 40}.0.0/16")
+    node = Node(home, f"f{PID % 4096:03x}", free_cidr(170, 10, PID))
     try:
         node.start()
         yield node
@@ -62,7 +62,7 @@ def s3_node(tmp_path: Path) -> Iterator[tuple[Node, S3Server]]:
     s3 = S3Server()
     s3.start()
     node = Node(
-        tmp_path / "home", f"s{PID % 4096:03x}", f"10.{190 + PID % 10}.0.0/16",
+        tmp_path / "home", f"s{PID % 4096:03x}", free_cidr(190, 10, PID),
         AENV_SNAPSHOT_BACKEND="oss", AENV_SNAPSHOT_ENDPOINT_URL=s3.url,
         AENV_SNAPSHOT_BUCKET=s3.new_bucket(), AENV_SNAPSHOT_REGION="us-east-1",
         AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",

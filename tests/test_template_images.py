@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import Node, leaks, sdk_env
+from agentenv.testing import Node, free_cidr, leaks, sdk_env
 
 PREFIX = f"w{os.getpid() % 4096:03x}"
-CIDR = f"10.{200 + os.getpid() % 50}.0.0/16"
+CIDR = free_cidr(220, 30, os.getpid())
 
 
 @pytest.fixture(scope="module")
