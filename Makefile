@@ -46,9 +46,11 @@ run-cluster: setup
 # The templates build while the JS SDKs install and the lint runs (all need the venv
 # or the system packages first, nothing of each other). Two pytest workers, a file
 # each at a time: the suite mostly waits on sandboxes, and a file's nodes stay its own.
+# The files marked serial compare figures with unloaded ones: they run after, alone.
 test: system venv
 	@$(MAKE) --no-print-directory -j3 templates js lint
-	$(VENV)/bin/pytest -n 2 --dist loadfile
+	@status=0; $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" || status=$$?; \
+	$(VENV)/bin/pytest -m serial || status=$$?; exit $$status
 
 bench: setup
 	$(PY) bench/run.py

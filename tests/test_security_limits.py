@@ -17,6 +17,9 @@ from e2b import Sandbox
 from agentenv.runtime.oci import CPU_PERIOD_US, CPU_RESERVE, file_size_limit, nproc_limit
 from agentenv.testing import SHARED_HOME, Node
 
+# Its figures are compared with unloaded ones: run alone (make test).
+pytestmark = pytest.mark.serial
+
 SAMPLES = 21
 HOGS = {
     "cpu": "for i in 1 2 3 4; do (while :; do :; done) & done; wait",

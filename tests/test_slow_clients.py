@@ -19,6 +19,9 @@ import pytest
 
 from agentenv.testing import Node, leaks
 
+# Its figures are compared with unloaded ones: run alone (make test).
+pytestmark = pytest.mark.serial
+
 PREFIX = "asl"
 CIDR = "10.43.0.0/16"
 HEAD_TIMEOUT = 3
