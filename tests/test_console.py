@@ -114,7 +114,7 @@ def _shot(page, out: Path, name: str) -> None:
 
 def test_console_in_a_browser(node: Node, api: httpx.Client, tmp_path: Path) -> None:
     """log in -> create from base -> terminal (echo hello-$((6*7)) reads hello-42) ->
-    fork -> the fork in the lineage -> kill both -> gone from the list."""
+    fork -> the fork in the lineage -> snapshot, pause, resume -> kill both -> gone."""
     _built()
     assert CHROMIUM.exists(), "Debian's chromium is needed (make system)"
     from playwright.sync_api import expect, sync_playwright
@@ -122,6 +122,7 @@ def test_console_in_a_browser(node: Node, api: httpx.Client, tmp_path: Path) -> 
     out = tmp_path / "screenshots"
     out.mkdir()
     made: list[str] = []
+    snapshots: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
         try:
@@ -137,6 +138,10 @@ def test_console_in_a_browser(node: Node, api: httpx.Client, tmp_path: Path) -> 
             page.click("#submit")
             expect(page).to_have_url(re.compile(r"/ui/$"))
             expect(page.locator("h1")).to_have_text("agentenv console")
+            # The page's own fetch without the console's header is refused (CSRF).
+            status = page.evaluate("""async () => (await fetch('/sandboxes/nosuchsandbox',
+                {method: 'DELETE', credentials: 'same-origin'})).status""")
+            assert status == 401
 
             before = {s["sandboxID"] for s in api.get("/sandboxes").json()}
             page.fill("#template", "base")
@@ -171,6 +176,17 @@ def test_console_in_a_browser(node: Node, api: httpx.Client, tmp_path: Path) -> 
             node_in_tree.scroll_into_view_if_needed()
             _shot(page, out, "3-fork-lineage")
 
+            row.locator('button[data-action="snapshot"]').click()
+            expect(page.locator("#status")).to_contain_text("snapshot ", timeout=60_000)
+            snap = page.locator("#status").inner_text().split("snapshot ", 1)[1].strip()
+            snapshots.append(snap)
+            expect(page.locator(f'#lineage g[data-key="snapshot:{snap}"]')
+                   ).to_have_attribute("data-parent", f"sandbox:{sid}")
+            child_row = page.locator(f'#sandboxes tr[data-id="{child}"]')
+            child_row.locator('button[data-action="pause"]').click()
+            expect(child_row).to_have_attribute("data-state", "paused")
+            child_row.locator('button[data-action="resume"]').click()
+            expect(child_row).to_have_attribute("data-state", "running")
             expect(page.locator("#load .plot")).to_have_count(3)
             for victim in (child, sid):
                 page.locator(f'#sandboxes tr[data-id="{victim}"] button[data-action="kill"]'
@@ -183,6 +199,8 @@ def test_console_in_a_browser(node: Node, api: httpx.Client, tmp_path: Path) -> 
             browser.close()
             for s in made:
                 api.delete(f"/sandboxes/{s}")
+            for snap in snapshots:
+                api.delete(f"/snapshots/{snap}")
     listed = {s["sandboxID"] for s in api.get("/sandboxes").json()}
     assert not set(made) & listed
 
