@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from agentenv.testing import Node
 from agentenv.web import console
+from proxy_attacks import ECHO_PORT, routings, start_header_echo
 
 CHROMIUM = Path("/usr/bin/chromium")
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -164,6 +165,9 @@ def test_console_in_a_browser(node: Node, api: httpx.Client, tmp_path: Path) -> 
             _shot(page, out, "2-terminal")
             page.click("#terminal-close")  # the socket closes: its shell is killed
             assert _shell_gone(sid), "the terminal's shell outlived its socket"
+            session = next(c["value"] for c in page.context.cookies()
+                           if c["name"] == console.COOKIE)
+            _session_stays_with_the_node(node, sid, session)
 
             row.locator('button[data-action="fork"]').click()
             expect(page.locator("#status")).to_contain_text("forked into ", timeout=60_000)
@@ -203,6 +207,19 @@ def test_console_in_a_browser(node: Node, api: httpx.Client, tmp_path: Path) -> 
                 api.delete(f"/snapshots/{snap}")
     listed = {s["sandboxID"] for s in api.get("/sandboxes").json()}
     assert not set(made) & listed
+
+
+def _session_stays_with_the_node(node: Node, sid: str, session: str) -> None:
+    """A sandbox's port sees the client's other cookies, never the console's session."""
+    from e2b import Sandbox
+
+    start_header_echo(Sandbox.connect(sid))
+    for routing in routings(sid, ECHO_PORT):
+        r = httpx.get(node.url + "/", headers={
+            **{k: str(v) for k, v in routing.items() if k != "Host"},
+            "Host": str(routing["Host"]), "Cookie": f"{console.COOKIE}={session}; app=1"})
+        assert r.status_code == 200, r.text
+        assert r.json().get("cookie") == "app=1", r.json()
 
 
 def _shell_gone(sid: str, within_s: float = 15.0) -> bool:

@@ -91,6 +91,21 @@ def _cookie(scope: Scope) -> str | None:
     return None
 
 
+def without_session(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """``headers`` with the console's cookie taken out of every Cookie header (those
+    left empty go): what a sandbox is sent."""
+    out = []
+    for name, value in headers:
+        if name.lower() == b"cookie":
+            kept = [p for p in value.split(b";")
+                    if p.strip().partition(b"=")[0] != COOKIE.encode()]
+            if not any(p.strip() for p in kept):
+                continue
+            value = b";".join(kept).strip()
+        out.append((name, value))
+    return out
+
+
 def _header(scope: Scope, wanted: bytes) -> str | None:
     for name, value in scope.get("headers", ()):
         if name == wanted:
