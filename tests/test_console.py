@@ -52,6 +52,12 @@ def test_console_login_session_and_csrf(node: Node) -> None:
         r = other.post("/ui/login", data={"key": node.api_key},
                        headers={"Origin": "http://evil.example"})
         assert r.status_code == 403 and console.COOKIE not in r.cookies
+        r = other.post("/ui/login", content="&".join(f"k{i}=v" for i in range(50)),
+                       headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400
+        r = other.post("/ui/login", content="key=" + "x" * 10_000,
+                       headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 413
     wrong = _login(node, "aenv_" + "0" * 48)
     assert wrong.status_code == 401 and console.COOKIE not in wrong.cookies
     assert "not this server" in wrong.text

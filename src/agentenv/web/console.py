@@ -201,7 +201,10 @@ def console_router() -> APIRouter:
             body += chunk
             if len(body) > MAX_LOGIN_BODY:
                 return _login_page("The form was too large.", 413)
-        fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+        try:
+            fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+        except ValueError:  # more fields than a login form has
+            return _login_page("The form was not a login.", 400)
         given = (fields.get("key") or [""])[0].strip()
         keys = accepted_keys(request.app.state)
         ok = False
