@@ -66,7 +66,8 @@ export async function drawLineage(target) {
                          transform: `translate(${x(p)},${y(p)})` });
     g.append(svg("rect", { width: W, height: H, rx: 6 }));
     const label = n.kind === "snapshot" && n.name ? n.name : n.id;
-    g.append(svg("text", { x: 8, y: 16, class: "kind" }, `${n.kind}${state ? " · " + state : ""}`));
+    const shown = state && state !== n.kind ? ` · ${state}` : "";
+    g.append(svg("text", { x: 8, y: 16, class: "kind" }, `${n.kind}${shown}`));
     g.append(svg("text", { x: 8, y: 32, class: "id" }, label.length > 24 ? label.slice(0, 23) + "…" : label));
     g.append(svg("title", {}, `${key(n)}${n.createdAt ? "\ncreated " + n.createdAt : ""}`));
     pic.append(g);
