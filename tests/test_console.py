@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from agentenv.testing import Node
 from agentenv.web import console
+from agentenv.web.keys import ApiKeys, rotate_api_key
 from proxy_attacks import ECHO_PORT, routings, start_header_echo
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -96,6 +97,21 @@ def test_console_login_session_and_csrf(node: Node) -> None:
             ws_client.connect(ws_url, additional_headers=headers, open_timeout=10)
     node_ok = httpx.get(node.url + "/health", timeout=10)
     assert node_ok.status_code == 200
+
+
+def test_session_tokens_expire_and_end_with_the_key(tmp_path: Path) -> None:
+    keys = ApiKeys(tmp_path / "secrets")
+    first = keys.current
+    token = console.issue(first)
+    assert first not in token and console.valid(token, keys.accepted())
+    assert not console.valid(token, ["aenv_other"])
+    assert not console.valid(token, keys.accepted(), now=time.time() + console.SESSION_S + 1)
+    for bad in ("", "1.2", f"{10**13}.{'0' * 64}", token[:-1] + "x", "x" * 200):
+        assert not console.valid(bad, keys.accepted())
+    rotate_api_key(tmp_path / "secrets", grace_s=60)  # in its grace the old key's sessions hold
+    assert console.valid(token, keys.accepted())
+    rotate_api_key(tmp_path / "secrets")  # without one they end with it
+    assert not console.valid(token, keys.accepted())
 
 
 async def test_console_not_built_says_how(tmp_path: Path,
