@@ -6,7 +6,7 @@ AENV_HOME ?= /var/lib/aenv
 export AENV_HOME
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 
-.PHONY: setup system venv template templates js run run-cluster test bench soak lint clean-state
+.PHONY: setup system venv template templates js ui run run-cluster test bench soak lint clean-state
 
 setup: system venv template
 
@@ -36,19 +36,27 @@ js: tests/js/node_modules/.package-lock.json
 tests/js/node_modules/.package-lock.json: tests/js/package.json tests/js/package-lock.json
 	cd tests/js && npm ci --no-audit --no-fund --loglevel=error
 
-run: setup
+# The web console (/ui): npm packages pinned by ui/package-lock.json, built into ui/dist,
+# which the node and the gateway serve (nothing is fetched from elsewhere at run time).
+ui: ui/dist/index.html
+
+ui/dist/index.html: ui/package.json ui/package-lock.json ui/vite.config.js ui/index.html $(wildcard ui/src/*)
+	cd ui && npm ci --no-audit --no-fund --loglevel=error && npm run --silent build
+
+run: setup ui
 	$(VENV)/bin/aenv server
 
 # Clustered on one machine: redis, scheduler :9090, gateway :8080, a node :8000.
-run-cluster: setup
+run-cluster: setup ui
 	@bash deploy/run-cluster.sh
 
-# The templates build while the JS SDKs install and the lint runs (all need the venv
-# or the system packages first, nothing of each other). Two pytest workers, a file
-# each at a time: the suite mostly waits on sandboxes, and a file's nodes stay its own.
-# The files marked serial compare figures with unloaded ones: they run after, alone.
+# The templates build while the JS SDKs install, the console builds and the lint runs
+# (all need the venv or the system packages first, nothing of each other). Two pytest
+# workers, a file each at a time: the suite mostly waits on sandboxes, and a file's
+# nodes stay its own. The files marked serial compare figures with unloaded ones: they
+# run after, alone.
 test: system venv
-	@$(MAKE) --no-print-directory -j3 templates js lint
+	@$(MAKE) --no-print-directory -j3 templates js ui lint
 	@status=0; $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" || status=$$?; \
 	$(VENV)/bin/pytest -m serial || status=$$?; exit $$status
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the host packages agentenv needs: runsc from bookworm-backports,
 # iptables, mmdebstrap (base template), redis (cluster tests), docker-registry
-# (image tests).
+# (image tests), chromium (the web console's browser test).
 # Idempotent: does nothing when everything is already present.
 set -euo pipefail
 
@@ -14,6 +14,8 @@ command -v ip >/dev/null || need+=(iproute2)
 dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
 # An OCI registry (distribution) the image tests run on loopback.
 command -v docker-registry >/dev/null || need+=(docker-registry)
+# A real browser for the web console's test (tests/test_console.py, driven by Playwright).
+command -v chromium >/dev/null || need+=(chromium)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -136,6 +136,34 @@ def test_e2b_sdk_through_the_gateway(cluster: Cluster, api: httpx.Client) -> Non
     assert api.get("/v2/sandboxes").json() == []
 
 
+def test_gateway_serves_the_console(cluster: Cluster, api: httpx.Client) -> None:
+    """/ui behind the gateway's key: a session from its login works the API through the
+    gateway, and the console's terminal is relayed to the sandbox's node."""
+    gw = cluster.gateway_url
+    assert httpx.get(gw + "/ui/").headers["location"] == "/ui/login"
+    assert httpx.post(gw + "/ui/login", data={"key": "wrong"}).status_code == 401
+    login = httpx.post(gw + "/ui/login", data={"key": api.headers["X-API-Key"]})
+    assert login.status_code == 303, login.text
+    token = login.cookies["aenv_ui"]
+    with httpx.Client(base_url=gw, cookies={"aenv_ui": token}, timeout=60) as ui:
+        assert "agentenv console" in ui.get("/ui/").text
+        assert ui.post("/sandboxes", json={"templateID": "base"}).status_code == 401
+        r = ui.post("/sandboxes", json={"templateID": "base"}, headers={"X-Aenv-UI": "1"})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        try:
+            assert sid in {s["sandboxID"] for s in ui.get("/v2/sandboxes").json()}
+            url = gw.replace("http", "ws") + f"/ui/sandboxes/{sid}/terminal?cols=80&rows=24"
+            with ws_connect(url, additional_headers={"Cookie": f"aenv_ui={token}",
+                                                     "Origin": gw}, open_timeout=20) as ws:
+                ws.send(b"echo gw-$((6*7))\n")
+                seen = b""
+                while b"gw-42" not in seen:
+                    seen += ws.recv(timeout=20)
+        finally:
+            assert ui.delete(f"/sandboxes/{sid}", headers={"X-Aenv-UI": "1"}).status_code == 204
+
+
 def gateway_host(cluster: Cluster, sbx: Sandbox, port: int) -> str:
     """The sandbox's host with the gateway's port (get_host names its node's: the
     nodes here keep the default domain, localhost:<node port>)."""

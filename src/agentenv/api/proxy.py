@@ -33,6 +33,7 @@ from ..web import (
     send_error,
     upstream_url,
 )
+from ..web.console import without_session
 from ..web.hosts import upstream_host
 from ..web.routing import SandboxRouting
 
@@ -130,6 +131,8 @@ class SandboxProxy:
             await send_error(scope, send, 502, f"The sandbox {sandbox_id} is not running: {exc}",
                              sandbox_id)
             return
+        # The console's session is the node's, like the key: never the sandbox's.
+        scope = {**scope, "headers": without_session(scope["headers"])}
         try:
             url = upstream_url("ws" if scope["type"] == "websocket" else "http",
                                address, port, scope)

@@ -26,20 +26,23 @@ import binascii
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response, WebSocket
 from starlette.types import ASGIApp
 
 from .. import __version__
 from .. import metrics as prometheus
 from ..orchestrator import NotFound
+from ..web import connect_websocket, relay_websocket
+from ..web.console import ConsoleSessions, console_router
 from ..web.errors import error_response, install_error_handlers
-from ..web.keys import require_api_key
+from ..web.keys import key_matches, require_api_key
 from .common import ClusterError
 from .gateway_proxy import GatewayProxy
 from .gateway_runs import GatewayRuns, parse_body, run_of
@@ -53,6 +56,7 @@ PLACE_RETRY_S = 0.5
 GATEWAY_RETRY_AFTER_S = 5
 # How long a kill waits for a node past its heartbeat TTL (it may be dead).
 LATE_NODE_TIMEOUT = httpx.Timeout(10.0, connect=3.0)
+_SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")  # new_sandbox_id()'s alphabet
 
 
 def _too_many(queue_timeout_s: float, why: str) -> ClusterError:
@@ -127,6 +131,31 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     app.include_router(prometheus.metrics_router(require_api_key))  # before the catch-all
     runs = GatewayRuns(gw, registry)
     runs.install(app, auth, _relay)
+    app.include_router(console_router())  # the web console, before the catch-all
+
+    @app.websocket("/ui/sandboxes/{sandbox_id}/terminal")
+    async def terminal(ws: WebSocket, sandbox_id: str) -> None:
+        """The console's terminal, relayed to the sandbox's node (which bridges it)."""
+        if not key_matches(ws.headers.get("x-api-key"), api_key):
+            await ws.close(code=4401, reason="log in at /ui/login first")
+            return
+        if not _SANDBOX_ID.fullmatch(sandbox_id):
+            await ws.close(code=4404, reason="not a sandbox ID")
+            return
+        try:
+            _, node = await gw.owner(sandbox_id)
+            url = httpx.URL(node.url).copy_with(
+                scheme="wss" if node.url.startswith("https") else "ws",
+                path=f"/ui/sandboxes/{sandbox_id}/terminal", query=ws.url.query.encode())
+            upstream = await connect_websocket(url, None, [("X-API-Key", api_key)])
+        except (ClusterError, NotFound) as exc:
+            await ws.close(code=4404, reason=str(exc)[:120])
+            return
+        except Exception as exc:  # the node refused or did not answer
+            await ws.close(code=1011, reason=f"the sandbox's node: {exc}"[:120])
+            return
+        await ws.accept()
+        await relay_websocket(ws.receive, ws.send, upstream)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -366,6 +395,6 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
         except httpx.HTTPError as exc:
             raise ClusterError(502, f"node {nodes[0].node_id} did not answer: {exc}") from exc
 
-    proxy = GatewayProxy(prometheus.RequestCounter(app), gw, domain)
+    proxy = GatewayProxy(prometheus.RequestCounter(ConsoleSessions(app, app.state)), gw, domain)
     holder["proxy"] = proxy
     return proxy

@@ -19,6 +19,7 @@ from ..api.routes.sandboxes import public, router
 from ..api.routes.templates import unlimited_uploads
 from ..api.routes.templates import uploads as template_uploads
 from ..api.signed_files import SignedFileRouter
+from ..api.terminal import router as terminal_router
 from ..builds import TemplateBuilder
 from ..config import Config
 from ..network import SlotPool
@@ -26,9 +27,12 @@ from ..orchestrator import SandboxManager, SandboxState, SandboxStore
 from ..runtime import GVisorRuntime
 from ..snapshot import SnapshotStore, open_repository
 from ..templates import TemplateRegistry
+from ..web.console import ConsoleSessions, console_router
 from ..web.errors import document_errors, install_error_handlers, serve_openapi
 from ..web.keys import ApiKeys, load_or_create_api_key, require_api_key
 from .cluster_routes import router as cluster_router
+from .load import LoadHistory
+from .load import router as load_router
 
 log = logging.getLogger(__name__)
 API_BODY_LIMIT = 1 << 20  # 1 MiB: far above any sandbox request, far below harm
@@ -73,6 +77,8 @@ def create_app(config: Config) -> ASGIApp:
     def by_state() -> dict[str, int]:
         return dict(collections.Counter(str(r.state) for r in manager.list()))
 
+    load_history = LoadHistory(by_state)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         unregister = [metrics.register(metrics.HostCollector()), metrics.register(
@@ -81,6 +87,7 @@ def create_app(config: Config) -> ASGIApp:
         metrics.QUEUE_LENGTH.set_function(lambda: manager.admission.waiting)
         await manager.start()
         await builder.start()
+        load_history.start()
         log.info("node %s serving on %s:%d (home %s)", config.node_id, config.host, config.port,
                  config.home)
         heartbeat = None
@@ -95,6 +102,7 @@ def create_app(config: Config) -> ASGIApp:
         finally:
             if heartbeat is not None:
                 await heartbeat.close()
+            await load_history.close()
             await proxy_holder["proxy"].close()
             await builder.close()
             await manager.close(destroy=True)
@@ -115,6 +123,7 @@ def create_app(config: Config) -> ASGIApp:
     app.state.api_keys = ApiKeys(config.secrets_dir)
     app.state.manager = manager
     app.state.builder = builder
+    app.state.load_history = load_history
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(template_uploads)
@@ -122,10 +131,16 @@ def create_app(config: Config) -> ASGIApp:
     app.include_router(lifecycle_router, dependencies=[Depends(require_api_key)])
     app.include_router(cluster_router, dependencies=[Depends(require_api_key)])
     app.include_router(image_router, dependencies=[Depends(require_api_key)])
+    app.include_router(load_router, dependencies=[Depends(require_api_key)])
+    # The web console: its pages need a session, its terminal checks the key itself.
+    app.include_router(console_router())
+    app.include_router(terminal_router)
     app.include_router(metrics.metrics_router(require_api_key))
     document_errors(app)
     serve_openapi(app, require_api_key)
-    limited = unlimited_uploads(BodyLimitMiddleware(metrics.RequestCounter(app), API_BODY_LIMIT,
+    # Console sessions are turned into the key inside the sandbox proxy: never sent on.
+    counted = metrics.RequestCounter(ConsoleSessions(app, app.state))
+    limited = unlimited_uploads(BodyLimitMiddleware(counted, API_BODY_LIMIT,
                                                     config.http_body_timeout), app)
     proxy = SandboxProxy(limited, manager, config.domain)
     proxy_holder["proxy"] = proxy

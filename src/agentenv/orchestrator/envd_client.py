@@ -17,6 +17,8 @@ import httpx
 
 from ..envd.protocol import ENVD_PORT
 
+MAX_FRAME = 16 << 20  # one Connect message from envd
+
 
 class EnvdUnavailable(RuntimeError):
     pass
@@ -190,6 +192,71 @@ class EnvdClient:
         raise EnvdUnavailable("envd did not start the command")
 
 
+    # -- a PTY (the web console's terminal) --------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def pty(self, address: str, token: str, cols: int, rows: int, user: str = "user"
+                  ) -> AsyncIterator[tuple[int, AsyncIterator[bytes]]]:
+        """A login shell on a new PTY: ``(pid, its output)``. Leaving the block kills it
+        (envd keeps a process whose stream ends running)."""
+        message = json.dumps({
+            "process": {"cmd": "/bin/bash", "args": ["-i", "-l"],
+                        "envs": {"TERM": "xterm-256color", "LANG": "C.UTF-8"}},
+            "pty": {"size": {"cols": cols, "rows": rows}}})
+        body = b"\x00" + struct.pack(">I", len(message)) + message.encode()
+        headers = {**self._unary_headers(token, user),
+                   "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
+        url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
+        pid = 0
+        async with self._http.stream("POST", url, headers=headers, content=body,
+                                     timeout=httpx.Timeout(10.0, read=None)) as r:
+            if r.status_code != 200:
+                raise EnvdUnavailable(f"envd refused the terminal: HTTP {r.status_code}")
+            frames = _frames(r)
+            async for frame in frames:
+                start = frame.get("event", {}).get("start")
+                if start is not None:
+                    pid = int(start.get("pid", 0))
+                    break
+            if not pid:
+                raise EnvdUnavailable("envd did not start the terminal")
+
+            async def output() -> AsyncIterator[bytes]:
+                async for frame in frames:
+                    event = frame.get("event", {})
+                    data = event.get("data", {}).get("pty")
+                    if data:
+                        yield base64.b64decode(data)
+                    if event.get("end") is not None:
+                        return
+
+            try:
+                yield pid, output()
+            finally:
+                with contextlib.suppress(httpx.HTTPError, EnvdUnavailable):
+                    await self._unary(address, token, "SendSignal", {
+                        "process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})
+
+    async def pty_input(self, address: str, token: str, pid: int, data: bytes) -> None:
+        await self._unary(address, token, "SendInput", {
+            "process": {"pid": pid}, "input": {"pty": base64.b64encode(data).decode()}})
+
+    async def pty_resize(self, address: str, token: str, pid: int, cols: int, rows: int
+                         ) -> None:
+        await self._unary(address, token, "Update", {
+            "process": {"pid": pid}, "pty": {"size": {"cols": cols, "rows": rows}}})
+
+    def _unary_headers(self, token: str, user: str = "user") -> dict[str, str]:
+        return {"X-Access-Token": token,
+                "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+
+    async def _unary(self, address: str, token: str, method: str, message: dict) -> None:
+        r = await self._http.post(f"http://{address}:{ENVD_PORT}/process.Process/{method}",
+                                  json=message, headers=self._unary_headers(token))
+        if r.status_code != 200:
+            raise EnvdUnavailable(f"envd {method}: HTTP {r.status_code} {r.text[:200]}")
+
+
 async def _file_chunks(f: BinaryIO, size: int = 1 << 20) -> AsyncIterator[bytes]:
     while chunk := await asyncio.to_thread(f.read, size):
         yield chunk
@@ -202,6 +269,8 @@ async def _frames(response: httpx.Response):
         buf += chunk
         while len(buf) >= 5:
             flags, size = buf[0], struct.unpack(">I", buf[1:5])[0]
+            if size > MAX_FRAME:  # a sandbox's envd is not trusted with our memory
+                raise EnvdUnavailable(f"envd sent a {size}-byte message")
             if len(buf) < 5 + size:
                 break
             message, buf = json.loads(buf[5:5 + size] or b"{}"), buf[5 + size:]

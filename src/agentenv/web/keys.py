@@ -126,6 +126,14 @@ class ApiKeys:
             pass
         self._seen = stamp
 
+    def accepted(self) -> list[str]:
+        """The keys accepted now: the current one first, then one in its grace period."""
+        self._reload()
+        out = [self._current]
+        if self._previous is not None and time.time() < self._previous[1]:
+            out.append(self._previous[0])
+        return out
+
     def matches(self, given: str | None) -> bool:
         self._reload()
         ok = key_matches(given, self._current)
