@@ -86,6 +86,12 @@ class Config:
     # a thaw with no capture to wait for. A node that dies meanwhile captures the
     # frozen sandbox when it restarts, so nothing is less durable.
     resident_capture_delay_ms: int = 1000
+    # Idle running sandboxes are frozen in place (no CPU, memory kept; still `running`
+    # to clients) after idle_freeze_s seconds with no request in flight and at most
+    # idle_freeze_cpu_pct of a core used meanwhile; the next request (API, proxy,
+    # envd, pause, snapshot, kill...) thaws them in under a millisecond. 0: never.
+    idle_freeze_s: float = 10.0
+    idle_freeze_cpu_pct: float = 10.0
     # Seconds a template build waits for its ready check to pass.
     build_ready_timeout: int = 120
     # Bytes of log a template build keeps (its steps' output); past them one
@@ -256,6 +262,10 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         if value and value < low:
             raise ConfigError(f"{name} must be 0 (derived from the host) or at least {low}")
     _check_admission(cfg)
+    if cfg.idle_freeze_s != 0 and not 1 <= cfg.idle_freeze_s <= 86400:
+        raise ConfigError("idle_freeze_s must be 0 (never freeze) or 1..86400 seconds")
+    if not 0 <= cfg.idle_freeze_cpu_pct <= 100:
+        raise ConfigError("idle_freeze_cpu_pct must be between 0 and 100")
     if cfg.build_log_max_bytes < 64 * 1024:
         raise ConfigError("build_log_max_bytes must be at least 65536")
     return cfg

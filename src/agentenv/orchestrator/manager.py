@@ -365,6 +365,7 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
             except Exception:
                 log.exception("runtime housekeeping failed")
             ticks += 1
+            self.freezer.tick()
             await self._tend_residents()
             await self._tend_runs()
             if ticks % COMMIT_RETRY_TICKS == 0:
