@@ -18,6 +18,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.config import ConfigError, load_config
+from agentenv.resources import host_capacity, host_memory_mb
 from agentenv.testing import Node, leaks, sdk_env
 
 PREFIX = f"fz{os.getpid() % 4096:03x}"
@@ -150,3 +151,19 @@ def test_bad_idle_freeze_settings_are_refused(name: str, value: str,
     with pytest.raises(ConfigError, match=name):
         load_config({"home": tmp_path, name: value})
     assert load_config({"home": tmp_path, "idle_freeze_s": "0"}).idle_freeze_s == 0
+
+
+def test_capacity_is_sized_to_the_host_unless_set(tmp_path: Path) -> None:
+    derived = load_config({"home": tmp_path}).max_sandboxes
+    assert derived == host_capacity(True)
+    # Without idle freezing every idle sandbox costs CPU: the cores bound it too.
+    assert load_config({"home": tmp_path, "idle_freeze_s": "0"}).max_sandboxes == \
+        min(derived, host_capacity(False)) <= (os.cpu_count() or 1) * 32
+    assert load_config({"home": tmp_path, "max_sandboxes": "7"}).max_sandboxes == 7
+    # A small pool bounds it: a /26 holds 15 slots.
+    assert load_config({"home": tmp_path, "net_pool_cidr": "10.101.0.0/26"}).max_sandboxes \
+        == min(derived, 15)
+    if host_memory_mb() >= 23 * 1024:  # this machine: `make run` admits 300
+        assert derived >= 300
+    with pytest.raises(ConfigError, match="max_sandboxes"):
+        load_config({"home": tmp_path, "max_sandboxes": "-1"})
