@@ -167,3 +167,33 @@ def test_capacity_is_sized_to_the_host_unless_set(tmp_path: Path) -> None:
         assert derived >= 300
     with pytest.raises(ConfigError, match="max_sandboxes"):
         load_config({"home": tmp_path, "max_sandboxes": "-1"})
+
+
+def test_memory_pressure_pauses_the_idle_to_disk_and_they_resume(tmp_path: Path) -> None:
+    """A watermark above any host's memory: the node is always short of it, so every
+    idle sandbox is paused to disk (its files and processes kept) and resumes."""
+    prefix = f"fp{os.getpid() % 4096:03x}"
+    node = Node(tmp_path / "home", prefix, "10.102.0.0/16", AENV_MEMORY_PRESSURE_MB="100000000",
+                AENV_MAX_SANDBOXES="4")
+    node.start()
+    try:
+        with sdk_env(node.e2b_env()):
+            sbx = Sandbox.create(template="base", timeout=120)
+            sbx.files.write("/home/user/kept.txt", "kept")
+            sbx.commands.run("sleep 1000", background=True).disconnect()
+            end = time.monotonic() + 60
+            while Sandbox.get_info(sbx.sandbox_id).state.value != "paused":
+                assert time.monotonic() < end, node.log_tail()
+                time.sleep(0.5)
+            while "host memory low" not in node.log_tail(200):  # its capture is on disk
+                assert time.monotonic() < end, node.log_tail()
+                time.sleep(0.2)
+            with node.client() as api:
+                assert "aenv_pressure_pauses_total 1.0" in api.get("/metrics").text
+            again = Sandbox.connect(sbx.sandbox_id)  # resumed from disk
+            assert again.files.read("/home/user/kept.txt") == "kept"
+            assert again.commands.run("pgrep -x sleep").exit_code == 0
+            again.kill()
+    finally:
+        node.stop()
+    assert leaks(prefix, node.home) == []

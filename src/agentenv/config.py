@@ -96,6 +96,11 @@ class Config:
     # envd, pause, snapshot, kill...) thaws them in under a millisecond. 0: never.
     idle_freeze_s: float = 10.0
     idle_freeze_cpu_pct: float = 10.0
+    # When the host's available memory falls below memory_pressure_mb, running
+    # sandboxes are paused to disk (captured, memory and slot freed; resumable),
+    # least recently active first, instead of the OOM killer ending any. 0: 5 % of
+    # the host's memory (256 MiB..2 GiB); -1: never.
+    memory_pressure_mb: int = 0
     # Seconds a template build waits for its ready check to pass.
     build_ready_timeout: int = 120
     # Bytes of log a template build keeps (its steps' output); past them one
@@ -272,6 +277,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("idle_freeze_s must be 0 (never freeze) or 1..86400 seconds")
     if not 0 <= cfg.idle_freeze_cpu_pct <= 100:
         raise ConfigError("idle_freeze_cpu_pct must be between 0 and 100")
+    if cfg.memory_pressure_mb < -1:
+        raise ConfigError("memory_pressure_mb must be -1 (never), 0 (derived) or more")
     if cfg.max_sandboxes == 0:
         try:  # (a /30 per slot; the pool checks the CIDR itself)
             slots = ipaddress.ip_network(cfg.net_pool_cidr).num_addresses // 4 - 1

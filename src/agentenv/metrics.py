@@ -43,6 +43,9 @@ FREEZES = Counter(
 THAW_SECONDS = Histogram(
     "aenv_sandbox_thaw_seconds", "Time a thaw of an idle frozen sandbox took, on the "
     "request that woke it", buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05))
+PRESSURE_PAUSES = Counter(
+    "aenv_pressure_pauses_total", "Sandboxes paused to disk because host memory ran low "
+    "(memory_pressure_mb)")
 FROZEN = Gauge("aenv_sandboxes_frozen", "Running sandboxes frozen now because idle")
 REFUSALS = Counter(
     "aenv_create_refusals_total", "Creates refused, by reason", ["reason"])

@@ -42,6 +42,7 @@ class IdleFreezer:
         self._busy = busy  # an operation holds the sandbox (its lock)
         self._in_flight: dict[str, int] = {}
         self._watch: dict[str, _Watch] = {}
+        self._last_active: dict[str, float] = {}  # wall time of the last request
 
     @property
     def enabled(self) -> bool:
@@ -49,6 +50,7 @@ class IdleFreezer:
 
     def touch(self, sandbox_id: str) -> None:
         """Activity now: thawed if frozen, and a new quiet window begins."""
+        self._last_active[sandbox_id] = time.time()
         t0 = time.perf_counter()
         if self.runtime.thaw(sandbox_id):
             metrics.THAW_SECONDS.observe(time.perf_counter() - t0)
@@ -66,6 +68,14 @@ class IdleFreezer:
             if left > 0:
                 self._in_flight[sandbox_id] = left
             self._watch.pop(sandbox_id, None)
+            self._last_active[sandbox_id] = time.time()
+
+    def in_flight(self, sandbox_id: str) -> bool:
+        return bool(self._in_flight.get(sandbox_id))
+
+    def idle_for(self, sandbox_id: str, since: float) -> float:
+        """Seconds since the sandbox's last request (or ``since``, when it had none)."""
+        return time.time() - max(self._last_active.get(sandbox_id, 0.0), since)
 
     def awake_at(self, address: str) -> contextlib.AbstractContextManager[None]:
         """``awake`` for the running sandbox at a slot address (the node's envd client
@@ -77,6 +87,7 @@ class IdleFreezer:
 
     def forget(self, sandbox_id: str) -> None:
         self._watch.pop(sandbox_id, None)
+        self._last_active.pop(sandbox_id, None)
 
     def tick(self) -> int:
         """Freeze the running sandboxes quiet for a whole window; returns how many."""
