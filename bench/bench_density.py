@@ -225,12 +225,15 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=8, help="creates at once")
     ap.add_argument("--idle-freeze-s", type=float, default=None,
                     help="the node's idle_freeze_s (default: the node's default)")
+    ap.add_argument("--host-capacity", action="store_true",
+                    help="the node's default capacity (derived from the host), not max + 8")
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--name", default="density")
     args = ap.parse_args()
 
-    env = {"AENV_MAX_SANDBOXES": str(args.max + 8), "AENV_NET_POOL_LOW": "8",
-           "AENV_NET_POOL_HIGH": "16"}
+    env = {"AENV_NET_POOL_LOW": "8", "AENV_NET_POOL_HIGH": "16"}
+    if not args.host_capacity:
+        env["AENV_MAX_SANDBOXES"] = str(args.max + 8)
     if args.idle_freeze_s is not None:
         env["AENV_IDLE_FREEZE_S"] = str(args.idle_freeze_s)
     home = Path(tempfile.mkdtemp(prefix="aenv-density-"))
@@ -292,7 +295,8 @@ def report(args: argparse.Namespace, floor_out: dict | None, unloaded: dict, row
             "mem_available_GiB", "failures"]
     text = (f"## Density: idle `base` sandboxes (step {args.step}, max {args.max}, "
             f"idle CPU over {args.window:.0f} s, idle_freeze_s "
-            f"{args.idle_freeze_s if args.idle_freeze_s is not None else 'default'})\n\n"
+            f"{args.idle_freeze_s if args.idle_freeze_s is not None else 'default'}, capacity "
+            f"{'derived from the host' if args.host_capacity else args.max + 8})\n\n"
             f"Unloaded: API p50 {unloaded['api_p50_ms']} ms, exec p50 "
             f"{unloaded['exec_p50_ms']} ms. Floor (bare runsc `sleep infinity`): "
             f"{floor_out}.\n\n| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols) + "\n")
