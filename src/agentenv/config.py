@@ -6,6 +6,7 @@ The file is ``$AENV_CONFIG`` or ``$AENV_HOME/config.toml`` when it exists.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import tomllib
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .resources import MIN_CPU_COUNT, MIN_DISK_MB, MIN_MEMORY_MB, ResourceLimits
+from .resources import MIN_CPU_COUNT, MIN_DISK_MB, MIN_MEMORY_MB, ResourceLimits, host_capacity
 
 DEFAULT_HOME = Path("/var/lib/aenv")
 
@@ -37,8 +38,11 @@ class Config:
     images_dir: Path | None = None
     # Where built envd runtime bundles are cached.
     bundle_dir: Path | None = None
-    # Capacity: sandboxes this node runs at once.
-    max_sandboxes: int = 64
+    # Capacity: sandboxes (and network slots) this node runs at once; 0: derived from
+    # the host (its memory over what an idle sandbox holds, and without idle freezing
+    # its cores too: resources.host_capacity; 344 on a 24 GiB host), at most the
+    # slots net_pool_cidr holds.
+    max_sandboxes: int = 0
     default_timeout: int = 300
     max_timeout: int = 24 * 3600
     default_cpu_count: int = 2
@@ -86,6 +90,17 @@ class Config:
     # a thaw with no capture to wait for. A node that dies meanwhile captures the
     # frozen sandbox when it restarts, so nothing is less durable.
     resident_capture_delay_ms: int = 1000
+    # Idle running sandboxes are frozen in place (no CPU, memory kept; still `running`
+    # to clients) after idle_freeze_s seconds with no request in flight and at most
+    # idle_freeze_cpu_pct of a core used meanwhile; the next request (API, proxy,
+    # envd, pause, snapshot, kill...) thaws them in under a millisecond. 0: never.
+    idle_freeze_s: float = 10.0
+    idle_freeze_cpu_pct: float = 10.0
+    # When the host's available memory falls below memory_pressure_mb, running
+    # sandboxes are paused to disk (captured, memory and slot freed; resumable),
+    # least recently active first, instead of the OOM killer ending any. 0: 5 % of
+    # the host's memory (256 MiB..2 GiB); -1: never.
+    memory_pressure_mb: int = 0
     # Seconds a template build waits for its ready check to pass.
     build_ready_timeout: int = 120
     # Bytes of log a template build keeps (its steps' output); past them one
@@ -256,6 +271,20 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         if value and value < low:
             raise ConfigError(f"{name} must be 0 (derived from the host) or at least {low}")
     _check_admission(cfg)
+    if not 0 <= cfg.max_sandboxes <= 16000:  # a /16 pool holds ~16k /30 slots
+        raise ConfigError("max_sandboxes must be 0 (derived from the host) or 1..16000")
+    if cfg.idle_freeze_s != 0 and not 1 <= cfg.idle_freeze_s <= 86400:
+        raise ConfigError("idle_freeze_s must be 0 (never freeze) or 1..86400 seconds")
+    if not 0 <= cfg.idle_freeze_cpu_pct <= 100:
+        raise ConfigError("idle_freeze_cpu_pct must be between 0 and 100")
+    if cfg.memory_pressure_mb < -1:
+        raise ConfigError("memory_pressure_mb must be -1 (never), 0 (derived) or more")
+    if cfg.max_sandboxes == 0:
+        try:  # (a /30 per slot; the pool checks the CIDR itself)
+            slots = ipaddress.ip_network(cfg.net_pool_cidr).num_addresses // 4 - 1
+        except ValueError:
+            slots = 1
+        cfg.max_sandboxes = max(1, min(host_capacity(cfg.idle_freeze_s > 0), slots))
     if cfg.build_log_max_bytes < 64 * 1024:
         raise ConfigError("build_log_max_bytes must be at least 65536")
     return cfg

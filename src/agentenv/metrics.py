@@ -38,6 +38,15 @@ FIRST_COMMAND = Histogram(
     "aenv_first_command_seconds",
     "Time until a sandbox's first command started, from the start of its request "
     "(through the node's proxy)", buckets=_SECONDS)
+FREEZES = Counter(
+    "aenv_sandbox_freezes_total", "Idle running sandboxes frozen in place (idle_freeze_s)")
+THAW_SECONDS = Histogram(
+    "aenv_sandbox_thaw_seconds", "Time a thaw of an idle frozen sandbox took, on the "
+    "request that woke it", buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05))
+PRESSURE_PAUSES = Counter(
+    "aenv_pressure_pauses_total", "Sandboxes paused to disk because host memory ran low "
+    "(memory_pressure_mb)")
+FROZEN = Gauge("aenv_sandboxes_frozen", "Running sandboxes frozen now because idle")
 REFUSALS = Counter(
     "aenv_create_refusals_total", "Creates refused, by reason", ["reason"])
 QUEUE_LENGTH = Gauge(

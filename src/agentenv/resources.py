@@ -41,6 +41,25 @@ def host_memory_mb() -> int:
         return 4096
 
 
+# Host memory an idle `base` sandbox holds, with a margin: ~52 MiB PSS over all its
+# runsc processes measured (bench/results/density.md). Frozen, it costs no CPU; not
+# frozen, ~3-4 % of a core, so without idle freezing the cores bound the count too.
+SANDBOX_HOST_MB = 64
+HOST_RESERVE_MB = 2048  # the node, its caches and the host's own needs
+IDLE_SANDBOXES_PER_CORE = 32
+MAX_DERIVED_SANDBOXES = 4096
+
+
+def host_capacity(idle_freezing: bool) -> int:
+    """Sandboxes (and network slots) a node holds at once by default: what the host's
+    memory holds of idle sandboxes, and with no idle freezing what its cores keep up."""
+    memory = host_memory_mb()
+    count = (memory - min(HOST_RESERVE_MB, memory // 4)) // SANDBOX_HOST_MB
+    if not idle_freezing:
+        count = min(count, host_cpus() * IDLE_SANDBOXES_PER_CORE)
+    return max(1, min(count, MAX_DERIVED_SANDBOXES))
+
+
 def host_limits() -> tuple[int, int, int]:
     """The default maximums: every core of the host for CPU; half of its RAM for
     memory, and as much for the writable layer (which lives in sandbox memory)."""

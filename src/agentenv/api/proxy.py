@@ -8,6 +8,7 @@ goes on to the API. Bodies stream both ways; nothing is buffered whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -56,6 +57,8 @@ class Sandboxes(Protocol):
     def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]: ...
 
     async def ensure_running(self, sandbox_id: str) -> SandboxRecord: ...
+
+    def awake(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]: ...
 
 
 class SandboxProxy:
@@ -141,6 +144,14 @@ class SandboxProxy:
             return
         host, forwarded = upstream_host(client_host(scope), record.mask_request_host, port,
                                         ENVD_PORT)
+        # A frozen idle sandbox is thawed, and stays so while the request or stream lasts.
+        with self.sandboxes.awake(sandbox_id):
+            await self._relay(scope, receive, send, record, sandbox_id, url, port, host,
+                              forwarded)
+
+    async def _relay(self, scope: Scope, receive: Receive, send: Send, record: SandboxRecord,
+                     sandbox_id: str, url: httpx.URL, port: int, host: str | None,
+                     forwarded: str | None) -> None:
         if scope["type"] == "websocket":
             await self._websocket(scope, receive, send, url, port, host,
                                   [("X-Forwarded-Host", forwarded)] if forwarded else [])

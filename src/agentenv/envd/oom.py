@@ -73,6 +73,11 @@ def writable_used_bytes(paths: tuple[str, ...] = WRITABLE) -> int:
     return total
 
 
+# An idle sandbox's guard looks at most every IDLE_MAX_S; usage moving by IDLE_DELTA or
+# more between looks is not idle.
+IDLE_MAX_S = 2.0
+IDLE_DELTA = 4 * MIB
+
 # What an open file costs the sandbox kernel (a loopback TCP socket: ~10 KiB of
 # sentry memory measured, 30 000 of them 310 MB) beyond the process's own RSS.
 FD_COST = 16 * 1024
@@ -230,15 +235,29 @@ class OomGuard:
         except ProcessLookupError:
             pass
 
+    def next_interval(self, used: int, last: int, idle: float) -> float:
+        """The wait before the next look. While usage stays low and unchanged (an idle
+        sandbox) the wait doubles up to IDLE_MAX_S: each look costs a few syscalls,
+        dear under gVisor, and an idle sandbox should cost nothing. A sudden surge
+        from there is caught by the node's cgroup threshold (SIGUSR2), which needs no
+        polling; any change brings the tight intervals back at once."""
+        base = self.interval(used)
+        if used < self.limit // 2 and abs(used - last) < IDLE_DELTA:
+            return min(max(idle * 2, base), IDLE_MAX_S)
+        return base
+
     async def run(self) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, self._on_signal)
+        last, wait = -IDLE_DELTA, 0.0
         while True:
             try:
                 used = self.check_once()
             except OSError:
                 used = 0
-            await asyncio.sleep(self.interval(used))
+            wait = self.next_interval(used, last, wait)
+            last = used
+            await asyncio.sleep(wait)
 
 
 def guard_from_env() -> OomGuard | None:

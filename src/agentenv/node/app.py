@@ -85,6 +85,7 @@ def create_app(config: Config) -> ASGIApp:
             metrics.CountsCollector("aenv_sandboxes", "Sandboxes on this node, by state",
                                     "state", by_state, always=[str(s) for s in SandboxState]))]
         metrics.QUEUE_LENGTH.set_function(lambda: manager.admission.waiting)
+        metrics.FROZEN.set_function(manager.runtime.frozen_count)
         await manager.start()
         await builder.start()
         load_history.start()

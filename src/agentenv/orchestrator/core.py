@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 import os
 import time
@@ -38,6 +39,7 @@ from .disk_pause import TemplateListings
 from .envd_client import EnvdClient
 from .exits import ExitHandler
 from .idempotency import IdempotencyKeys
+from .idling import IdleFreezer
 from .launch import EnvdInit, Launcher, LaunchPlan
 from .models import (
     TRANSITIONS,
@@ -114,6 +116,10 @@ class ManagerCore:
                                            config.idempotency_max_keys)
         # What each template's rootfs holds (filesystem-only pauses compare with it).
         self._template_listings = TemplateListings()
+        # Idle running sandboxes frozen in place, thawed by the next request (idling.py).
+        self.freezer = IdleFreezer(runtime, config.idle_freeze_s, config.idle_freeze_cpu_pct,
+                                   lambda: self._records.values(), self._held)
+        self.envd.awake_at = self.freezer.awake_at
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
                                       config.resident_pause_idle_s)
@@ -148,11 +154,21 @@ class ManagerCore:
                    if r.state in (SandboxState.CREATING, SandboxState.RUNNING))
 
     def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
-        """Where the node reaches ``port`` inside a running sandbox."""
+        """Where the node reaches ``port`` inside a running sandbox (thawed: whoever
+        asks is about to talk to it; requests that last use ``awake``)."""
         record = self.get(sandbox_id)
         if record.state is not SandboxState.RUNNING or record.error:
             raise not_running(record)
+        self.freezer.touch(sandbox_id)
         return record.slot_address, port
+
+    def awake(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
+        """Kept thawed while a request to the sandbox is in flight (the proxy)."""
+        return self.freezer.awake(sandbox_id)
+
+    def _held(self, sandbox_id: str) -> bool:
+        lock = self._locks.get(sandbox_id)
+        return lock is not None and lock.locked()
 
     async def set_timeout(self, sandbox_id: str, ttl: int | None) -> SandboxRecord:
         """The sandbox now ends ``ttl`` seconds from now (the default when None)."""
@@ -363,6 +379,7 @@ class ManagerCore:
                 log.exception("destroy %s failed", record.sandbox_id)
         await self._release_slot(record)
         self._forget(record)
+        self.freezer.forget(record.sandbox_id)
         for listener in self.on_removed:
             listener(record.sandbox_id)
 

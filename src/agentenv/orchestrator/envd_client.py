@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import httpx
 
@@ -24,14 +25,30 @@ class EnvdUnavailable(RuntimeError):
     pass
 
 
+T = TypeVar("T")
+
+
+def _awake(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """The sandbox at ``address`` is kept thawed while the call lasts (idling.py)."""
+    @functools.wraps(fn)
+    async def call(self: EnvdClient, address: str, *args: Any, **kwargs: Any) -> T:
+        with self.awake_at(address):
+            return await fn(self, address, *args, **kwargs)
+    return call
+
+
 class EnvdClient:
     def __init__(self) -> None:
         # No pooling across sandboxes: slot addresses are reused by new sandboxes.
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
+        # The manager's: a frozen idle sandbox thawed, and kept so, while a call lasts.
+        self.awake_at: Callable[[str], contextlib.AbstractContextManager[None]] = \
+            lambda address: contextlib.nullcontext()
 
     async def close(self) -> None:
         await self._http.aclose()
 
+    @_awake
     async def wait_ready(self, address: str, deadline_s: float = 15.0) -> None:
         """Poll ``GET /health`` until envd answers.
 
@@ -53,6 +70,7 @@ class EnvdClient:
             delay = min(delay * 1.5, 0.02)
         raise EnvdUnavailable(f"envd did not answer within {deadline_s:.0f}s ({last!r})")
 
+    @_awake
     async def init(
         self, address: str, access_token: str, env_vars: dict[str, str],
         default_user: str = "user", current_token: str | None = None,
@@ -80,6 +98,7 @@ class EnvdClient:
     def _disk_url(self, address: str, op: str) -> httpx.URL:
         return httpx.URL(scheme="http", host=address, port=ENVD_PORT, path=f"/aenv/fs/{op}")
 
+    @_awake
     async def disk_download(self, address: str, token: str, op: str, dest: Path,
                             limit: int, body: Path | None = None) -> int:
         """``GET list`` or ``POST export`` (with ``body``) into ``dest``; at most ``limit``
@@ -103,6 +122,7 @@ class EnvdClient:
                     await asyncio.to_thread(out.write, chunk)
         return written
 
+    @_awake
     async def disk_upload(self, address: str, token: str, op: str, body: Path) -> dict:
         """``POST prune`` (a listing) or ``POST import`` (a tar) from a file."""
         with open(body, "rb") as content:
@@ -133,6 +153,7 @@ class EnvdClient:
         }
         return headers, body
 
+    @_awake
     async def run(self, address: str, token: str, command: str, user: str = "root",
                   deadline_s: float = 60.0) -> int:
         """Run a shell command to its end; return its exit code."""
@@ -151,6 +172,7 @@ class EnvdClient:
             raise EnvdUnavailable("envd ended the command's stream without an exit code")
         return exit_code
 
+    @_awake
     async def run_logged(self, address: str, token: str, command: str,
                          on_output: Callable[[str, bytes], None], user: str = "root",
                          cwd: str = "", envs: dict[str, str] | None = None,
@@ -176,6 +198,7 @@ class EnvdClient:
             raise EnvdUnavailable("envd ended the command's stream without an exit code")
         return exit_code
 
+    @_awake
     async def start(self, address: str, token: str, command: str, user: str = "root",
                     cwd: str = "", envs: dict[str, str] | None = None) -> int:
         """Start a shell command in the background; return its pid once it runs."""

@@ -36,6 +36,7 @@ from .models import (
     SandboxRecord,
     SandboxState,
 )
+from .pressure import PressureRelief
 from .reconcile import Reconciling
 from .records import new_record
 from .requests import CreateRequest, check_batch_count, check_create
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 
 
-class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs):
+class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, SnapshotUse, Runs):
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -82,6 +83,10 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
             with contextlib.suppress(asyncio.CancelledError):
                 await ttl_task
         self.admission.close()
+        if self._relief is not None:
+            self._relief.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._relief
         for task in list(self._tasks):
             task.cancel()
         if destroy:  # their runtimes go below: what is frozen is captured first
@@ -365,6 +370,8 @@ class SandboxManager(Reconciling, Resetting, Forking, Egress, SnapshotUse, Runs)
             except Exception:
                 log.exception("runtime housekeeping failed")
             ticks += 1
+            self.freezer.tick()
+            self._tend_pressure()
             await self._tend_residents()
             await self._tend_runs()
             if ticks % COMMIT_RETRY_TICKS == 0:

@@ -334,6 +334,7 @@ class Pausing(Captures):
         if auto_pause is not None:
             record.auto_pause = auto_pause
         self.store.put(record)
+        self.freezer.touch(record.sandbox_id)  # active now (memory pressure picks the idle)
         return record
 
     async def connect(self, sandbox_id: str, ttl: int | None = None,

@@ -72,6 +72,22 @@ class Runtime(Protocol):
 
     async def resume(self, sandbox_id: str) -> None: ...
 
+    def freeze(self, sandbox_id: str) -> bool:
+        """Stop the sandbox's processes in place (no CPU; memory kept) until ``thaw`` or
+        any operation on it; False when it cannot be frozen now."""
+
+    def thaw(self, sandbox_id: str) -> bool:
+        """Let a frozen sandbox run again; True if it was frozen."""
+
+    def frozen_count(self) -> int:
+        """Sandboxes frozen now."""
+
+    def is_frozen(self, sandbox_id: str) -> bool:
+        """Whether the sandbox is frozen now (any operation on it thaws it)."""
+
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        """Host CPU time the sandbox used so far (None: unknown)."""
+
     async def list(self) -> dict[str, RuntimeSandbox]:
         """Every sandbox this driver's state directory knows, by ID."""
 

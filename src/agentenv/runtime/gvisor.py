@@ -22,6 +22,7 @@ from pathlib import Path
 from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
 from .cpu_balance import CpuBalancer
 from .exits import MIB, ExitWatcher, PressureWatcher, exit_reason, memory_file_bytes, working_set
+from .freezer import CgroupFreezer
 from .oci import build_spec, pressure_threshold
 from .reaping import alive, become_subreaper, reap, reap_runsc_orphans
 
@@ -46,6 +47,8 @@ class GVisorRuntime:
         self.platform = platform
         self._version: str | None = None
         self._cpu = CpuBalancer(cgroup_parent)
+        # Idle sandboxes frozen in place (freezer.py); every operation below thaws first.
+        self.freezer = CgroupFreezer(cgroup_parent)
         # Called with (sandbox ID, why) when a sandbox's process ends without the
         # node asking (host OOM kill, crash); the orchestrator sets it.
         self.on_exit: Callable[[str, str], None] | None = None
@@ -174,6 +177,10 @@ class GVisorRuntime:
         Without ``leave_running`` the sandbox is gone afterwards (its resources are
         then released by destroy). Connected TCP endpoints are dropped, not saved.
         """
+        with self.freezer.awake(sandbox_id):
+            await self._checkpoint(sandbox_id, image_dir, leave_running)
+
+    async def _checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
         image_dir.mkdir(parents=True, exist_ok=True)
         args = ["checkpoint", f"--image-path={image_dir}", "--compression=none"]
         if leave_running:
@@ -204,6 +211,12 @@ class GVisorRuntime:
 
     async def destroy(self, sandbox_id: str) -> None:
         self._unwatch(sandbox_id)
+        # A frozen task takes its SIGKILL only once thawed.
+        with self.freezer.awake(sandbox_id):
+            await self._destroy(sandbox_id)
+        self.freezer.forget(sandbox_id)
+
+    async def _destroy(self, sandbox_id: str) -> None:
         # Kill and reap the sandbox's processes ourselves: `runsc delete --force`
         # would wait on the host's init to reap them (over a second here).
         await asyncio.to_thread(self._kill_processes, sandbox_id)
@@ -319,10 +332,29 @@ class GVisorRuntime:
         remove_cgroup(self._cgroups_path(sandbox_id))
 
     async def pause(self, sandbox_id: str) -> None:
-        await self._runsc("pause", sandbox_id)
+        with self.freezer.awake(sandbox_id):  # runsc's RPC needs a sentry that runs
+            await self._runsc("pause", sandbox_id)
 
     async def resume(self, sandbox_id: str) -> None:
-        await self._runsc("resume", sandbox_id)
+        with self.freezer.awake(sandbox_id):
+            await self._runsc("resume", sandbox_id)
+
+    # -- idle freezing (freezer.py) ---------------------------------------------------
+
+    def freeze(self, sandbox_id: str) -> bool:
+        return self.freezer.freeze(sandbox_id)
+
+    def thaw(self, sandbox_id: str) -> bool:
+        return self.freezer.thaw(sandbox_id)
+
+    def frozen_count(self) -> int:
+        return self.freezer.frozen_count()
+
+    def is_frozen(self, sandbox_id: str) -> bool:
+        return self.freezer.frozen(sandbox_id)
+
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        return self.freezer.cpu_seconds(sandbox_id)
 
     async def list(self) -> dict[str, RuntimeSandbox]:
         out = await self._runsc("list", "--format=json")
@@ -337,6 +369,10 @@ class GVisorRuntime:
         running: a `runsc checkpoint` goes on after its caller died and then stops
         the sandbox, so the sandbox's state is known only once it is done. Those
         still running after ``wait_s`` seconds are killed."""
+        # Sandboxes a previous node process froze answer nothing until thawed.
+        thawed = await asyncio.to_thread(self.freezer.thaw_all)
+        if thawed:
+            log.info("thawed %d sandboxes a previous node process froze", thawed)
         pids = await asyncio.to_thread(self._orphan_commands)
         end = time.monotonic() + wait_s
         waiting = set(pids)

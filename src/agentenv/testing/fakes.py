@@ -55,6 +55,9 @@ class FakeRuntime:
     # estimate can be short of the truth).
     capture_bytes: int = 0
     estimated_capture_bytes: int = 0
+    # Sandboxes frozen in place, and the CPU seconds each used (set by a test).
+    frozen: set[str] = field(default_factory=set)
+    cpu: dict[str, float] = field(default_factory=dict)
 
     @property
     def version(self) -> str:
@@ -106,14 +109,38 @@ class FakeRuntime:
 
     async def destroy(self, sandbox_id: str) -> None:
         self.calls.append(("destroy", sandbox_id))
+        self.frozen.discard(sandbox_id)
         self.sandboxes.pop(sandbox_id, None)
         self.specs.pop(sandbox_id, None)
 
     async def pause(self, sandbox_id: str) -> None:
+        self.frozen.discard(sandbox_id)
         self.sandboxes[sandbox_id] = RuntimeSandbox(sandbox_id, "paused", 0)
 
     async def resume(self, sandbox_id: str) -> None:
         self.sandboxes[sandbox_id] = RuntimeSandbox(sandbox_id, "running", 0)
+
+    def freeze(self, sandbox_id: str) -> bool:
+        box = self.sandboxes.get(sandbox_id)
+        if box is None or box.state != "running" or sandbox_id in self.frozen:
+            return False
+        self.frozen.add(sandbox_id)
+        return True
+
+    def thaw(self, sandbox_id: str) -> bool:
+        if sandbox_id not in self.frozen:
+            return False
+        self.frozen.discard(sandbox_id)
+        return True
+
+    def frozen_count(self) -> int:
+        return len(self.frozen)
+
+    def is_frozen(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.frozen
+
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        return self.cpu.get(sandbox_id, 0.0) if sandbox_id in self.sandboxes else None
 
     async def state(self, sandbox_id: str) -> RuntimeSandbox | None:
         return self.sandboxes.get(sandbox_id)

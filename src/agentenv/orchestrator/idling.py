@@ -1,0 +1,126 @@
+"""Idle sandboxes frozen, thawed by the next request (issue 17).
+
+A running sandbox nobody talks to is frozen in place (the runtime's ``freeze``: no CPU,
+memory kept) once it has had no request in flight for ``idle_freeze_s`` seconds and
+used at most ``idle_freeze_cpu_pct`` of a core over that time, so a sandbox whose own
+processes work (a build, a training job, a busy server) is never frozen. Anything that
+reaches the sandbox thaws it first, in well under a millisecond: the proxy (SDK
+traffic to envd and to user ports holds it awake while the request or the stream
+lasts), the node's own envd calls, and every runtime operation (pause, snapshot, fork,
+kill). The record stays ``running``: clients see no difference but the CPU saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from .. import metrics
+from ..runtime import Runtime
+from .models import SandboxRecord, SandboxState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Watch:
+    since: float  # when the current quiet window began (monotonic)
+    cpu: float | None  # the sandbox's CPU seconds then
+
+
+class IdleFreezer:
+    def __init__(self, runtime: Runtime, idle_s: float, cpu_pct: float,
+                 records: Callable[[], Iterable[SandboxRecord]],
+                 busy: Callable[[str], bool]) -> None:
+        self.runtime = runtime
+        self.idle_s = idle_s
+        self.cpu_pct = cpu_pct
+        self._records = records
+        self._busy = busy  # an operation holds the sandbox (its lock)
+        self._in_flight: dict[str, int] = {}
+        self._watch: dict[str, _Watch] = {}
+        self._last_active: dict[str, float] = {}  # wall time of the last request
+
+    @property
+    def enabled(self) -> bool:
+        return self.idle_s > 0
+
+    def touch(self, sandbox_id: str) -> None:
+        """Activity now: thawed if frozen, and a new quiet window begins."""
+        self._last_active[sandbox_id] = time.time()
+        t0 = time.perf_counter()
+        if self.runtime.thaw(sandbox_id):
+            metrics.THAW_SECONDS.observe(time.perf_counter() - t0)
+        self._watch.pop(sandbox_id, None)
+
+    @contextlib.contextmanager
+    def awake(self, sandbox_id: str) -> Iterator[None]:
+        """Thawed, and never frozen while the block runs (a request, a stream)."""
+        self._in_flight[sandbox_id] = self._in_flight.get(sandbox_id, 0) + 1
+        try:
+            self.touch(sandbox_id)
+            yield
+        finally:
+            left = self._in_flight.pop(sandbox_id) - 1
+            if left > 0:
+                self._in_flight[sandbox_id] = left
+            self._watch.pop(sandbox_id, None)
+            self._last_active[sandbox_id] = time.time()
+
+    def in_flight(self, sandbox_id: str) -> bool:
+        return bool(self._in_flight.get(sandbox_id))
+
+    def idle_for(self, sandbox_id: str, since: float) -> float:
+        """Seconds since the sandbox's last request (or ``since``, when it had none)."""
+        return time.time() - max(self._last_active.get(sandbox_id, 0.0), since)
+
+    def awake_at(self, address: str) -> contextlib.AbstractContextManager[None]:
+        """``awake`` for the running sandbox at a slot address (the node's envd client
+        knows addresses); a sandbox still starting has nothing to thaw."""
+        for record in self._records():
+            if record.slot_address == address and record.state is SandboxState.RUNNING:
+                return self.awake(record.sandbox_id)
+        return contextlib.nullcontext()
+
+    def forget(self, sandbox_id: str) -> None:
+        self._watch.pop(sandbox_id, None)
+        self._last_active.pop(sandbox_id, None)
+
+    def tick(self) -> int:
+        """Freeze the running sandboxes quiet for a whole window; returns how many."""
+        if not self.enabled:
+            return 0
+        now = time.monotonic()
+        frozen = 0
+        running = set()
+        for record in self._records():
+            sid = record.sandbox_id
+            if record.state is not SandboxState.RUNNING or record.error or \
+                    record.metadata.get("aenv.build"):
+                continue
+            running.add(sid)
+            if self._in_flight.get(sid) or self._busy(sid) or self.runtime.is_frozen(sid):
+                # (an operation that thawed it, a snapshot say, holds its lock meanwhile)
+                self._watch.pop(sid, None)
+                continue
+            watch = self._watch.get(sid)
+            if watch is None or watch.cpu is None:
+                self._watch[sid] = _Watch(now, self.runtime.cpu_seconds(sid))
+                continue
+            if now - watch.since < self.idle_s:
+                continue
+            cpu = self.runtime.cpu_seconds(sid)
+            used_pct = (cpu - watch.cpu) / (now - watch.since) * 100 if cpu is not None \
+                and watch.cpu is not None else None
+            if used_pct is not None and used_pct <= self.cpu_pct and self.runtime.freeze(sid):
+                frozen += 1
+                metrics.FREEZES.inc()
+                self._watch.pop(sid, None)
+            else:  # working, or no accounting: look again over the next window
+                self._watch[sid] = _Watch(now, cpu)
+        for sid in set(self._watch) - running:
+            del self._watch[sid]
+        return frozen

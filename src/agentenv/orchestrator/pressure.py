@@ -1,0 +1,91 @@
+"""Host memory pressure: the least recently active sandboxes paused to disk (issue 17).
+
+Sandboxes may together promise more memory than the host has (each ``memoryMB`` is a
+ceiling, idle ones hold far less). When the host's available memory falls below
+``memory_pressure_mb``, the node pauses running sandboxes, least recently active
+first, and evicts them at once (their full state captured to disk, memory and slot
+freed): they are listed ``paused`` and resume on request (or on traffic with
+auto-resume) with every file and process, instead of the host's OOM killer ending
+any of them. A sandbox with a request in flight, one an operation holds and one
+active in the last ``MIN_IDLE_S`` seconds are left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from .. import metrics
+from ..resources import host_memory_mb
+from .models import OrchestratorError, SandboxState
+from .pausing import Pausing
+
+log = logging.getLogger(__name__)
+MIN_IDLE_S = 2.0
+PER_ROUND = 4  # pauses per round before memory is looked at again
+
+
+def available_mb() -> int:
+    """The host's MemAvailable in MiB (a large number when unknown)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    return 1 << 30
+
+
+def default_watermark_mb() -> int:
+    """5 % of the host's memory, between 256 MiB and 2 GiB."""
+    return max(256, min(2048, host_memory_mb() // 20))
+
+
+class PressureRelief(Pausing):
+    _relief: asyncio.Task | None = None
+
+    def _pressure_watermark_mb(self) -> int:
+        configured = self.config.memory_pressure_mb
+        return default_watermark_mb() if configured == 0 else max(0, configured)
+
+    def _tend_pressure(self) -> None:
+        """Each tick: below the watermark, start one round of relief (one at a time)."""
+        watermark = self._pressure_watermark_mb()
+        if watermark <= 0 or (self._relief is not None and not self._relief.done()):
+            return
+        if available_mb() >= watermark:
+            return
+        self._relief = asyncio.create_task(self._relieve(watermark), name="memory-pressure")
+
+    def _pressure_candidates(self) -> list[str]:
+        now_idle = self.freezer.idle_for
+        found = []
+        for record in self._records.values():
+            sid = record.sandbox_id
+            if record.state is not SandboxState.RUNNING or record.error or \
+                    record.metadata.get("aenv.build") or self.freezer.in_flight(sid) or \
+                    self._held(sid):
+                continue
+            idle = now_idle(sid, record.ready_at)
+            if idle >= MIN_IDLE_S:
+                found.append((idle, sid))
+        return [sid for _, sid in sorted(found, reverse=True)]
+
+    async def _relieve(self, watermark: int) -> None:
+        for sandbox_id in self._pressure_candidates()[:PER_ROUND]:
+            available = available_mb()
+            if available >= watermark:
+                return
+            try:
+                await self.pause(sandbox_id)
+                await self.evict(sandbox_id)
+            except OrchestratorError as exc:  # gone meanwhile, or its capture failed
+                log.warning("memory pressure: pausing %s failed: %s", sandbox_id, exc)
+                continue
+            except Exception:
+                log.exception("memory pressure: pausing %s failed", sandbox_id)
+                continue
+            metrics.PRESSURE_PAUSES.inc()
+            log.warning("host memory low (%d MiB available, watermark %d MiB): paused "
+                        "sandbox %s to disk, the least recently active; it resumes on "
+                        "request", available, watermark, sandbox_id)

@@ -1,0 +1,199 @@
+"""Idle sandboxes are frozen in place (no CPU) and thawed by the next request (issue 17).
+
+One node of this file's own with ``idle_freeze_s=1``: a frozen sandbox answers a
+command and a proxied HTTP request, still listed as running; one whose background
+process works is not frozen; pause, snapshot, fork, kill and a node restart (kill -9)
+all work on a frozen sandbox and leave nothing frozen or behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from agentenv.config import ConfigError, load_config
+from agentenv.resources import host_capacity, host_memory_mb
+from agentenv.testing import Node, leaks, sdk_env
+
+PREFIX = f"fz{os.getpid() % 4096:03x}"
+
+
+@pytest.fixture(scope="module")
+def fnode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    node = Node(tmp_path_factory.mktemp("freeze"), PREFIX, "10.101.0.0/16",
+                AENV_IDLE_FREEZE_S="1", AENV_MAX_SANDBOXES="8")
+    node.start()
+    try:
+        with sdk_env(node.e2b_env()):
+            yield node
+    finally:
+        node.stop()
+    assert leaks(PREFIX, node.home) == []
+
+
+def frozen(sandbox_id: str) -> bool:
+    state = Path(f"/sys/fs/cgroup/freezer/{PREFIX}/{sandbox_id}/freezer.state")
+    return state.read_text().strip() == "FROZEN"
+
+
+def frozen_gauge(node: Node) -> float:
+    with node.client() as api:
+        for line in api.get("/metrics").text.splitlines():
+            if line.startswith("aenv_sandboxes_frozen "):
+                return float(line.split()[1])
+    raise AssertionError("no aenv_sandboxes_frozen in /metrics")
+
+
+def wait_frozen(sandbox_id: str, within: float = 20) -> None:
+    end = time.monotonic() + within
+    while not frozen(sandbox_id):
+        assert time.monotonic() < end, f"{sandbox_id} was not frozen within {within}s"
+        time.sleep(0.2)
+
+
+def test_a_frozen_sandbox_answers_a_command_and_proxied_http(fnode: Node) -> None:
+    sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        sbx.files.write("/home/user/index.html", "hello from a frozen sandbox\n")
+        server = sbx.commands.run("cd /home/user && python3 -m http.server 8080",
+                                  background=True)
+        server.disconnect()  # nothing in flight: the idle server may be frozen
+        host = {"Host": sbx.get_host(8080)}
+        end = time.monotonic() + 20
+        while httpx.get(f"{fnode.url}/index.html", headers=host).status_code != 200:
+            assert time.monotonic() < end
+            time.sleep(0.2)
+        wait_frozen(sbx.sandbox_id)
+        assert frozen_gauge(fnode) >= 1
+        # Clients see no difference: still running, and it answers.
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+        assert sbx.is_running()
+        out = sbx.commands.run("echo thawed")
+        assert out.stdout == "thawed\n"
+        wait_frozen(sbx.sandbox_id)
+        r = httpx.get(f"{fnode.url}/index.html", headers=host)
+        assert r.status_code == 200 and r.text == "hello from a frozen sandbox\n"
+        # A stream keeps it awake: a command that outlives several idle windows.
+        out = sbx.commands.run("sleep 3; echo slept", timeout=30)
+        assert out.stdout == "slept\n"
+    finally:
+        sbx.kill()
+
+
+def test_a_sandbox_whose_process_works_is_not_frozen(fnode: Node) -> None:
+    sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        job = sbx.commands.run("i=0; while :; do i=$((i+1)); echo $i > /tmp/c; "
+                               "mv /tmp/c /tmp/count; done", background=True)
+        job.disconnect()
+        time.sleep(4)  # four idle windows with no request in flight
+        assert not frozen(sbx.sandbox_id)
+        first = int(sbx.files.read("/tmp/count"))
+        time.sleep(2)
+        assert int(sbx.files.read("/tmp/count")) > first
+        assert sbx.commands.kill(job.pid)
+        wait_frozen(sbx.sandbox_id)  # idle again once the job is gone
+    finally:
+        sbx.kill()
+
+
+def test_pause_snapshot_fork_and_kill_of_a_frozen_sandbox(fnode: Node) -> None:
+    sbx = Sandbox.create(template="base", timeout=120)
+    sbx.files.write("/tmp/kept", "kept")
+    sid = sbx.sandbox_id
+    with fnode.client() as api:
+        wait_frozen(sid)
+        snap = api.post(f"/sandboxes/{sid}/snapshots", json={})
+        assert snap.status_code == 201, snap.text
+        wait_frozen(sid)
+        fork = api.post(f"/sandboxes/{sid}/fork", json={"count": 1})
+        assert fork.status_code == 201 and "error" not in fork.json()[0], fork.text
+        child = Sandbox.connect(fork.json()[0]["sandbox"]["sandboxID"])
+        assert child.files.read("/tmp/kept") == "kept"
+        child.kill()
+        wait_frozen(sid)
+        sbx.pause()
+        assert Sandbox.get_info(sid).state.value == "paused"
+        resumed = Sandbox.connect(sid)
+        assert resumed.files.read("/tmp/kept") == "kept"
+        wait_frozen(sid)
+        assert resumed.kill()
+        assert not Path(f"/sys/fs/cgroup/freezer/{PREFIX}/{sid}").exists()
+        assert api.delete(f"/snapshots/{snap.json()['snapshotID']}").status_code == 204
+
+
+def test_a_restarted_node_adopts_its_frozen_sandboxes(fnode: Node) -> None:
+    sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        wait_frozen(sbx.sandbox_id)
+        fnode.kill9()
+        fnode.start()
+        with sdk_env(fnode.e2b_env()):
+            again = Sandbox.connect(sbx.sandbox_id)
+            assert again.commands.run("echo adopted").stdout == "adopted\n"
+    finally:
+        with sdk_env(fnode.e2b_env()):
+            Sandbox.kill(sbx.sandbox_id)
+
+
+@pytest.mark.parametrize("name,value", [("idle_freeze_s", "0.5"), ("idle_freeze_s", "-1"),
+                                        ("idle_freeze_s", "100000"),
+                                        ("idle_freeze_cpu_pct", "101"),
+                                        ("idle_freeze_s", "soon")])
+def test_bad_idle_freeze_settings_are_refused(name: str, value: str,
+                                              tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=name):
+        load_config({"home": tmp_path, name: value})
+    assert load_config({"home": tmp_path, "idle_freeze_s": "0"}).idle_freeze_s == 0
+
+
+def test_capacity_is_sized_to_the_host_unless_set(tmp_path: Path) -> None:
+    derived = load_config({"home": tmp_path}).max_sandboxes
+    assert derived == host_capacity(True)
+    # Without idle freezing every idle sandbox costs CPU: the cores bound it too.
+    assert load_config({"home": tmp_path, "idle_freeze_s": "0"}).max_sandboxes == \
+        min(derived, host_capacity(False)) <= (os.cpu_count() or 1) * 32
+    assert load_config({"home": tmp_path, "max_sandboxes": "7"}).max_sandboxes == 7
+    # A small pool bounds it: a /26 holds 15 slots.
+    assert load_config({"home": tmp_path, "net_pool_cidr": "10.101.0.0/26"}).max_sandboxes \
+        == min(derived, 15)
+    if host_memory_mb() >= 23 * 1024:  # this issue's machine: `make run` admits 300
+        assert derived >= 300
+    with pytest.raises(ConfigError, match="max_sandboxes"):
+        load_config({"home": tmp_path, "max_sandboxes": "-1"})
+
+
+def test_memory_pressure_pauses_the_idle_to_disk_and_they_resume(tmp_path: Path) -> None:
+    """A watermark above any host's memory: the node is always short of it, so every
+    idle sandbox is paused to disk (its files and processes kept) and resumes."""
+    prefix = f"fp{os.getpid() % 4096:03x}"
+    node = Node(tmp_path / "home", prefix, "10.102.0.0/16", AENV_MEMORY_PRESSURE_MB="100000000",
+                AENV_MAX_SANDBOXES="4")
+    node.start()
+    try:
+        with sdk_env(node.e2b_env()):
+            sbx = Sandbox.create(template="base", timeout=120)
+            sbx.files.write("/home/user/kept.txt", "kept")
+            sbx.commands.run("sleep 1000", background=True).disconnect()
+            end = time.monotonic() + 60
+            while Sandbox.get_info(sbx.sandbox_id).state.value != "paused":
+                assert time.monotonic() < end, node.log_tail()
+                time.sleep(0.5)
+            while "host memory low" not in node.log_tail(200):  # its capture is on disk
+                assert time.monotonic() < end, node.log_tail()
+                time.sleep(0.2)
+            with node.client() as api:
+                assert "aenv_pressure_pauses_total 1.0" in api.get("/metrics").text
+            again = Sandbox.connect(sbx.sandbox_id)  # resumed from disk
+            assert again.files.read("/home/user/kept.txt") == "kept"
+            assert again.commands.run("pgrep -x sleep").exit_code == 0
+            again.kill()
+    finally:
+        node.stop()
+    assert leaks(prefix, node.home) == []
