@@ -103,6 +103,19 @@ def test_a_sandbox_whose_process_works_is_not_frozen(fnode: Node) -> None:
         sbx.kill()
 
 
+def test_a_sandbox_that_opted_out_is_never_frozen(fnode: Node) -> None:
+    sbx = Sandbox.create(template="base", timeout=120, metadata={"aenv.idle_freeze": "off"})
+    try:
+        # A job that waits at no CPU, as one awaiting a remote answer does.
+        job = sbx.commands.run("sleep 4; echo done > /tmp/waited", background=True)
+        job.disconnect()
+        time.sleep(5)  # five idle windows with no request in flight
+        assert not frozen(sbx.sandbox_id)
+        assert sbx.files.read("/tmp/waited") == "done\n"
+    finally:
+        sbx.kill()
+
+
 def test_pause_snapshot_fork_and_kill_of_a_frozen_sandbox(fnode: Node) -> None:
     sbx = Sandbox.create(template="base", timeout=120)
     sbx.files.write("/tmp/kept", "kept")

@@ -23,6 +23,9 @@ from ..runtime import Runtime
 from .models import SandboxRecord, SandboxState
 
 log = logging.getLogger(__name__)
+# Metadata with which a sandbox is never frozen: one whose processes wait on the
+# outside at no CPU (an agent loop awaiting a model's answer, a job polling a queue).
+OPT_OUT = "aenv.idle_freeze"
 
 
 @dataclass
@@ -99,7 +102,8 @@ class IdleFreezer:
         for record in self._records():
             sid = record.sandbox_id
             if record.state is not SandboxState.RUNNING or record.error or \
-                    record.metadata.get("aenv.build"):
+                    record.metadata.get("aenv.build") or \
+                    record.metadata.get(OPT_OUT) == "off":
                 continue
             running.add(sid)
             if self._in_flight.get(sid) or self._busy(sid) or self.runtime.is_frozen(sid):
