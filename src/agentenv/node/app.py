@@ -19,7 +19,7 @@ from ..api.routes.sandboxes import public, router
 from ..api.routes.templates import unlimited_uploads
 from ..api.routes.templates import uploads as template_uploads
 from ..api.signed_files import SignedFileRouter
-from ..builds import TemplateBuilder
+from ..builds import ImageSources, TemplateBuilder
 from ..config import Config
 from ..network import SlotPool
 from ..orchestrator import SandboxManager, SandboxState, SandboxStore
@@ -115,6 +115,8 @@ def create_app(config: Config) -> ASGIApp:
     app.state.api_keys = ApiKeys(config.secrets_dir)
     app.state.manager = manager
     app.state.builder = builder
+    # Creates straight from an image reference (and their setup builds).
+    app.state.images = ImageSources(builder, config.secrets_dir)
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(template_uploads)

@@ -24,21 +24,17 @@ from ...builds import BuildError
 from ...images import ImageError, ImageService
 from ...templates import TemplateNotFound
 from ...web.errors import error_response
+from ..models import ImageCredentials
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 HOLD_S = 2.0
 
 
-class Credentials(BaseModel):
-    username: str = Field(default="", max_length=1024)
-    password: str = Field(default="", max_length=8192)
-
-
 class PullRequest(BaseModel):
     image: str = Field(max_length=1024)
     name: str = Field(max_length=63)
-    credentials: Credentials | None = None
+    credentials: ImageCredentials | None = None
 
 
 def _service(request: Request) -> ImageService:
