@@ -54,7 +54,7 @@ def build_manager(config: Config) -> SandboxManager:
                                     advertised_url(config))
     snapshots = SnapshotStore(
         repository,
-        cache_dir=config.home / "cache" / "snapshots",
+        cache_dir=config.snapshot_cache_dir,
         staging_dir=config.home / "snapshots-staging",
     )
     return SandboxManager(

@@ -129,7 +129,9 @@ def _error(exc: BaseException) -> Response:
 async def list_images(request: Request) -> dict:
     service = _service(request)
     images = await asyncio.to_thread(service.list)
-    return {"images": images, "cache": service.usage()}
+    # ``cache``: the layers; ``localCache``: the node's one budget, layers and snapshots.
+    local = await asyncio.to_thread(request.app.state.manager.local_cache.usage)
+    return {"images": images, "cache": service.usage(), "localCache": local}
 
 
 @router.delete("/images/{name}", status_code=204, response_model=None)
