@@ -65,11 +65,12 @@ def listing(node: Node) -> dict:
 def test_one_budget_lru_over_layers_and_snapshots(world: dict) -> None:
     node, refs = world["node"], world["refs"]
     with node.client() as api:
-        r = api.post("/images", json={"image": refs["pin"], "name": "pinned-one"}, timeout=300)
-        assert r.status_code == 200 and '"done"' in r.text, r.text
+        for ref, name in ((refs["pin"], "pinned-one"), (refs["a"], "app-a")):
+            r = api.post("/images", json={"image": ref, "name": name}, timeout=300)
+            assert r.status_code == 200 and '"done"' in r.text, r.text
     sandboxes: list[Sandbox] = []
     try:
-        a = Sandbox.create(template=f"docker://{refs['a']}", timeout=300)
+        a = Sandbox.create(template="app-a", timeout=300)
         sandboxes.append(a)
         a.commands.run("echo kept-in-memory > /tmp/state")
         a.beta_pause()  # a snapshot: its capture (committed in the background) is cached
@@ -80,7 +81,10 @@ def test_one_budget_lru_over_layers_and_snapshots(world: dict) -> None:
         time.sleep(GRACE_S + 1)  # the entry is no longer being read
         # Another image while nothing runs: the least recently used go first, of
         # either kind, while the pinned template's layers stay.
-        b = Sandbox.create(template=f"docker://{refs['b']}", timeout=300)
+        with node.client() as api:
+            r = api.post("/images", json={"image": refs["b"], "name": "app-b"}, timeout=300)
+            assert r.status_code == 200 and '"done"' in r.text, r.text
+        b = Sandbox.create(template="app-b", timeout=300)
         sandboxes.append(b)
         log = node.log_path.read_text()
         assert re.search(r"node cache: evicted snapshot \S+ \(LRU, over budget\)", log), log[-3000:]
