@@ -140,6 +140,13 @@ def test_create_from_image_bad_input(node: Node, api: httpx.Client,
         assert words in r.json()["message"], (body, r.text)
     with pytest.raises(SandboxException):
         Sandbox.create(template=f"docker://{registry.host}/xic/nothing-here:v1", timeout=30)
+    # The names creates from images use are theirs: no pull or build may take one
+    # (it would swap the image under them).
+    r = api.post("/images", json={"image": f"{registry.host}/xic/a:v1",
+                                  "name": "img-0123456789abcdef"})
+    assert r.status_code == 400 and "kept for creates" in r.json()["message"], r.text
+    r = api.post("/v3/templates", json={"name": "setup-0123456789abcdef-0123456789abcdef:t1"})
+    assert r.status_code == 400 and "kept for creates" in r.json()["message"], r.text
     # Nothing was made of them, and the node still serves.
     names = {t["templateID"] for t in api.get("/templates").json()}
     assert api.get("/health").json()["status"] == "ok"

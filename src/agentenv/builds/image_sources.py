@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import re
 import secrets
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -41,6 +42,17 @@ IMAGE_SCHEME = "docker://"
 MAX_SETUP_CHARS = 16 << 10
 MAX_PULLS = 2  # different images pulled at once (each takes threads and disk bandwidth)
 KEY_FILE = "image-names.key"
+
+
+# The names this module gives: a user's pull or build may not take them (it would
+# swap the image under the creates that name it).
+RESERVED = re.compile(r"^(?:img-[0-9a-f]{16}|setup-[0-9a-f]{16}-[0-9a-f]{16})(?::.*)?$")
+
+
+def check_name_not_reserved(name: str) -> None:
+    if RESERVED.match(name.strip().lower()):
+        raise BuildError(f"'{name[:80]}': names of the form img-<16 hex> and "
+                         "setup-<16 hex>-<16 hex> are kept for creates from images", 400)
 
 
 def image_from_template(template: str) -> str | None:
