@@ -108,7 +108,7 @@ class ImageService:
             compressed = sum(layer.size for layer in image.layers)
             if compressed > self.store.budget:
                 raise CacheTooSmall(f"image needs at least {compressed} bytes; the image cache "
-                                    f"budget is {self.store.budget} (image_cache_bytes)")
+                                    f"budget is {self.store.budget} (local_cache_bytes)")
             emit({"status": "resolved", "manifestDigest": image.manifest_digest,
                   "layers": [{"digest": x.digest, "size": x.size} for x in image.layers]})
             self._fetch(source, image, ref, emit, cancel)
@@ -117,7 +117,7 @@ class ImageService:
         unpacked = sum(self.store.size(hex_of(x.digest)) for x in image.layers)
         if unpacked > self.store.budget:
             raise CacheTooSmall(f"image unpacks to {unpacked} bytes; the image cache budget is "
-                                f"{self.store.budget} (image_cache_bytes)")
+                                f"{self.store.budget} (local_cache_bytes)")
         record = self._write_template(name, ref, image, credentials)
         self.store.touch(hex_of(x.digest) for x in image.layers)
         self._make_room()
