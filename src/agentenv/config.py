@@ -108,11 +108,17 @@ class Config:
     build_log_max_bytes: int = 8 << 20
     # Bytes of one uploaded build context archive (a COPY's files); larger is a 413.
     build_context_max_bytes: int = 2 << 30
-    # Pulled images: unpacked layers live here (default <home>/cache/images) within
-    # image_cache_bytes; least recently used layers no running sandbox or pinned
-    # template (comma-separated names) needs are evicted, and fetched again on use.
+    # Pulled images: unpacked layers live here (default <home>/cache/images).
     image_cache_dir: Path | None = None
-    image_cache_bytes: int = 20 << 30
+    # One budget for the node-local cache: image layers and materialized snapshots
+    # together (0: half the size of the disk holding <home>/cache). Past it the least
+    # recently used go, except what a running sandbox or a pinned template
+    # (comma-separated names) needs; they are fetched again on use. image_cache_bytes
+    # is its older name (used when local_cache_bytes is 0).
+    local_cache_bytes: int = 0
+    image_cache_bytes: int = 0
+    # A snapshot's cache entry used this recently stays (a restore is reading it).
+    cache_snapshot_grace_s: int = 300
     pinned_templates: str = ""
     # oci-layout: and docker-archive: pulls read only below this directory
     # (default <home>/imports): the API must not open any file of the host.
@@ -203,6 +209,20 @@ class Config:
     @property
     def images_cache_dir(self) -> Path:
         return self.image_cache_dir or self.home / "cache" / "images"
+
+    @property
+    def snapshot_cache_dir(self) -> Path:
+        return self.home / "cache" / "snapshots"
+
+    def cache_budget(self) -> int:
+        """The node-local cache's budget in bytes (see ``local_cache_bytes``)."""
+        if self.local_cache_bytes > 0 or self.image_cache_bytes > 0:
+            return self.local_cache_bytes or self.image_cache_bytes
+        where = self.home
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        disk = os.statvfs(where)
+        return max(1 << 30, disk.f_blocks * disk.f_frsize // 2)
 
     @property
     def rootfs_mounts_dir(self) -> Path:

@@ -29,8 +29,23 @@ class AutoResume(_Body):
     enabled: bool = False
 
 
+class ImageCredentials(_Body):
+    """A registry's username and password (as ``POST /images`` takes them)."""
+
+    username: str = Field(default="", max_length=1024)
+    password: str = Field(default="", max_length=8192)
+
+
 class NewSandbox(_Body):
-    template_id: str = Field(alias="templateID", min_length=1, max_length=256)
+    # One of templateID and image (``templateID: "docker://REF"`` names an image too).
+    template_id: str = Field(default="", alias="templateID", max_length=256)
+    # agentenv: start straight from an OCI image, pulled on first use (README "Images").
+    image: str | None = Field(default=None, max_length=1024,
+                              description="An image reference in place of templateID")
+    image_credentials: ImageCredentials | None = Field(default=None, alias="imageCredentials")
+    # Run once per (image digest, command); the sandbox after it is kept as a snapshot
+    # that later creates of the same pair restore.
+    image_setup: str | None = Field(default=None, alias="imageSetup", max_length=16 << 10)
     # Maximums of times are the node's (max_timeout), checked by the orchestrator.
     timeout: int | None = Field(default=None, ge=0, description="Time to live in seconds")
     # Expiry pauses unless asked otherwise (agentenv's rule; E2B's API kills). The

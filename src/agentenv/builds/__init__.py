@@ -5,5 +5,7 @@ published as a template. A client of the orchestrator, as the API is."""
 from .builder import TemplateBuilder
 from .context_files import HASH, UPLOAD_URL_TTL
 from .errors import BuildError
+from .image_sources import ImageSources, check_name_not_reserved, image_from_template
 
-__all__ = ["HASH", "UPLOAD_URL_TTL", "BuildError", "TemplateBuilder"]
+__all__ = ["HASH", "UPLOAD_URL_TTL", "BuildError", "ImageSources", "TemplateBuilder",
+           "check_name_not_reserved", "image_from_template"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,15 @@ from .errors import StepFailed
 
 if TYPE_CHECKING:
     from ..orchestrator import SandboxManager
+
+def image_template_name(ref: str, credentials: dict | None = None, key: bytes = b"") -> str:
+    """``img-<hash>``: of the reference alone, or keyed (HMAC) over it and the credentials."""
+    if not credentials:
+        return "img-" + hashlib.sha256(ref.encode()).hexdigest()[:16]
+    text = "\0".join((ref, str(credentials.get("username", "")),
+                      str(credentials.get("password", ""))))
+    return "img-" + hmac.new(key, text.encode(), hashlib.sha256).hexdigest()[:16]
+
 
 # E2B's default base image is the counterpart of the built-in ``base`` template.
 BASE_IMAGES = {"e2bdev/base": "base"}
@@ -57,7 +67,7 @@ async def _pull(manager: SandboxManager, say: Callable[[str], None], image: str,
     unless already there; the built template shares its layers."""
     from ..images import ImageError
 
-    name = "img-" + hashlib.sha256(image.encode()).hexdigest()[:16]
+    name = image_template_name(image)
     credentials = None
     if registry:
         if registry.get("type", "registry") != "registry":

@@ -215,6 +215,16 @@ class TemplateBuilder:
         task.add_done_callback(lambda _: self._tasks.pop(build_id, None))
         return build
 
+    async def wait(self, build_id: str) -> Build:
+        """The build once it has finished (a waiter's cancellation leaves it running)."""
+        task = self._tasks.get(build_id)
+        if task is not None:
+            await asyncio.wait([task])
+        build = self.store.get(build_id)
+        if build is None:
+            raise BuildError(f"build '{build_id}' not found", 404)
+        return build
+
     async def cancel(self, build_id: str) -> None:
         task = self._tasks.get(build_id)
         if task is not None:

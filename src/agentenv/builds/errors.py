@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ..errors import AgentenvError
 
-class BuildError(Exception):
+
+class BuildError(AgentenvError):
     """A request the builder refuses; ``status`` is the HTTP status to answer."""
 
     def __init__(self, message: str, status: int = 400):

@@ -61,8 +61,8 @@ def auth(
 # -- sandboxes ----------------------------------------------------------------------
 
 def _create(c: Client, template: str, timeout: int | None, metadata: list[str] | None,
-            env: list[str] | None, auto_pause: bool | None) -> dict:
-    body: dict = {"templateID": template}
+            env: list[str] | None, auto_pause: bool | None, image: dict | None = None) -> dict:
+    body: dict = image or {"templateID": template}
     if timeout is not None:
         body["timeout"] = timeout
     if metadata:
@@ -76,7 +76,16 @@ def _create(c: Client, template: str, timeout: int | None, metadata: list[str] |
 
 @cli.command()
 def start(
-    template: Annotated[str, typer.Argument(help="A template, or a snapshot ID or name.")],
+    template: Annotated[str, typer.Argument(help="A template, or a snapshot ID or name.")
+                        ] = "",
+    image: Annotated[str | None, typer.Option(
+        "--image", help="Start from this image (pulled on first use) instead.")] = None,
+    setup: Annotated[str | None, typer.Option(
+        "--setup", help="With --image: a command run once per image, then kept.")] = None,
+    username: Annotated[str | None, typer.Option(help="With --image: registry user.")] = None,
+    password_env: Annotated[str | None, typer.Option(
+        "--password-env", help="With --image: variable holding the registry password.")
+                            ] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Print the ID, no shell.")] = False,
     timeout: Annotated[int | None, typer.Option(help="Time to live in seconds.")] = None,
     metadata: Annotated[list[str] | None, typer.Option("--metadata", "-m",
@@ -89,8 +98,11 @@ def start(
                   ] = False,
 ) -> None:
     """Start a sandbox and attach a shell to it (or print its ID with --detach)."""
-    with Client() as c:
-        created = _create(c, template, timeout, metadata, env, auto_pause)
+    from .pull import image_body
+
+    body = image_body(template, image, setup, username, password_env)
+    with Client(timeout=600 if body else 120) as c:
+        created = _create(c, template, timeout, metadata, env, auto_pause, body)
         sid = created["sandboxID"]
         if detach:
             typer.echo(sid)

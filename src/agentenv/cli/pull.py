@@ -23,6 +23,35 @@ from .client import ApiError, Client
 from .config import CliError
 
 
+def _credentials(username: str | None, password_env: str | None) -> dict | None:
+    if not (username or password_env):
+        return None
+    password = os.environ.get(password_env or "", "")
+    if password_env and not password:
+        raise CliError(f"${password_env} is empty")
+    return {"username": username or "", "password": password}
+
+
+def image_body(template: str, image: str | None, setup: str | None, username: str | None,
+               password_env: str | None) -> dict | None:
+    """``aenv start --image``'s create body (None without --image)."""
+    if image is None:
+        if setup is not None or username or password_env:
+            raise CliError("--setup, --username and --password-env go with --image")
+        if not template:
+            raise CliError("give a template (or --image)")
+        return None
+    if template:
+        raise CliError("give a template or --image, not both")
+    body: dict = {"image": image}
+    if setup is not None:
+        body["imageSetup"] = setup
+    creds = _credentials(username, password_env)
+    if creds:
+        body["imageCredentials"] = creds
+    return body
+
+
 def pull(
     image: Annotated[str, typer.Argument(help="registry/repo:tag, oci-layout:DIR[:tag] or "
                                               "docker-archive:FILE (paths on the node).")],
@@ -33,11 +62,9 @@ def pull(
 ) -> None:
     """Pull an image as a template (layers cached on the node, fetched again when evicted)."""
     body: dict = {"image": image, "name": name}
-    if username or password_env:
-        password = os.environ.get(password_env or "", "")
-        if password_env and not password:
-            raise CliError(f"${password_env} is empty")
-        body["credentials"] = {"username": username or "", "password": password}
+    creds = _credentials(username, password_env)
+    if creds:
+        body["credentials"] = creds
     err = Console(stderr=True)
     with Client(timeout=600) as c, Progress(
         TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..metrics import cache_lookup
+from ..metrics import EVICTIONS, cache_lookup
 from ..templates import ImageInfo, Template, TemplateNotFound, TemplateRegistry
 from .errors import BadReference, CacheTooSmall, ImageError, ImageInUse, ImageNotFound
 from .manifest import Image, Layer
@@ -52,6 +52,8 @@ class ImageService:
         self._template_locks: dict[str, threading.Lock] = {}
         # Layers a pull or an ensure is working with right now: never evicted.
         self._busy: dict[str, int] = {}
+        # Set by the node: keeps its one cache budget (layers and snapshots) instead.
+        self.room: Callable[[int], None] | None = None
 
     @property
     def mounts_dir(self) -> Path:
@@ -106,7 +108,7 @@ class ImageService:
             compressed = sum(layer.size for layer in image.layers)
             if compressed > self.store.budget:
                 raise CacheTooSmall(f"image needs at least {compressed} bytes; the image cache "
-                                    f"budget is {self.store.budget} (image_cache_bytes)")
+                                    f"budget is {self.store.budget} (local_cache_bytes)")
             emit({"status": "resolved", "manifestDigest": image.manifest_digest,
                   "layers": [{"digest": x.digest, "size": x.size} for x in image.layers]})
             self._fetch(source, image, ref, emit, cancel)
@@ -115,7 +117,7 @@ class ImageService:
         unpacked = sum(self.store.size(hex_of(x.digest)) for x in image.layers)
         if unpacked > self.store.budget:
             raise CacheTooSmall(f"image unpacks to {unpacked} bytes; the image cache budget is "
-                                f"{self.store.budget} (image_cache_bytes)")
+                                f"{self.store.budget} (local_cache_bytes)")
         record = self._write_template(name, ref, image, credentials)
         self.store.touch(hex_of(x.digest) for x in image.layers)
         self._make_room()
@@ -311,21 +313,41 @@ class ImageService:
         return out
 
     def _make_room(self, need: int = 0) -> None:
+        if self.room is not None:  # the node's one cache budget, layers and snapshots
+            self.room(need)
+            return
         with self._lock:
             if self.store.total() + need <= self.store.budget:
                 return
             templates = self._image_templates()
-            protected = self._protected()
+            self.store.evict(self._protected(), lambda h: _unmount_users(templates, h), need)
 
-            def before_remove(h: str) -> None:
-                # A mount of an unused template still references the layer: drop it.
-                for t in templates:
-                    if t.image and any(hex_of(d) == h for d, _ in t.image.layers) and \
-                            os.path.ismount(t.rootfs):
-                        unmount(t.rootfs)
-                        if os.path.ismount(t.rootfs):
-                            raise ImageError(f"rootfs of {t.template_id} is still mounted")
-            self.store.evict(protected, before_remove, need)
+    def evictable(self) -> builtins.list[tuple[float, str, int]]:
+        """Layers an eviction may take now: (last use, sha256 hex, bytes)."""
+        with self._lock:
+            protected = self._protected()
+            return [(float(m.get("used", 0)), h, int(m.get("size", 0)))
+                    for h, m in self.store.stored().items() if h not in protected]
+
+    def evict_layers(self, hexes: builtins.list[str]) -> int:
+        """Remove these layers unless something came to need them; the bytes freed."""
+        freed = 0
+        with self._lock:
+            templates = self._image_templates()
+            protected = self._protected()
+            for h in hexes:
+                if h in protected or not self.store.has(h):
+                    continue
+                try:
+                    _unmount_users(templates, h)
+                except ImageError as exc:
+                    log.warning("layer %s not evicted: %s", h[:12], exc)
+                    continue
+                freed += self.store.size(h)
+                self.store.remove(h)
+                log.info("layer store: evicted layer %s (LRU, over budget)", h[:12])
+                EVICTIONS.labels("image_layer").inc()
+        return freed
 
     def _image_templates(self) -> builtins.list[Template]:
         return [t for t in self.templates.list() if t.image is not None]
@@ -351,6 +373,16 @@ class ImageService:
             return json.loads((self.secrets_dir / f"{template_id}.json").read_text())
         except (OSError, ValueError):
             return None
+
+
+def _unmount_users(templates: builtins.list[Template], h: str) -> None:
+    """A mount of an unused template still references the layer: drop it."""
+    for t in templates:
+        if t.image and any(hex_of(d) == h for d, _ in t.image.layers) and \
+                os.path.ismount(t.rootfs):
+            unmount(t.rootfs)
+            if os.path.ismount(t.rootfs):
+                raise ImageError(f"rootfs of {t.template_id} is still mounted")
 
 
 def _creds(credentials: dict | None) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from ..api.routes.templates import unlimited_uploads
 from ..api.routes.templates import uploads as template_uploads
 from ..api.signed_files import SignedFileRouter
 from ..api.terminal import router as terminal_router
-from ..builds import TemplateBuilder
+from ..builds import ImageSources, TemplateBuilder
 from ..config import Config
 from ..network import SlotPool
 from ..orchestrator import SandboxManager, SandboxState, SandboxStore
@@ -58,7 +58,7 @@ def build_manager(config: Config) -> SandboxManager:
                                     advertised_url(config))
     snapshots = SnapshotStore(
         repository,
-        cache_dir=config.home / "cache" / "snapshots",
+        cache_dir=config.snapshot_cache_dir,
         staging_dir=config.home / "snapshots-staging",
     )
     return SandboxManager(
@@ -125,6 +125,8 @@ def create_app(config: Config) -> ASGIApp:
     app.state.manager = manager
     app.state.builder = builder
     app.state.load_history = load_history
+    # Creates straight from an image reference (and their setup builds).
+    app.state.images = ImageSources(builder, config.secrets_dir)
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(template_uploads)

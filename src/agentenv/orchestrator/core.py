@@ -41,6 +41,7 @@ from .exits import ExitHandler
 from .idempotency import IdempotencyKeys
 from .idling import IdleFreezer
 from .launch import EnvdInit, Launcher, LaunchPlan
+from .local_cache import LocalCache
 from .models import (
     TRANSITIONS,
     BadRequest,
@@ -131,11 +132,15 @@ class ManagerCore:
             self.boot_images.on_freed = self.admission.wake
         # Pulled OCI images: their layers, and the rootfs mounts of image templates.
         self.image_cache = ImageService(
-            LayerStore(config.images_cache_dir, config.image_cache_bytes,
+            LayerStore(config.images_cache_dir, config.cache_budget(),
                        mountpoints=(*DEFAULT_MOUNTPOINTS, BUNDLE_MOUNT)), templates,
             config.secrets_dir, in_use=self._templates_in_use,
             pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
             local_sources_dir=config.image_imports_dir)
+        # One budget for the node-local cache: image layers and materialized snapshots.
+        self.local_cache = LocalCache(config.cache_budget(), self.image_cache, snapshots,
+                                      pinned_snapshots=self._pinned_snapshots,
+                                      grace_s=config.cache_snapshot_grace_s)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -254,6 +259,15 @@ class ManagerCore:
             err = OrchestratorError(f"rootfs of template '{template.template_id}': {exc}")
             err.status = 502 if exc.status in (401, 404, 502) else exc.status
             raise err from exc
+
+    def _pinned_snapshots(self) -> set[str]:
+        """The snapshots of pinned (built) templates: never evicted from the cache."""
+        out = set()
+        for name in self.image_cache.pinned:
+            with contextlib.suppress(TemplateNotFound):
+                if snapshot_id := self.templates.get(name).snapshot_id:
+                    out.add(snapshot_id)
+        return out
 
     def _templates_in_use(self) -> set[str]:
         """Templates whose rootfs must stay: sandboxes starting, running or being resumed,

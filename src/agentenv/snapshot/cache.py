@@ -30,6 +30,7 @@ log = logging.getLogger("agentenv.snapshot")
 class NodeCache:
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory)
+        self._sizes: dict[str, int] = {}  # entries' bytes (manifests' total), read once
         for d in (self.dir, self._meta_dir, self._tmp_dir, self._manifest_dir):
             d.mkdir(parents=True, exist_ok=True)
 
@@ -55,6 +56,35 @@ class NodeCache:
     def is_cached(self, snapshot_id: str) -> bool:
         return valid_name(snapshot_id) and self._marker(snapshot_id).exists() \
             and self.path(snapshot_id).is_dir()
+
+    def touch(self, snapshot_id: str) -> None:
+        """Mark the entry used now (its marker's mtime: the cache's LRU order)."""
+        with contextlib.suppress(OSError):
+            os.utime(self._marker(snapshot_id))
+
+    def used_at(self, snapshot_id: str) -> float | None:
+        try:
+            return self._marker(snapshot_id).stat().st_mtime
+        except OSError:
+            return None
+
+    def entries(self) -> dict[str, tuple[float, int]]:
+        """Complete entries: snapshot ID -> (last use, bytes)."""
+        out: dict[str, tuple[float, int]] = {}
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self._meta_dir):
+                sid = entry.name.removesuffix(".json")
+                if not entry.name.endswith(".json") or not valid_name(sid):
+                    continue
+                try:
+                    used = entry.stat().st_mtime
+                    size = self._sizes.get(sid)
+                    if size is None:
+                        size = self._sizes[sid] = self.complete_manifest(sid).total_bytes
+                except (OSError, CorruptSnapshot):
+                    continue
+                out[sid] = (used, size)
+        return out
 
     def complete_manifest(self, snapshot_id: str) -> Manifest:
         """The manifest of a complete entry (raises OSError or CorruptSnapshot)."""
@@ -96,6 +126,7 @@ class NodeCache:
     def evict(self, snapshot_id: str) -> None:
         """Drop the entry: its marker first, then its files."""
         self._marker(snapshot_id).unlink(missing_ok=True)
+        self._sizes.pop(snapshot_id, None)
         path = self.path(snapshot_id)
         if path.exists():
             trash = self._tmp_dir / f"evict-{snapshot_id}.{uuid.uuid4().hex[:8]}"

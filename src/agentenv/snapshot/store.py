@@ -29,6 +29,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,6 +80,8 @@ class SnapshotStore:
         self._recent: dict[str, str] = {}
         self.cache = NodeCache(self.cache_dir)
         self.staging = Staging(self.staging_dir)
+        # Called (with no lock held) after the cache grew: the node keeps its budget.
+        self.on_grow: Callable[[], None] | None = None
 
     def _lock(self, snapshot_id: str) -> threading.Lock:
         with self._locks_guard:
@@ -147,7 +150,8 @@ class SnapshotStore:
                 self._recent[str(source)] = snapshot_id
             if self.adopt_staging:
                 self.cache.adopt(manifest, staging)
-            return manifest
+        self._grew()
+        return manifest
 
     def _known_chunks(self, metadata: dict) -> set[str]:
         """Chunks surely present: those of committed snapshots this one probably shares.
@@ -297,18 +301,47 @@ class SnapshotStore:
         with self._lock(snapshot_id):
             self.cache.evict(snapshot_id)
 
+    def cache_entries(self) -> dict[str, tuple[float, int]]:
+        """The node cache's complete entries: snapshot ID -> (last use, bytes)."""
+        return self.cache.entries()
+
+    def evict_unused(self, snapshot_id: str, since: float) -> bool:
+        """Drop the node-local copy unless it is being materialized or was used after
+        ``since`` (a restore reads it then); True when dropped."""
+        lock = self._lock(snapshot_id)
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            used = self.cache.used_at(snapshot_id)
+            if used is None or used > since:
+                return False
+            self.cache.evict(snapshot_id)
+            return True
+        finally:
+            lock.release()
+
     def materialize(self, snapshot_id: str) -> Path:
         """The node-local directory holding the snapshot's files, fetched if needed.
 
         Every chunk is verified against its hash as it is read; a missing or
         corrupt chunk raises CorruptSnapshot and leaves no cache entry.
         """
-        if self.is_cached(snapshot_id):
-            cache_lookup("snapshot", hit=True)
-            return self.cache.path(snapshot_id)
+        return self._materialize(snapshot_id)
+
+    def _grew(self) -> None:
+        if self.on_grow is not None:
+            try:
+                self.on_grow()
+            except Exception:  # the budget is kept at the next growth
+                log.exception("keeping the node cache within its budget failed")
+
+    def _materialize(self, snapshot_id: str) -> Path:
+        # Under the entry's lock even when cached: marked used before an eviction
+        # (which takes the lock and spares what was used lately) can see it.
         with self._lock(snapshot_id):
             if self.is_cached(snapshot_id):
                 cache_lookup("snapshot", hit=True)
+                self.cache.touch(snapshot_id)
                 return self.cache.path(snapshot_id)
             cache_lookup("snapshot", hit=False)
             manifest = self._fetch_manifest(snapshot_id)
@@ -331,7 +364,9 @@ class SnapshotStore:
                 raise
             log.info("materialized snapshot %s: %d bytes (%d from the repository) in %.2fs",
                      snapshot_id, manifest.total_bytes, fetched, time.perf_counter() - t0)
-            return target
+            self.cache.touch(snapshot_id)
+        self._grew()
+        return target
 
     def _related(self, manifest: Manifest) -> builtins.list[str]:
         """Snapshots likely to share chunks with this one: its parent, and the last

@@ -20,25 +20,21 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from ...builds import BuildError
+from ...builds import BuildError, check_name_not_reserved
 from ...images import ImageError, ImageService
 from ...templates import TemplateNotFound
 from ...web.errors import error_response
+from ..models import ImageCredentials
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 HOLD_S = 2.0
 
 
-class Credentials(BaseModel):
-    username: str = Field(default="", max_length=1024)
-    password: str = Field(default="", max_length=8192)
-
-
 class PullRequest(BaseModel):
     image: str = Field(max_length=1024)
     name: str = Field(max_length=63)
-    credentials: Credentials | None = None
+    credentials: ImageCredentials | None = None
 
 
 def _service(request: Request) -> ImageService:
@@ -53,6 +49,7 @@ def _line(event: dict) -> bytes:
 async def pull_image(request: Request, body: PullRequest) -> Response:
     service = _service(request)
     try:  # the image's template must not hide a snapshot of that name
+        check_name_not_reserved(body.name)
         await request.app.state.builder.check_not_a_snapshot(body.name)
     except BuildError as exc:
         return error_response(exc.status, str(exc))
@@ -133,7 +130,9 @@ def _error(exc: BaseException) -> Response:
 async def list_images(request: Request) -> dict:
     service = _service(request)
     images = await asyncio.to_thread(service.list)
-    return {"images": images, "cache": service.usage()}
+    # ``cache``: the layers; ``localCache``: the node's one budget, layers and snapshots.
+    local = await asyncio.to_thread(request.app.state.manager.local_cache.usage)
+    return {"images": images, "cache": service.usage(), "localCache": local}
 
 
 @router.delete("/images/{name}", status_code=204, response_model=None)

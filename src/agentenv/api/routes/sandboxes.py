@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from ... import __version__
+from ...builds import ImageSources, image_from_template
 from ...envd.protocol import ENVD_PORT
 from ...orchestrator import (
     BadRequest,
@@ -79,7 +80,8 @@ async def create_sandbox(
     owner = key_id(request.headers.get("X-API-Key") or "")
 
     async def make() -> dict:
-        record = await mgr.create(_create_request(body, request, owner, run_id))
+        source = await _template_of(body, request)
+        record = await mgr.create(_create_request(body, request, owner, run_id, source))
         return models.created(record, _domain(request)).model_dump(
             mode="json", by_alias=True, exclude_none=True)
 
@@ -112,19 +114,37 @@ async def create_sandboxes(
     up, or as NDJSON lines as each comes (``Accept: application/x-ndjson``). Each
     takes its turn for room as a create does: those that find none within the queue
     time are 429 results."""
-    if bool(body.template_id) == bool(body.snapshot_id):
-        raise BadRequest("give one of templateID and snapshotID")
+    if bool(body.template_id or body.image) == bool(body.snapshot_id):
+        raise BadRequest("give one of templateID (or image) and snapshotID")
     source = body.model_copy(update={"template_id": body.template_id or body.snapshot_id})
     req = _create_request(source, request, key_id(request.headers.get("X-API-Key") or ""),
-                          _run_of(run, body))
+                          _run_of(run, body), await _template_of(source, request))
     return await models.children_answer(manager(request).create_each(req, body.count),
                                         request)
 
 
+async def _template_of(body: models.NewSandbox, request: Request) -> str:
+    """The template a create starts from: ``templateID``, or the template standing for
+    ``image`` (or a ``docker://`` templateID), pulled and set up first if need be."""
+    alias = image_from_template(body.template_id)
+    if body.image is not None and body.template_id:
+        raise BadRequest("give one of templateID and image")
+    ref = body.image if body.image is not None else alias
+    if ref is None:
+        if not body.template_id:
+            raise BadRequest("templateID (or image) is required")
+        if body.image_setup is not None or body.image_credentials is not None:
+            raise BadRequest("imageSetup and imageCredentials go with image")
+        return body.template_id
+    creds = body.image_credentials.model_dump() if body.image_credentials else None
+    images: ImageSources = request.app.state.images
+    return await images.template_for(ref, creds, body.image_setup or "")
+
+
 def _create_request(body: models.NewSandbox, request: Request, owner: str,
-                    run_id: str) -> CreateRequest:
+                    run_id: str, template: str) -> CreateRequest:
     return CreateRequest(
-        template=body.template_id,
+        template=template,
         timeout=body.timeout,
         metadata=body.metadata or {},
         env_vars=body.env_vars or {},

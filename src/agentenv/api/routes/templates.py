@@ -15,7 +15,14 @@ from pydantic import Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ...builds import HASH, UPLOAD_URL_TTL, BuildError, TemplateBuilder, tagging
+from ...builds import (
+    HASH,
+    UPLOAD_URL_TTL,
+    BuildError,
+    TemplateBuilder,
+    check_name_not_reserved,
+    tagging,
+)
 from ...orchestrator import BadRequest, NotFound
 from ...templates import Template, TemplateNotFound, TemplateRegistry
 from ...templates.tags import MAX_TAGS, TAG_MAX_LENGTH
@@ -160,6 +167,7 @@ async def request_build(request: Request, body: models.TemplateBuildRequest) -> 
     name = body.name or body.alias or ""
     builder = _builder(request)
     try:
+        check_name_not_reserved(name)
         await builder.check_not_a_snapshot(name)
         build = builder.request(name, body.tags, body.cpu_count, body.memory_mb)
     except BuildError as exc:

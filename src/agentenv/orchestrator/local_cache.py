@@ -1,0 +1,79 @@
+"""The node-local cache's one budget: image layers and materialized snapshots together.
+
+Both grow on use (a pull, an image template's refetch, a restore or fork that
+materializes a snapshot, a commit that keeps its capture as cache). When the total
+passes the budget the least recently used of either kind go first, but never
+
+- a layer a starting, running or resuming sandbox or a pinned template uses (the
+  image service's protection: a running sandbox's rootfs is a mount of it, and
+  there is no fetching a layer again under a live mount);
+- a snapshot entry being materialized or used in the last ``grace_s`` seconds (a
+  restore reads its files then; afterwards the sandbox runs from memory), nor the
+  snapshot of a pinned template;
+- anything in the repository or in staging: every snapshot entry here is a copy of
+  a committed snapshot, fetched again on its next use.
+
+Called from worker threads; one eviction pass at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ..images import ImageService
+from ..metrics import EVICTIONS
+from ..snapshot import SnapshotStore
+
+log = logging.getLogger(__name__)
+GRACE_S = 300.0
+
+
+class LocalCache:
+    def __init__(self, budget: int, images: ImageService, snapshots: SnapshotStore,
+                 pinned_snapshots: Callable[[], set[str]] = set, grace_s: float = GRACE_S):
+        self.budget = budget
+        self.images = images
+        self.snapshots = snapshots
+        self.pinned_snapshots = pinned_snapshots
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+        images.room = self.make_room
+        snapshots.on_grow = self.make_room
+
+    def usage(self) -> dict:
+        layers = self.images.store.total()
+        snaps = sum(size for _, size in self.snapshots.cache_entries().values())
+        return {"bytes": layers + snaps, "budget": self.budget, "imageBytes": layers,
+                "snapshotBytes": snaps}
+
+    def make_room(self, need: int = 0) -> None:
+        """Evict least recently used entries until ``need`` more bytes fit (as far as
+        what is protected allows)."""
+        with self._lock:
+            entries = self.snapshots.cache_entries()
+            total = self.images.store.total() + sum(s for _, s in entries.values()) + need
+            if total <= self.budget:
+                return
+            cutoff = time.time() - self.grace_s
+            pinned = self.pinned_snapshots()
+            candidates: list[tuple[float, str, str, int]] = [
+                (used, "layer", h, size) for used, h, size in self.images.evictable()]
+            candidates += [(used, "snapshot", sid, size) for sid, (used, size) in entries.items()
+                           if used <= cutoff and sid not in pinned]
+            candidates.sort()
+            layers: list[str] = []
+            for _, kind, key, size in candidates:
+                if total <= self.budget:
+                    break
+                if kind == "layer":
+                    layers.append(key)
+                    total -= size
+                elif self.snapshots.evict_unused(key, cutoff):
+                    log.info("node cache: evicted snapshot %s (LRU, over budget)", key)
+                    EVICTIONS.labels("snapshot").inc()
+                    total -= size
+            if layers:
+                self.images.evict_layers(layers)
