@@ -100,7 +100,8 @@ def _decode_cursor(token: str, desc: bool) -> tuple[datetime, str]:
 
 
 def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
-                       domain: str = "localhost", queue_timeout_s: float = 30.0) -> ASGIApp:
+                       domain: str = "localhost", queue_timeout_s: float = 30.0,
+                       node_ttl_ms: int = 5000) -> ASGIApp:
     registry = Registry(redis_url)
     gw = Gateway(registry, scheduler_url, api_key)
     holder: dict[str, GatewayProxy] = {}
@@ -172,12 +173,15 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
                 log.warning("create on node %s failed: %s", pick["nodeID"], exc)
                 exclude.append(pick["nodeID"])
                 continue
+            if r.status_code == 201:
+                await registry.set_sandbox(r.json()["sandboxID"], pick["nodeID"], "running")
+                return _relay(r)
+            # No sandbox came of the placement: its room is the next create's.
+            await registry.release(pick["nodeID"], str(pick.get("beat", "")), node_ttl_ms)
             if r.status_code in (429, 503):  # full after all: the next best node
                 exclude.append(pick["nodeID"])
                 last = r
                 continue
-            if r.status_code == 201:
-                await registry.set_sandbox(r.json()["sandboxID"], pick["nodeID"], "running")
             return _relay(r)
 
     async def _gather(request: Request, path: str, params: dict[str, Any]
@@ -338,17 +342,27 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
                 await registry.forget_sandbox(sandbox_id)  # nothing is left to kill
                 return Response(status_code=204)
             raise
+        whole = request.url.path.rstrip("/").endswith(sandbox_id)
+        action = request.url.path.rsplit("/", 1)[-1]
+        # Read before the request: a heartbeat that comes meanwhile may count its effect.
+        beat = await registry.beat(node.node_id) \
+            if (request.method == "DELETE" and whole) or action == "pause" else ""
         try:
             r = await gw.forward(request, node.url)
         except httpx.HTTPError as exc:
             raise ClusterError(502, f"node {node.node_id} of sandbox '{sandbox_id}' did not "
                                     f"answer: {exc}") from exc
-        if request.method == "DELETE" and r.status_code in (204, 404) and \
-                request.url.path.rstrip("/").endswith(sandbox_id):
+        if request.method == "DELETE" and r.status_code in (204, 404) and whole:
             await registry.forget_sandbox(sandbox_id)
+            if r.status_code == 204 and entry.get("state") != "paused":
+                await registry.release(node.node_id, beat, node_ttl_ms)
         elif r.status_code in (200, 201, 204):
-            state = {"pause": "paused", "resume": "running", "connect": "running"}.get(
-                request.url.path.rsplit("/", 1)[-1])
+            state = {"pause": "paused", "resume": "running", "connect": "running"}.get(action)
+            # The gateway counts what frees or takes a slot between heartbeats.
+            if state == "paused" and entry.get("state") != "paused":
+                await registry.release(node.node_id, beat, node_ttl_ms)
+            elif state == "running" and entry.get("state") == "paused":
+                await registry.reserve(node.node_id, node_ttl_ms)
             if state:
                 await registry.set_sandbox(sandbox_id, node.node_id, state,
                                            entry.get("snapshot", ""), False)

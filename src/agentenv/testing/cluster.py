@@ -97,7 +97,7 @@ class ClusterNode(Node):
 
 class Cluster:
     def __init__(self, root: Path, tag: str, nodes: int = 3, link_net: int = 23,
-                 pool_nets: tuple[int, ...] = (24, 25, 26), max_sandboxes: int = 3,
+                 pool_nets: tuple[int, ...] = (33, 34, 35), max_sandboxes: int = 3,
                  heartbeat_ms: int = 300, node_ttl_ms: int = 1500,
                  gateway_queue_s: float = 30.0, **node_env: str):
         self.root = root

@@ -1,0 +1,81 @@
+"""The gateway's own count of the room it frees and takes between heartbeats, on a
+one-node cluster whose heartbeats are slow (10 s): kills, pauses and failed creates
+through the gateway are room at once, not at the node's next heartbeat.
+
+Its own namespaces and addresses: link 10.36/16, sandbox pool 10.37/16.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from agentenv.testing import sdk_env
+from agentenv.testing.cluster import Cluster
+
+CAPACITY = 2
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("slow-cluster"), f"r{os.getpid() % 256:02x}", nodes=1,
+                link_net=36, pool_nets=(37,), max_sandboxes=CAPACITY, heartbeat_ms=10_000,
+                node_ttl_ms=30_000, gateway_queue_s=1.0)
+    try:
+        c.start()
+        with sdk_env(c.e2b_env()):
+            yield c
+    finally:
+        left = c.stop()
+    assert not left, f"cluster left behind: {left}"
+
+
+def refused(c: Cluster) -> float:
+    """The scheduler's count of placements it refused (no node had room)."""
+    r = httpx.get(c.scheduler_url + "/metrics", timeout=10, trust_env=False,
+                  headers={"Authorization": f"Bearer {c.api_key}"})
+    for line in r.text.splitlines():
+        if line.startswith('aenv_placements_total{result="refused"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def burst(n: int) -> list[Sandbox | Exception]:
+    def one() -> Sandbox | Exception:
+        try:
+            return Sandbox.create(template="base", timeout=60)
+        except Exception as exc:  # what the user sees, kept for the assertion
+            return exc
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: one(), range(n)))
+
+
+def test_room_freed_between_heartbeats_is_room_at_once(slow: Cluster) -> None:
+    """Fill the node, kill (or pause) what is on it, and a burst right after is placed
+    at once, with no refusal, long before the node's next heartbeat says it has room."""
+    for round_ in ("kill", "pause"):
+        first = burst(CAPACITY)
+        assert all(isinstance(s, Sandbox) for s in first), first
+        before = refused(slow)
+        for sbx in first:
+            assert isinstance(sbx, Sandbox)
+            sbx.kill() if round_ == "kill" else sbx.pause()
+        again = burst(CAPACITY)
+        try:
+            assert all(isinstance(s, Sandbox) for s in again), (round_, again)
+            assert refused(slow) == before, f"placements refused after the {round_}s"
+            # The node is really full now: one more waits out the gateway's queue time.
+            with slow.client() as api:
+                full = api.post("/sandboxes", json={"templateID": "base"})
+            assert full.status_code == 429, full.text
+        finally:
+            for sbx in [*first, *again]:
+                if isinstance(sbx, Sandbox):
+                    sbx.kill()
+    with slow.client() as api:
+        assert api.get("/v2/sandboxes", params={"state": "running,paused"}).json() == []
