@@ -6,10 +6,11 @@
   headers or ``<port>-<id>.<domain>`` Host; HTTP streams and WebSockets), goes to
   the node that owns the sandbox (``sbx:<id>`` in Redis, kept by this gateway on
   create and by nodes' heartbeats).
-- A paused sandbox whose node is down is adopted by another node from its
-  committed pause snapshot, then the request proceeds there. A running sandbox
-  on a down node is lost: 410 with a message naming the node.
-- Listing merges every up node, with the gateway's own stable cursor.
+- A sandbox whose node is down (lost) is adopted by another node from its committed
+  pause snapshot (a running one's last pause), then the request proceeds there; one
+  without: 410 with a message naming the node.
+- Listing merges every up node, with the gateway's own stable cursor, and the lost
+  sandboxes (``lost``).
 - Fork keeps children on the source node while it has room (a local fork is the
   fast path); otherwise the source is snapshotted and children are created from
   that snapshot on the nodes the scheduler picks.
@@ -38,11 +39,13 @@ from starlette.types import ASGIApp
 from .. import __version__
 from .. import metrics as prometheus
 from ..orchestrator import NotFound
+from ..orchestrator.query import parse_states
 from ..web.errors import error_response, install_error_handlers
 from ..web.keys import require_api_key
 from .common import ClusterError
 from .gateway_proxy import GatewayProxy
 from .gateway_runs import GatewayRuns, parse_body, run_of
+from .lost import lost_items
 from .node_registry import NodeStatus, Registry
 from .routing import Gateway, error_message
 
@@ -209,6 +212,9 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     @app.get("/sandboxes", dependencies=auth)
     async def list_v1(request: Request) -> list[dict[str, Any]]:
         items = await _gather(request, "/sandboxes", dict(request.query_params))
+        # Lost ones that can be resumed (as paused: they were running when lost).
+        items += await lost_items(registry, states=frozenset({"paused"}),
+                                  metadata=request.query_params.get("metadata"))
         return sorted(items, key=lambda i: (_started(i), i["sandboxID"]), reverse=True)
 
     @app.get("/v2/sandboxes", dependencies=auth)
@@ -223,8 +229,13 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
             raise ClusterError(400, f"limit must be between 1 and {MAX_PAGE}")
         desc = request.query_params.get("order") != "asc"  # E2B: newest first by default
         params["limit"] = str(MAX_PAGE)
-        items = sorted(await _gather(request, "/v2/sandboxes", params),
-                       key=lambda i: (_started(i), i["sandboxID"]), reverse=desc)
+        found = await _gather(request, "/v2/sandboxes", params)
+        query = request.query_params
+        found += await lost_items(
+            registry, states=parse_states(query.getlist("state")),
+            metadata=query.get("metadata"), template=query.get("template"),
+            started_after=query.get("startedAfter"), started_before=query.get("startedBefore"))
+        items = sorted(found, key=lambda i: (_started(i), i["sandboxID"]), reverse=desc)
         token = request.query_params.get("nextToken")
         if token:
             cursor = _decode_cursor(token, desc)

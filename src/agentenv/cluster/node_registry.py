@@ -10,7 +10,8 @@ Keys (under ``prefix``, default ``aenv:``):
   heartbeats is room at once;
 - ``beat:<id>``: the number of the node's last heartbeat (a release counts only if
   no heartbeat came while it was made: that heartbeat may already show it);
-- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``;
+- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``, ``item`` (how
+  its node lists it, JSON: the gateway lists it so once the node is lost);
 - ``node-sbx:<id>``: the sandbox IDs the node reported last.
 
 Nothing lives only in a process: a gateway or scheduler restarted, or a second
@@ -37,8 +38,12 @@ REDIS_WAIT_S = 30.0
 class SandboxEntry:
     sandbox_id: str
     state: str
+    # The sandbox's last pause snapshot (a running one keeps it after resuming), and
+    # whether it is in the repository: what it can be resumed from if its node is lost.
     snapshot_id: str = ""
     committed: bool = False
+    # How the node lists it (E2B's ListedSandbox): the gateway lists a lost sandbox so.
+    item: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,13 +149,14 @@ class Registry:
         disown = []
         for entry in reported.values():
             owner = await self.redis.hget(self._k("sbx", entry.sandbox_id), "node")
-            # A sandbox another live node has taken over stays with that node.
+            # A sandbox another live node has taken over (from its last pause, this
+            # node being lost meanwhile) stays with that node: this one drops its copy.
             if owner and owner != nid and await self.is_up(owner):
-                if entry.state == "paused":
+                if entry.state in ("paused", "running"):
                     disown.append(entry.sandbox_id)
                 continue
             await self.set_sandbox(entry.sandbox_id, nid, entry.state, entry.snapshot_id,
-                                   entry.committed)
+                                   entry.committed, entry.item)
         for sid in previous - set(reported):
             if await self.redis.hget(self._k("sbx", sid), "node") == nid:
                 await self.redis.delete(self._k("sbx", sid))
@@ -227,11 +233,26 @@ class Registry:
     # -- sandboxes ----------------------------------------------------------------
 
     async def set_sandbox(self, sandbox_id: str, node_id: str, state: str,
-                          snapshot_id: str = "", committed: bool = False) -> None:
-        await self.redis.hset(self._k("sbx", sandbox_id), mapping={
-            "node": node_id, "state": state, "snapshot": snapshot_id,
-            "committed": "1" if committed else "0",
-        })
+                          snapshot_id: str = "", committed: bool = False,
+                          item: dict[str, Any] | None = None) -> None:
+        mapping = {"node": node_id, "state": state, "snapshot": snapshot_id,
+                   "committed": "1" if committed else "0"}
+        if item:
+            mapping["item"] = json.dumps(item)
+        await self.redis.hset(self._k("sbx", sandbox_id), mapping=mapping)
+
+    async def lost(self) -> list[tuple[dict[str, str], NodeStatus]]:
+        """The sandboxes of nodes that are down (past their heartbeat TTL), as their
+        node last reported them, that no other node has taken over."""
+        out = []
+        for node in await self.nodes():
+            if node.state != "down":
+                continue
+            for sid in sorted(await self.redis.smembers(self._k("node-sbx", node.node_id))):
+                entry = await self.sandbox(sid)
+                if entry and entry.get("node") == node.node_id:
+                    out.append(({"sandboxID": sid, **entry}, node))
+        return out
 
     async def sandbox(self, sandbox_id: str) -> dict[str, str] | None:
         data = await self.redis.hgetall(self._k("sbx", sandbox_id))

@@ -94,13 +94,12 @@ class Gateway:
         entry, node = found
         if node is not None and node.state == "up":
             return entry, node
-        if entry.get("state") == "paused" and entry.get("committed") == "1":
+        if resumable(entry):
             return await self._adopt(sandbox_id, entry, node)
-        hint = (f"; its last committed snapshot {entry['snapshot']} can be started with "
-                f"templateID={entry['snapshot']}" if entry.get("snapshot") else "")
         raise ClusterError(410, f"sandbox '{sandbox_id}' was {entry.get('state', 'running')} on "
-                                f"node {entry['node']}, which is down: its running state is "
-                                f"lost{hint}")
+                                f"node {entry['node']}, which is down (no heartbeat within its "
+                                f"TTL): the sandbox is lost, and it has no committed pause "
+                                f"snapshot to be resumed from")
 
     async def _find(self, sandbox_id: str
                     ) -> tuple[dict[str, str], NodeStatus | None] | None:
@@ -158,14 +157,23 @@ class Gateway:
                 continue
             if r.status_code != 201:
                 raise ClusterError(r.status_code, error_message(r))
-            log.info("sandbox %s (paused on down node %s) adopted by node %s", sandbox_id,
-                     entry["node"], pick["nodeID"])
+            log.info("sandbox %s (%s on down node %s) adopted by node %s from its pause "
+                     "snapshot %s", sandbox_id, entry.get("state"), entry["node"],
+                     pick["nodeID"], entry["snapshot"])
             await self.registry.set_sandbox(sandbox_id, pick["nodeID"], "paused",
                                             entry["snapshot"], True)
             node = await self.registry.node(pick["nodeID"])
             assert node is not None
             return await self.registry.sandbox(sandbox_id) or entry, node
         raise ClusterError(503, f"no node could take over paused sandbox '{sandbox_id}'")
+
+
+def resumable(entry: dict[str, str]) -> bool:
+    """Whether a sandbox of a down node can be taken over by another: paused, or
+    running (then from its last pause, what it ran since is lost), with that pause
+    snapshot committed to the shared repository."""
+    return entry.get("state") in ("paused", "running") and entry.get("committed") == "1" \
+        and bool(entry.get("snapshot"))
 
 
 def error_message(r: httpx.Response) -> str:

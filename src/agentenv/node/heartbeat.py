@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from ..api import models
 from ..cluster.node_registry import NodeStatus, SandboxEntry
 from ..orchestrator import SandboxState
 from ..snapshot import SnapshotError, SnapshotNotFound
@@ -39,9 +40,13 @@ def node_status(manager: SandboxManager, url: str) -> NodeStatus:
     store = manager.snapshots
     cached = store.cache_dir.iterdir() if store.cache_dir.is_dir() else iter(())
     snapshots = sorted(p.name for p in cached if p.is_dir() and store.is_cached(p.name))
+    # A running sandbox's snapshot is its last pause (kept after the resume): what
+    # it can be resumed from should this node be lost.
     sandboxes = [
         SandboxEntry(sandbox_id=r.sandbox_id, state=str(r.state.value), snapshot_id=r.snapshot_id,
-                     committed=r.state is SandboxState.PAUSED and manager.pause_committed(r))
+                     committed=r.state in (SandboxState.PAUSED, SandboxState.RUNNING)
+                     and manager.pause_committed(r),
+                     item=models.listed(r).model_dump(mode="json", by_alias=True))
         for r in manager.list()
     ]
     return NodeStatus(
