@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, Template
 from websockets.sync.client import connect as ws_connect
 
 from agentenv.cluster import NodeStatus, PlacementRequest, place
@@ -359,6 +359,48 @@ def _corrupt_cached(cluster: Cluster, home: Path, snapshot_id: str) -> None:
         data = f.read(min(size, 4096))
         f.seek(offset)
         f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_a_template_built_on_one_node_starts_on_any(cluster: Cluster,
+                                                    api: httpx.Client) -> None:
+    """A template built through the gateway is published to the shared repository:
+    a create on a node that lacks it fetches it on first use (its metadata, then its
+    snapshot, into the node's cache); every node lists it."""
+    name = f"shared-{os.urandom(3).hex()}"
+    info = Template.build(Template().from_template("base")
+                          .run_cmd("echo built once > /home/user/shared.txt"), name)
+    built_on = [k for k, n in enumerate(cluster.nodes, 1)
+                if (n.home / "templates" / info.template_id / "template.json").is_file()]
+    try:
+        assert len(built_on) == 1, built_on
+        # The scheduler prefers the node that has it (its snapshot cached).
+        with cluster.client(cluster.scheduler_url) as sched:
+            for _ in range(100):
+                if name in sched.get(f"/nodes/node-{built_on[0]}").json()["templates"]:
+                    break
+                time.sleep(0.1)
+        sbx = Sandbox.create(name, timeout=60)
+        assert owner(cluster, sbx.sandbox_id) == f"node-{built_on[0]}"
+        sbx.kill()
+        for k, node in enumerate(cluster.nodes, 1):
+            if k in built_on:
+                continue
+            with cluster.client(node.url) as direct:
+                r = direct.post("/sandboxes", json={"templateID": name, "timeout": 60})
+                assert r.status_code == 201, r.text
+                sbx = Sandbox.connect(r.json()["sandboxID"])
+                assert sbx.files.read("/home/user/shared.txt") == "built once\n"
+                assert owner(cluster, sbx.sandbox_id) == f"node-{k}"
+                sbx.kill()
+                assert name in {a for t in direct.get("/templates").json()
+                                for a in t["aliases"]}
+        # Unknown names are still a clear 404 on every node.
+        with cluster.client(cluster.nodes[-1].url) as direct:
+            r = direct.post("/sandboxes", json={"templateID": f"{name}-nope"})
+            assert r.status_code == 404 and f"{name}-nope" in r.json()["message"]
+    finally:
+        kill_all(api)
+        api.delete(f"/templates/{info.template_id}")
 
 
 def test_a_kill_reaches_a_node_whose_heartbeats_are_late(cluster: Cluster,

@@ -45,6 +45,7 @@ from ..web.keys import require_api_key
 from .common import ClusterError
 from .gateway_proxy import GatewayProxy
 from .gateway_runs import GatewayRuns, parse_body, run_of
+from .gateway_templates import home_node, remember
 from .lost import lost_items
 from .node_registry import NodeStatus, Registry
 from .routing import Gateway, error_message
@@ -382,14 +383,18 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PATCH", "PUT"],
                    dependencies=auth)
     async def anywhere(path: str, request: Request) -> Response:
-        """Everything else (templates, snapshots) is the same on every node."""
-        nodes = sorted(await gw.up_nodes(), key=lambda n: n.effective_load)
+        """Everything else (templates, snapshots) is the same on every node, but for
+        a template's builds and own routes: the node it was created on."""
+        home = await home_node(registry, request.url.path)
+        nodes = [home] if home else sorted(await gw.up_nodes(), key=lambda n: n.effective_load)
         if not nodes:
             return error_response(503, "no node is up")
         try:
-            return _relay(await gw.forward(request, nodes[0].url))
+            r = await gw.forward(request, nodes[0].url)
         except httpx.HTTPError as exc:
             raise ClusterError(502, f"node {nodes[0].node_id} did not answer: {exc}") from exc
+        await remember(registry, request.method, request.url.path, nodes[0], r)
+        return _relay(r)
 
     proxy = GatewayProxy(prometheus.RequestCounter(app), gw, domain)
     holder["proxy"] = proxy

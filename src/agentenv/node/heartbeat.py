@@ -36,10 +36,16 @@ def free_memory_mb() -> int:
 def node_status(manager: SandboxManager, url: str) -> NodeStatus:
     cfg = manager.config
     # A template whose boot image this node holds makes a warm create here.
-    templates = manager.boot_images.cached_templates() if manager.boot_images else []
+    templates = set(manager.boot_images.cached_templates() if manager.boot_images else [])
     store = manager.snapshots
     cached = store.cache_dir.iterdir() if store.cache_dir.is_dir() else iter(())
     snapshots = sorted(p.name for p in cached if p.is_dir() and store.is_cached(p.name))
+    # So does a built template whose snapshot this node caches (by ID and alias: a
+    # create names either).
+    held = set(snapshots)
+    for template in manager.templates.list():
+        if template.snapshot_id and template.snapshot_id in held:
+            templates.update((template.template_id, *template.aliases))
     # A running sandbox's snapshot is its last pause (kept after the resume): what
     # it can be resumed from should this node be lost.
     sandboxes = [
@@ -52,7 +58,8 @@ def node_status(manager: SandboxManager, url: str) -> NodeStatus:
     return NodeStatus(
         node_id=cfg.node_id, url=url, capacity=cfg.max_sandboxes, load=manager.active_count(),
         free_memory_mb=free_memory_mb(), runtime_kind=manager.runtime.kind,
-        runtime_version=manager.runtime.version, templates=templates, snapshots=snapshots,
+        runtime_version=manager.runtime.version, templates=sorted(templates),
+        snapshots=snapshots,
         sandboxes=sandboxes,
     )
 
