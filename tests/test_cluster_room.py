@@ -1,6 +1,10 @@
-"""The gateway's own count of the room it frees and takes between heartbeats, on a
-one-node cluster whose heartbeats are slow (10 s): kills, pauses and failed creates
-through the gateway are room at once, not at the node's next heartbeat.
+"""On a one-node cluster whose heartbeats are slow (10 s), with two schedulers:
+
+- the gateway's own count of the room it frees and takes between heartbeats: kills,
+  pauses and failed creates through the gateway are room at once, not at the node's
+  next heartbeat;
+- a scheduler killed with -9 during a burst of creates fails none of them: the
+  gateway places through the other, and the node heartbeats to the other.
 
 Its own namespaces and addresses: link 10.36/16, sandbox pool 10.37/16.
 """
@@ -8,6 +12,8 @@ Its own namespaces and addresses: link 10.36/16, sandbox pool 10.37/16.
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +31,7 @@ CAPACITY = 2
 def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("slow-cluster"), f"r{os.getpid() % 256:02x}", nodes=1,
                 link_net=36, pool_nets=(37,), max_sandboxes=CAPACITY, heartbeat_ms=10_000,
-                node_ttl_ms=30_000, gateway_queue_s=1.0)
+                node_ttl_ms=30_000, gateway_queue_s=1.0, schedulers=2)
     try:
         c.start()
         with sdk_env(c.e2b_env()):
@@ -79,3 +85,40 @@ def test_room_freed_between_heartbeats_is_room_at_once(slow: Cluster) -> None:
                     sbx.kill()
     with slow.client() as api:
         assert api.get("/v2/sandboxes", params={"state": "running,paused"}).json() == []
+
+
+def beats(c: Cluster) -> int:
+    out = subprocess.run(["redis-cli", "-p", str(c.redis_port), "get", "aenv:beat:node-1"],
+                         capture_output=True, text=True).stdout.strip()
+    return int(out or 0)
+
+
+def test_a_scheduler_killed_during_a_burst_fails_no_create(slow: Cluster) -> None:
+    before = beats(slow)
+    with ThreadPoolExecutor(1) as pool:
+        during = pool.submit(burst, CAPACITY)
+        time.sleep(0.1)
+        slow.scheduler.kill()  # -9, with creates under way
+        slow.scheduler.wait()
+        first = during.result()
+    try:
+        assert all(isinstance(s, Sandbox) for s in first), first
+    finally:
+        for sbx in first:
+            if isinstance(sbx, Sandbox):
+                sbx.kill()
+    after = burst(CAPACITY)  # placed through the other scheduler
+    try:
+        assert all(isinstance(s, Sandbox) for s in after), after
+        assert after[0].commands.run("echo placed").stdout == "placed\n"
+    finally:
+        for sbx in after:
+            if isinstance(sbx, Sandbox):
+                sbx.kill()
+    # The node's heartbeats reach the other scheduler (the node stays up).
+    end = time.monotonic() + 3 * slow.heartbeat_ms / 1000
+    while beats(slow) <= before and time.monotonic() < end:
+        time.sleep(0.2)
+    assert beats(slow) > before
+    with slow.client(f"http://127.0.0.1:{slow.scheduler_ports[1]}") as sched:
+        assert sched.get("/nodes/node-1").json()["state"] == "up"

@@ -17,7 +17,7 @@ import httpx
 from fastapi import Request
 
 from ..orchestrator import NotFound
-from .common import ClusterError
+from .common import ClusterError, Failover
 from .node_registry import NodeStatus, Registry
 
 # The gateway's logger: these are its decisions, wherever the code lives.
@@ -34,7 +34,7 @@ class Gateway:
 
     def __init__(self, registry: Registry, scheduler_url: str, api_key: str) -> None:
         self.registry = registry
-        self.scheduler = scheduler_url.rstrip("/")
+        self.schedulers = Failover(scheduler_url)
         self.api_key = api_key
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=3.0, read=600.0, write=60.0, pool=10.0),
@@ -53,11 +53,19 @@ class Gateway:
         body = {"template": template, "snapshot": snapshot, "count": count,
                 "exclude": exclude or [], "runtimeKind": runtime[0],
                 "runtimeVersion": runtime[1]}
-        try:
-            r = await self.http.post(f"{self.scheduler}/placements", json=body,
-                                     headers={"X-API-Key": self.api_key})
-        except httpx.HTTPError as exc:
-            raise ClusterError(503, f"scheduler unreachable: {exc}") from exc
+        failure: Exception | None = None
+        for url in self.schedulers.order():  # a scheduler killed: the next one
+            try:
+                r = await self.http.post(f"{url}/placements", json=body,
+                                         headers={"X-API-Key": self.api_key})
+            except httpx.HTTPError as exc:
+                failure = exc
+                log.warning("scheduler %s unreachable: %s", url, exc)
+                continue
+            self.schedulers.answered(url)
+            break
+        else:
+            raise ClusterError(503, f"no scheduler reachable: {failure}")
         if r.status_code != 200:
             raise ClusterError(r.status_code, error_message(r))
         return r.json()["nodes"]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from ..api import models
+from ..cluster.common import Failover
 from ..cluster.node_registry import NodeStatus, SandboxEntry
 from ..orchestrator import SandboxState
 from ..snapshot import SnapshotError, SnapshotNotFound
@@ -70,7 +71,7 @@ class Heartbeat:
     def __init__(self, manager: SandboxManager, scheduler_url: str, advertise_url: str,
                  api_key: str, interval: float) -> None:
         self.manager = manager
-        self.url = scheduler_url.rstrip("/") + "/nodes/heartbeat"
+        self.schedulers = Failover(scheduler_url)
         self.advertise_url = advertise_url
         self.interval = interval
         self._http = httpx.AsyncClient(headers={"X-API-Key": api_key}, trust_env=False,
@@ -91,8 +92,18 @@ class Heartbeat:
     async def beat(self) -> None:
         # On the loop, not a thread: it reads the manager's live records (a few stats).
         status = node_status(self.manager, self.advertise_url)
-        r = await self._http.post(self.url, json=status.to_dict())
-        r.raise_for_status()
+        body = status.to_dict()
+        order = self.schedulers.order()
+        for url in order:  # a scheduler down: the next one, this beat
+            try:
+                r = await self._http.post(url + "/nodes/heartbeat", json=body)
+                r.raise_for_status()
+            except httpx.HTTPError:
+                if url == order[-1]:
+                    raise
+                continue
+            self.schedulers.answered(url)
+            break
         for sandbox_id in r.json().get("disown", []):
             self.manager.disown(sandbox_id)
 
@@ -119,7 +130,8 @@ class Heartbeat:
                 self._failing = False
             except Exception as exc:
                 if not self._failing:  # once per outage, not once per beat
-                    log.warning("heartbeat to %s failed: %s", self.url, exc)
+                    log.warning("heartbeat to %s failed: %s", ", ".join(self.schedulers.urls),
+                                exc)
                 self._failing = True
             await asyncio.sleep(self.interval)
 

@@ -99,7 +99,7 @@ class Cluster:
     def __init__(self, root: Path, tag: str, nodes: int = 3, link_net: int = 23,
                  pool_nets: tuple[int, ...] = (33, 34, 35), max_sandboxes: int = 3,
                  heartbeat_ms: int = 300, node_ttl_ms: int = 1500,
-                 gateway_queue_s: float = 30.0, **node_env: str):
+                 gateway_queue_s: float = 30.0, schedulers: int = 1, **node_env: str):
         self.root = root
         self.tag = tag
         self.count = nodes
@@ -114,7 +114,10 @@ class Cluster:
         self.home = root / "cluster-home"
         self.repo = root / "repository"
         self.redis_port = free_port()
-        self.scheduler_port = free_port()
+        # Several schedulers (stateless over Redis): the gateway and nodes try each.
+        self.scheduler_ports = [free_port() for _ in range(schedulers)]
+        self.scheduler_port = self.scheduler_ports[0]
+        self.schedulers: list[subprocess.Popen] = []
         self.gateway_port = free_port()
         self.redis: subprocess.Popen | None = None
         self.scheduler: subprocess.Popen | None = None
@@ -187,12 +190,16 @@ class Cluster:
             if time.monotonic() > end or self.redis.poll() is not None:
                 raise RuntimeError("redis-server did not start")
             time.sleep(0.05)
-        self.scheduler = self._service(
-            "scheduler", [str(AENV), "scheduler", "--host", "0.0.0.0",
-                          "--port", str(self.scheduler_port)], self.scheduler_url + "/health")
+        for i, port in enumerate(self.scheduler_ports):
+            self.schedulers.append(self._service(
+                f"scheduler{i or ''}", [str(AENV), "scheduler", "--host", "0.0.0.0",
+                                        "--port", str(port)],
+                f"http://127.0.0.1:{port}/health"))
+        self.scheduler = self.schedulers[0]
+        urls = ",".join(f"http://127.0.0.1:{p}" for p in self.scheduler_ports)
         self.gateway = self._service(
             "gateway", [str(AENV), "gateway", "--port", str(self.gateway_port),
-                        "--scheduler-url", self.scheduler_url], self.gateway_url + "/health")
+                        "--scheduler-url", urls], self.gateway_url + "/health")
         for k in range(1, self.count + 1):
             self.add_node(k)
         self.wait_nodes_up(list(range(1, self.count + 1)))
@@ -217,7 +224,8 @@ class Cluster:
             home, f"xc{self.tag}n{k}", f"10.{self.pool_nets[k - 1]}.0.0/16", ns,
             self.node_address(k),
             AENV_NODE_ID=f"node-{k}", AENV_SNAPSHOT_PATH=str(self.repo),
-            AENV_SCHEDULER_URL=f"http://10.{self.link_net}.{k}.1:{self.scheduler_port}",
+            AENV_SCHEDULER_URL=",".join(f"http://10.{self.link_net}.{k}.1:{p}"
+                                        for p in self.scheduler_ports),
             AENV_HEARTBEAT_INTERVAL_MS=str(self.heartbeat_ms),
             AENV_MAX_SANDBOXES=str(self.max_sandboxes),
             AENV_NET_POOL_LOW="1", AENV_NET_POOL_HIGH="2", **self.node_env,
@@ -279,7 +287,7 @@ class Cluster:
             except Exception as exc:  # keep stopping the rest
                 left.append(f"node {node.netns}: {exc}")
             left += node.leaks()
-        for proc in (self.gateway, self.scheduler, self.redis):
+        for proc in (self.gateway, *self.schedulers, self.redis):
             _stop(proc)
         for k in range(1, len(self.nodes) + 1):
             _ip("link", "del", self.link(k), check=False)
