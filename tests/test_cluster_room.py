@@ -1,10 +1,13 @@
-"""On a one-node cluster whose heartbeats are slow (10 s), with two schedulers:
+"""On a one-node cluster whose heartbeats are slow (10 s), with two schedulers and
+Redis as a primary, a replica and Sentinel:
 
 - the gateway's own count of the room it frees and takes between heartbeats: kills,
   pauses and failed creates through the gateway are room at once, not at the node's
   next heartbeat;
 - a scheduler killed with -9 during a burst of creates fails none of them: the
-  gateway places through the other, and the node heartbeats to the other.
+  gateway places through the other, and the node heartbeats to the other;
+- the Redis primary killed with -9 during a burst fails none either: Sentinel
+  promotes the replica, and Redis commands are retried through the failover.
 
 Its own namespaces and addresses: link 10.36/16, sandbox pool 10.37/16.
 """
@@ -31,7 +34,7 @@ CAPACITY = 2
 def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("slow-cluster"), f"r{os.getpid() % 256:02x}", nodes=1,
                 link_net=36, pool_nets=(37,), max_sandboxes=CAPACITY, heartbeat_ms=10_000,
-                node_ttl_ms=30_000, gateway_queue_s=1.0, schedulers=2)
+                node_ttl_ms=30_000, gateway_queue_s=1.0, schedulers=2, sentinel=True)
     try:
         c.start()
         with sdk_env(c.e2b_env()):
@@ -88,7 +91,7 @@ def test_room_freed_between_heartbeats_is_room_at_once(slow: Cluster) -> None:
 
 
 def beats(c: Cluster) -> int:
-    out = subprocess.run(["redis-cli", "-p", str(c.redis_port), "get", "aenv:beat:node-1"],
+    out = subprocess.run(["redis-cli", "-p", str(c.redis_primary()), "get", "aenv:beat:node-1"],
                          capture_output=True, text=True).stdout.strip()
     return int(out or 0)
 
@@ -122,3 +125,45 @@ def test_a_scheduler_killed_during_a_burst_fails_no_create(slow: Cluster) -> Non
     assert beats(slow) > before
     with slow.client(f"http://127.0.0.1:{slow.scheduler_ports[1]}") as sched:
         assert sched.get("/nodes/node-1").json()["state"] == "up"
+
+
+def redis_cli(port: int, *args: str) -> str:
+    return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True,
+                          text=True).stdout
+
+
+def test_a_redis_failover_during_creates_fails_none(slow: Cluster) -> None:
+    end = time.monotonic() + 30  # the replica is in sync, and Sentinel knows it
+    while not ("master_link_status:up" in redis_cli(slow.replica_port, "info", "replication")
+               and str(slow.replica_port) in redis_cli(slow.sentinel_port, "sentinel",
+                                                       "replicas", "aenv")):
+        assert time.monotonic() < end, "the replica did not sync"
+        time.sleep(0.2)
+    assert slow.redis_primary() == slow.redis_port
+    assert slow.redis is not None
+    with ThreadPoolExecutor(1) as pool:
+        during = pool.submit(burst, CAPACITY)
+        time.sleep(0.1)
+        slow.redis.kill()  # -9, with creates under way
+        slow.redis.wait()
+        first = during.result()
+    try:
+        assert all(isinstance(s, Sandbox) for s in first), first
+    finally:
+        for sbx in first:
+            if isinstance(sbx, Sandbox):
+                sbx.kill()
+    end = time.monotonic() + 30
+    while slow.redis_primary() != slow.replica_port:
+        assert time.monotonic() < end, "Sentinel did not promote the replica"
+        time.sleep(0.2)
+    after = burst(CAPACITY)
+    try:
+        assert all(isinstance(s, Sandbox) for s in after), after
+        assert after[0].commands.run("echo served").stdout == "served\n"
+    finally:
+        for sbx in after:
+            if isinstance(sbx, Sandbox):
+                sbx.kill()
+    with slow.client() as api:
+        assert api.get("/v2/sandboxes").json() == []

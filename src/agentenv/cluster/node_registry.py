@@ -25,13 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import redis.asyncio as redis
-
-# Connections to Redis a gateway or scheduler holds at most; a burst of requests
-# beyond waits up to REDIS_WAIT_S for one (redis-py's default pool fails at once
-# past 100: a burst of 200 creates got 500s).
-REDIS_MAX_CONNECTIONS = 100
-REDIS_WAIT_S = 30.0
+from .redis_conn import REDIS_MAX_CONNECTIONS as REDIS_MAX_CONNECTIONS
+from .redis_conn import connect
 
 
 @dataclass
@@ -106,10 +101,7 @@ class Registry:
     def __init__(self, url: str, prefix: str = "aenv:") -> None:
         # decode_responses: every answer is a str, which redis-py's types cannot say
         # (they give bytes | str), so the client is untyped here.
-        pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=REDIS_MAX_CONNECTIONS, timeout=REDIS_WAIT_S,
-            decode_responses=True)
-        self.redis: Any = redis.Redis.from_pool(pool)
+        self.redis: Any = connect(url)
         self.prefix = prefix
         self._route = self.redis.register_script(_ROUTE)
         self._release = self.redis.register_script(_RELEASE)
