@@ -171,7 +171,7 @@ class Cluster:
         log = open(self.root / f"{name}.log", "ab")
         argv = ["redis-server", str(conf), "--sentinel"] if conf else \
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", *args]
+             "--appendonly", "no", "--dir", str(self.root), *args]  # a replica's sync file
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True)
         log.close()
