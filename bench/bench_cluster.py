@@ -41,7 +41,8 @@ def create_round(cluster: Cluster, n: int) -> float:
 
 
 def throughput(root: Path, tag: str, nodes: int, n: int, rounds: int) -> dict:
-    # Room for a round beyond n: the gateway sees deletes only at the next heartbeat.
+    # Room for a round beyond n (the gateway now counts its deletes between heartbeats,
+    # but a node still tears a deleted sandbox down in the background).
     cluster = Cluster(root / f"c{nodes}", tag, nodes=nodes, max_sandboxes=2 * n)
     try:
         cluster.start()

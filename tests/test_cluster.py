@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, Template
 from websockets.sync.client import connect as ws_connect
 
 from agentenv.cluster import NodeStatus, PlacementRequest, place
@@ -389,6 +389,48 @@ def _corrupt_cached(cluster: Cluster, home: Path, snapshot_id: str) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
+def test_a_template_built_on_one_node_starts_on_any(cluster: Cluster,
+                                                    api: httpx.Client) -> None:
+    """A template built through the gateway is published to the shared repository:
+    a create on a node that lacks it fetches it on first use (its metadata, then its
+    snapshot, into the node's cache); every node lists it."""
+    name = f"shared-{os.urandom(3).hex()}"
+    info = Template.build(Template().from_template("base")
+                          .run_cmd("echo built once > /home/user/shared.txt"), name)
+    built_on = [k for k, n in enumerate(cluster.nodes, 1)
+                if (n.home / "templates" / info.template_id / "template.json").is_file()]
+    try:
+        assert len(built_on) == 1, built_on
+        # The scheduler prefers the node that has it (its snapshot cached).
+        with cluster.client(cluster.scheduler_url) as sched:
+            for _ in range(100):
+                if name in sched.get(f"/nodes/node-{built_on[0]}").json()["templates"]:
+                    break
+                time.sleep(0.1)
+        sbx = Sandbox.create(name, timeout=60)
+        assert owner(cluster, sbx.sandbox_id) == f"node-{built_on[0]}"
+        sbx.kill()
+        for k, node in enumerate(cluster.nodes, 1):
+            if k in built_on:
+                continue
+            with cluster.client(node.url) as direct:
+                r = direct.post("/sandboxes", json={"templateID": name, "timeout": 60})
+                assert r.status_code == 201, r.text
+                sbx = Sandbox.connect(r.json()["sandboxID"])
+                assert sbx.files.read("/home/user/shared.txt") == "built once\n"
+                assert owner(cluster, sbx.sandbox_id) == f"node-{k}"
+                sbx.kill()
+                assert name in {a for t in direct.get("/templates").json()
+                                for a in t["aliases"]}
+        # Unknown names are still a clear 404 on every node.
+        with cluster.client(cluster.nodes[-1].url) as direct:
+            r = direct.post("/sandboxes", json={"templateID": f"{name}-nope"})
+            assert r.status_code == 404 and f"{name}-nope" in r.json()["message"]
+    finally:
+        kill_all(api)
+        api.delete(f"/templates/{info.template_id}")
+
+
 def test_a_kill_reaches_a_node_whose_heartbeats_are_late(cluster: Cluster,
                                                          api: httpx.Client) -> None:
     """A node whose heartbeats stop reaching the scheduler (a loaded machine) but which
@@ -442,26 +484,58 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
     sbx.commands.run(COUNTER, background=True)
     assert counting(sbx)
     home = owner(cluster, sbx.sandbox_id)
-    # a running sandbox on the same node: it dies with it
+    # running sandboxes on the same node: one never paused dies with it; one paused
+    # and resumed since can be resumed from that pause
     with cluster.client(cluster.node(home).url) as direct:
-        doomed = direct.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        doomed, again = (direct.post("/sandboxes", json={"templateID": "base"}).json()
+                         ["sandboxID"] for _ in range(2))
+    kept = Sandbox.connect(again)
+    kept.files.write("/home/user/paused.txt", "before the pause")
+    kept.pause()
+    with cluster.client(cluster.scheduler_url) as sched:  # resumed once its pause is saved
+        for _ in range(200):
+            if sched.get(f"/sandboxes/{again}").json()["committed"]:
+                break
+            time.sleep(0.1)
+    kept = Sandbox.connect(again)
+    kept.files.write("/home/user/since.txt", "after the resume")
     assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
     with cluster.client(cluster.scheduler_url) as sched:
         for _ in range(200):
             entry = sched.get(f"/sandboxes/{sbx.sandbox_id}").json()
+            resumed_entry = sched.get(f"/sandboxes/{again}").json()
             doomed_known = sched.get(f"/sandboxes/{doomed}").status_code == 200
-            if entry["committed"] and doomed_known:
+            if entry["committed"] and resumed_entry.get("committed") and doomed_known:
                 break
             time.sleep(0.1)
         assert entry["committed"] and entry["state"] == "paused", entry
+        assert resumed_entry["committed"] and resumed_entry["state"] == "running", resumed_entry
     k = int(home.rsplit("-", 1)[1])
     cluster.node(home).kill9()
     cluster.wait_state(k, "down")
-    # the running one is reported lost, clearly
+    # Lost sandboxes are listed: those with a committed pause as paused (the SDK knows
+    # no other state), saying where they were and what they resume from; the others
+    # only when asked for as lost.
+    listed = {i.sandbox_id: i.state.value for i in Sandbox.list(limit=100).next_items()}
+    assert listed == {sbx.sandbox_id: "paused", again: "paused"}, listed
+    lost = {i["sandboxID"]: i for i in api.get("/v2/sandboxes").json()}
+    assert lost[again]["lost"]["nodeID"] == home
+    assert lost[again]["lost"]["wasState"] == "running"
+    assert lost[again]["lost"]["snapshotID"] == resumed_entry["snapshot"]
+    r = api.get("/v2/sandboxes", params={"state": "lost"})
+    assert [(i["sandboxID"], i["state"], i["lost"]["snapshotID"]) for i in r.json()] == \
+        [(doomed, "lost", None)]
+    assert {i["sandboxID"] for i in api.get("/sandboxes").json()} == {sbx.sandbox_id, again}
+    # the running one without a snapshot is reported lost, clearly
     r = api.get(f"/sandboxes/{doomed}")
     assert r.status_code == 410, r.text
-    assert home in r.json()["message"] and "down" in r.json()["message"]
+    assert home in r.json()["message"] and "no committed pause snapshot" in r.json()["message"]
     assert api.post(f"/sandboxes/{doomed}/pause").status_code == 410
+    # the one paused before resumes on another node from that pause
+    kept = Sandbox.connect(again, timeout=120)
+    assert owner(cluster, again) != home
+    assert kept.files.read("/home/user/paused.txt") == "before the pause"
+    assert not kept.files.exists("/home/user/since.txt")
     # the paused one resumes on another node, state and processes intact
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
     new_home = owner(cluster, sbx.sandbox_id)
@@ -475,15 +549,20 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
     # sandbox another node now runs (the sandbox is not claimed twice)
     cluster.node(home).start()
     cluster.wait_state(k, "up")
+    # (nor the one it ran before it was lost, which another node runs now)
     with cluster.client(cluster.node(home).url) as direct:
-        for _ in range(50):
-            if direct.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404:
+        for _ in range(100):
+            if all(direct.get(f"/sandboxes/{s}").status_code == 404
+                   for s in (sbx.sandbox_id, again)):
                 break
             time.sleep(0.1)
         assert direct.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404
+        assert direct.get(f"/sandboxes/{again}").status_code == 404
     assert owner(cluster, sbx.sandbox_id) == new_home
     assert resumed.commands.run("cat /home/user/kept.txt").stdout == "survives its node"
+    assert kept.commands.run("cat /home/user/paused.txt").stdout == "before the pause"
     resumed.kill()
+    kept.kill()
     assert api.delete(f"/sandboxes/{doomed}").status_code == 204
     assert api.get(f"/sandboxes/{doomed}").status_code == 404
 

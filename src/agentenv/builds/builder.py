@@ -279,6 +279,7 @@ class TemplateBuilder:
             await self.cancel(build.build_id)
             self.store.delete(build.build_id)
         if template is not None:
+            await asyncio.to_thread(self.registry.unpublish, template)
             async with self._publish_lock:
                 kept = self._kept_builds(template_id)
                 await asyncio.to_thread(shutil.rmtree, self.local_dir / template_id, True)
@@ -415,6 +416,7 @@ class TemplateBuilder:
             self.registry.tags.assign(build.template_id, build.build_id,
                                       [t for t in build.tags if t != DEFAULT_TAG])
             stale = self._unreferenced(build.template_id, previous)
+        await asyncio.to_thread(self.registry.publish, build.template_id)
         for snapshot_id in stale:
             await self._delete_snapshot(snapshot_id)
 

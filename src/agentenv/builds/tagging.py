@@ -5,6 +5,7 @@ template's current one; builds no tag names any more lose their snapshots."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
@@ -54,6 +55,7 @@ async def assign_tags(builder: TemplateBuilder, target: str,
         except InvalidTag as exc:
             raise BuildError(str(exc)) from exc
         stale = builder._unreferenced(current.template_id, current)
+    await asyncio.to_thread(registry.publish, current.template_id)
     for snapshot_id in stale:
         await builder._delete_snapshot(snapshot_id)
     return build, wanted

@@ -153,7 +153,7 @@ def gateway(
     asgi = create_gateway_app(config.redis_url,
                               scheduler_url or config.scheduler_url or "http://127.0.0.1:9090",
                               load_or_create_api_key(config.secrets_dir), config.domain,
-                              config.admission_queue_timeout_s)
+                              config.admission_queue_timeout_s, config.node_ttl_ms)
     typer.echo(f"agentenv gateway on http://{host}:{port}", err=True)
     uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on",
                 timeout_graceful_shutdown=5, **server_options(config.http_head_timeout))

@@ -6,10 +6,11 @@
   headers or ``<port>-<id>.<domain>`` Host; HTTP streams and WebSockets), goes to
   the node that owns the sandbox (``sbx:<id>`` in Redis, kept by this gateway on
   create and by nodes' heartbeats).
-- A paused sandbox whose node is down is adopted by another node from its
-  committed pause snapshot, then the request proceeds there. A running sandbox
-  on a down node is lost: 410 with a message naming the node.
-- Listing merges every up node, with the gateway's own stable cursor.
+- A sandbox whose node is down (lost) is adopted by another node from its committed
+  pause snapshot (a running one's last pause), then the request proceeds there; one
+  without: 410 with a message naming the node.
+- Listing merges every up node, with the gateway's own stable cursor, and the lost
+  sandboxes (``lost``).
 - Fork keeps children on the source node while it has room (a local fork is the
   fast path); otherwise the source is snapshotted and children are created from
   that snapshot on the nodes the scheduler picks.
@@ -39,6 +40,7 @@ from starlette.types import ASGIApp
 from .. import __version__
 from .. import metrics as prometheus
 from ..orchestrator import NotFound
+from ..orchestrator.query import parse_states
 from ..web import connect_websocket, relay_websocket
 from ..web.console import ConsoleSessions, console_router
 from ..web.errors import error_response, install_error_handlers
@@ -46,6 +48,8 @@ from ..web.keys import key_matches, require_api_key
 from .common import ClusterError
 from .gateway_proxy import GatewayProxy
 from .gateway_runs import GatewayRuns, parse_body, run_of
+from .gateway_templates import home_node, remember
+from .lost import lost_items
 from .node_registry import NodeStatus, Registry
 from .routing import Gateway, error_message
 
@@ -104,7 +108,8 @@ def _decode_cursor(token: str, desc: bool) -> tuple[datetime, str]:
 
 
 def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
-                       domain: str = "localhost", queue_timeout_s: float = 30.0) -> ASGIApp:
+                       domain: str = "localhost", queue_timeout_s: float = 30.0,
+                       node_ttl_ms: int = 5000) -> ASGIApp:
     registry = Registry(redis_url)
     gw = Gateway(registry, scheduler_url, api_key)
     holder: dict[str, GatewayProxy] = {}
@@ -201,12 +206,15 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
                 log.warning("create on node %s failed: %s", pick["nodeID"], exc)
                 exclude.append(pick["nodeID"])
                 continue
+            if r.status_code == 201:
+                await registry.set_sandbox(r.json()["sandboxID"], pick["nodeID"], "running")
+                return _relay(r)
+            # No sandbox came of the placement: its room is the next create's.
+            await registry.release(pick["nodeID"], str(pick.get("beat", "")), node_ttl_ms)
             if r.status_code in (429, 503):  # full after all: the next best node
                 exclude.append(pick["nodeID"])
                 last = r
                 continue
-            if r.status_code == 201:
-                await registry.set_sandbox(r.json()["sandboxID"], pick["nodeID"], "running")
             return _relay(r)
 
     async def _gather(request: Request, path: str, params: dict[str, Any]
@@ -234,6 +242,9 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     @app.get("/sandboxes", dependencies=auth)
     async def list_v1(request: Request) -> list[dict[str, Any]]:
         items = await _gather(request, "/sandboxes", dict(request.query_params))
+        # Lost ones that can be resumed (as paused: they were running when lost).
+        items += await lost_items(registry, states=frozenset({"paused"}),
+                                  metadata=request.query_params.get("metadata"))
         return sorted(items, key=lambda i: (_started(i), i["sandboxID"]), reverse=True)
 
     @app.get("/v2/sandboxes", dependencies=auth)
@@ -248,8 +259,13 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
             raise ClusterError(400, f"limit must be between 1 and {MAX_PAGE}")
         desc = request.query_params.get("order") != "asc"  # E2B: newest first by default
         params["limit"] = str(MAX_PAGE)
-        items = sorted(await _gather(request, "/v2/sandboxes", params),
-                       key=lambda i: (_started(i), i["sandboxID"]), reverse=desc)
+        found = await _gather(request, "/v2/sandboxes", params)
+        query = request.query_params
+        found += await lost_items(
+            registry, states=parse_states(query.getlist("state")),
+            metadata=query.get("metadata"), template=query.get("template"),
+            started_after=query.get("startedAfter"), started_before=query.get("startedBefore"))
+        items = sorted(found, key=lambda i: (_started(i), i["sandboxID"]), reverse=desc)
         token = request.query_params.get("nextToken")
         if token:
             cursor = _decode_cursor(token, desc)
@@ -367,17 +383,27 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
                 await registry.forget_sandbox(sandbox_id)  # nothing is left to kill
                 return Response(status_code=204)
             raise
+        whole = request.url.path.rstrip("/").endswith(sandbox_id)
+        action = request.url.path.rsplit("/", 1)[-1]
+        # Read before the request: a heartbeat that comes meanwhile may count its effect.
+        beat = await registry.beat(node.node_id) \
+            if (request.method == "DELETE" and whole) or action == "pause" else ""
         try:
             r = await gw.forward(request, node.url)
         except httpx.HTTPError as exc:
             raise ClusterError(502, f"node {node.node_id} of sandbox '{sandbox_id}' did not "
                                     f"answer: {exc}") from exc
-        if request.method == "DELETE" and r.status_code in (204, 404) and \
-                request.url.path.rstrip("/").endswith(sandbox_id):
+        if request.method == "DELETE" and r.status_code in (204, 404) and whole:
             await registry.forget_sandbox(sandbox_id)
+            if r.status_code == 204 and entry.get("state") != "paused":
+                await registry.release(node.node_id, beat, node_ttl_ms)
         elif r.status_code in (200, 201, 204):
-            state = {"pause": "paused", "resume": "running", "connect": "running"}.get(
-                request.url.path.rsplit("/", 1)[-1])
+            state = {"pause": "paused", "resume": "running", "connect": "running"}.get(action)
+            # The gateway counts what frees or takes a slot between heartbeats.
+            if state == "paused" and entry.get("state") != "paused":
+                await registry.release(node.node_id, beat, node_ttl_ms)
+            elif state == "running" and entry.get("state") == "paused":
+                await registry.reserve(node.node_id, node_ttl_ms)
             if state:
                 await registry.set_sandbox(sandbox_id, node.node_id, state,
                                            entry.get("snapshot", ""), False)
@@ -386,14 +412,18 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PATCH", "PUT"],
                    dependencies=auth)
     async def anywhere(path: str, request: Request) -> Response:
-        """Everything else (templates, snapshots) is the same on every node."""
-        nodes = sorted(await gw.up_nodes(), key=lambda n: n.effective_load)
+        """Everything else (templates, snapshots) is the same on every node, but for
+        a template's builds and own routes: the node it was created on."""
+        home = await home_node(registry, request.url.path)
+        nodes = [home] if home else sorted(await gw.up_nodes(), key=lambda n: n.effective_load)
         if not nodes:
             return error_response(503, "no node is up")
         try:
-            return _relay(await gw.forward(request, nodes[0].url))
+            r = await gw.forward(request, nodes[0].url)
         except httpx.HTTPError as exc:
             raise ClusterError(502, f"node {nodes[0].node_id} did not answer: {exc}") from exc
+        await remember(registry, request.method, request.url.path, nodes[0], r)
+        return _relay(r)
 
     proxy = GatewayProxy(prometheus.RequestCounter(ConsoleSessions(app, app.state)), gw, domain)
     holder["proxy"] = proxy

@@ -5,7 +5,13 @@ Keys (under ``prefix``, default ``aenv:``):
 - ``node:<id>``: the node's last heartbeat (JSON), plus ``state`` up/down;
 - ``alive:<id>``: exists while the node's heartbeats keep coming (a TTL);
 - ``reserved:<id>``: placements handed out since the node's last heartbeat;
-- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``;
+- ``released:<id>``: sandboxes the gateway saw end or pause on the node since its
+  last heartbeat (and placements whose create failed), so room freed between
+  heartbeats is room at once;
+- ``beat:<id>``: the number of the node's last heartbeat (a release counts only if
+  no heartbeat came while it was made: that heartbeat may already show it);
+- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``, ``item`` (how
+  its node lists it, JSON: the gateway lists it so once the node is lost);
 - ``node-sbx:<id>``: the sandbox IDs the node reported last.
 
 Nothing lives only in a process: a gateway or scheduler restarted, or a second
@@ -19,21 +25,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import redis.asyncio as redis
-
-# Connections to Redis a gateway or scheduler holds at most; a burst of requests
-# beyond waits up to REDIS_WAIT_S for one (redis-py's default pool fails at once
-# past 100: a burst of 200 creates got 500s).
-REDIS_MAX_CONNECTIONS = 100
-REDIS_WAIT_S = 30.0
+from .redis_conn import REDIS_MAX_CONNECTIONS as REDIS_MAX_CONNECTIONS
+from .redis_conn import connect
 
 
 @dataclass
 class SandboxEntry:
     sandbox_id: str
     state: str
+    # The sandbox's last pause snapshot (a running one keeps it after resuming), and
+    # whether it is in the repository: what it can be resumed from if its node is lost.
     snapshot_id: str = ""
     committed: bool = False
+    # How the node lists it (E2B's ListedSandbox): the gateway lists a lost sandbox so.
+    item: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,6 +58,7 @@ class NodeStatus:
     state: str = "up"
     last_seen: float = 0.0
     reserved: int = 0
+    released: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> NodeStatus:
@@ -66,11 +72,11 @@ class NodeStatus:
 
     @property
     def effective_load(self) -> int:
-        return self.load + self.reserved
+        return max(self.load + self.reserved - self.released, 0)
 
 
-# sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>. The node
-# keys are derived inside the script: fine on one Redis (not for Redis Cluster).
+# sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>, released:<n>.
+# The node keys are derived inside the script: fine on one Redis (not for Redis Cluster).
 _ROUTE = """
 local entry = redis.call('HGETALL', KEYS[1])
 if #entry == 0 then return false end
@@ -78,7 +84,16 @@ local node = ''
 for i = 1, #entry, 2 do if entry[i] == 'node' then node = entry[i + 1] end end
 local p = ARGV[1]
 return {entry, redis.call('GET', p .. 'node:' .. node),
-        redis.call('EXISTS', p .. 'alive:' .. node), redis.call('GET', p .. 'reserved:' .. node)}
+        redis.call('EXISTS', p .. 'alive:' .. node), redis.call('GET', p .. 'reserved:' .. node),
+        redis.call('GET', p .. 'released:' .. node)}
+"""
+
+# released:<n> += 1 if beat:<n> is still ARGV[1] (no heartbeat since the caller read it).
+_RELEASE = """
+if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then return 0 end
+redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
 """
 
 
@@ -86,12 +101,10 @@ class Registry:
     def __init__(self, url: str, prefix: str = "aenv:") -> None:
         # decode_responses: every answer is a str, which redis-py's types cannot say
         # (they give bytes | str), so the client is untyped here.
-        pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=REDIS_MAX_CONNECTIONS, timeout=REDIS_WAIT_S,
-            decode_responses=True)
-        self.redis: Any = redis.Redis.from_pool(pool)
+        self.redis: Any = connect(url)
         self.prefix = prefix
         self._route = self.redis.register_script(_ROUTE)
+        self._release = self.redis.register_script(_RELEASE)
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -108,7 +121,7 @@ class Registry:
         """Record a heartbeat: the node is up for ``ttl_ms`` more, and owns what it lists.
         Returns the paused sandboxes it lists that another up node has taken over
         (the node drops its stale records of them)."""
-        status.state, status.last_seen, status.reserved = "up", time.time(), 0
+        status.state, status.last_seen, status.reserved, status.released = "up", time.time(), 0, 0
         body = status.to_dict()
         body.pop("sandboxes")
         nid = status.node_id
@@ -119,6 +132,8 @@ class Registry:
         pipe.set(self._k("node", nid), json.dumps(body))
         pipe.set(self._k("alive", nid), "1", px=ttl_ms)
         pipe.delete(self._k("reserved", nid))
+        pipe.delete(self._k("released", nid))
+        pipe.incr(self._k("beat", nid))
         pipe.delete(self._k("node-sbx", nid))
         if reported:
             pipe.sadd(self._k("node-sbx", nid), *reported)
@@ -126,13 +141,14 @@ class Registry:
         disown = []
         for entry in reported.values():
             owner = await self.redis.hget(self._k("sbx", entry.sandbox_id), "node")
-            # A sandbox another live node has taken over stays with that node.
+            # A sandbox another live node has taken over (from its last pause, this
+            # node being lost meanwhile) stays with that node: this one drops its copy.
             if owner and owner != nid and await self.is_up(owner):
-                if entry.state == "paused":
+                if entry.state in ("paused", "running"):
                     disown.append(entry.sandbox_id)
                 continue
             await self.set_sandbox(entry.sandbox_id, nid, entry.state, entry.snapshot_id,
-                                   entry.committed)
+                                   entry.committed, entry.item)
         for sid in previous - set(reported):
             if await self.redis.hget(self._k("sbx", sid), "node") == nid:
                 await self.redis.delete(self._k("sbx", sid))
@@ -149,9 +165,11 @@ class Registry:
         pipe = self.redis.pipeline()
         pipe.exists(self._k("alive", node_id))
         pipe.get(self._k("reserved", node_id))
-        alive, reserved = await pipe.execute()
+        pipe.get(self._k("released", node_id))
+        alive, reserved, released = await pipe.execute()
         status.state = "up" if alive else "down"
         status.reserved = int(reserved or 0)
+        status.released = int(released or 0)
         return status
 
     async def nodes(self) -> list[NodeStatus]:
@@ -175,12 +193,30 @@ class Registry:
         await self.redis.set(key, json.dumps(body))
         return True
 
-    async def reserve(self, node_id: str, ttl_ms: int) -> None:
-        """Count a placement against a node until its next heartbeat reports it."""
-        pipe = self.redis.pipeline()
+    async def reserve(self, node_id: str, ttl_ms: int) -> str:
+        """Count a placement against a node until its next heartbeat reports it;
+        the heartbeat's number then (a create that fails hands the room back with
+        ``release``)."""
+        pipe = self.redis.pipeline()  # MULTI: the beat is the one the count is under
         pipe.incr(self._k("reserved", node_id))
         pipe.pexpire(self._k("reserved", node_id), ttl_ms)
-        await pipe.execute()
+        pipe.get(self._k("beat", node_id))
+        *_, beat = await pipe.execute()
+        return str(beat or "0")
+
+    async def beat(self, node_id: str) -> str:
+        """The number of the node's last heartbeat (read before a delete or a create
+        whose freed room ``release`` is to count)."""
+        return str(await self.redis.get(self._k("beat", node_id)) or "0")
+
+    async def release(self, node_id: str, beat: str, ttl_ms: int) -> bool:
+        """Count a sandbox slot freed on the node (a kill, a pause, a create that
+        failed) until its next heartbeat; not if a heartbeat came since ``beat`` was
+        read (it may count the freed slot already: counting it twice would send
+        creates to a full node). True if counted."""
+        return bool(await self._release(
+            keys=[self._k("beat", node_id), self._k("released", node_id)],
+            args=[beat, ttl_ms]))
 
     async def forget_node(self, node_id: str) -> None:
         await self.redis.srem(self._k("nodes"), node_id)
@@ -189,11 +225,26 @@ class Registry:
     # -- sandboxes ----------------------------------------------------------------
 
     async def set_sandbox(self, sandbox_id: str, node_id: str, state: str,
-                          snapshot_id: str = "", committed: bool = False) -> None:
-        await self.redis.hset(self._k("sbx", sandbox_id), mapping={
-            "node": node_id, "state": state, "snapshot": snapshot_id,
-            "committed": "1" if committed else "0",
-        })
+                          snapshot_id: str = "", committed: bool = False,
+                          item: dict[str, Any] | None = None) -> None:
+        mapping = {"node": node_id, "state": state, "snapshot": snapshot_id,
+                   "committed": "1" if committed else "0"}
+        if item:
+            mapping["item"] = json.dumps(item)
+        await self.redis.hset(self._k("sbx", sandbox_id), mapping=mapping)
+
+    async def lost(self) -> list[tuple[dict[str, str], NodeStatus]]:
+        """The sandboxes of nodes that are down (past their heartbeat TTL), as their
+        node last reported them, that no other node has taken over."""
+        out = []
+        for node in await self.nodes():
+            if node.state != "down":
+                continue
+            for sid in sorted(await self.redis.smembers(self._k("node-sbx", node.node_id))):
+                entry = await self.sandbox(sid)
+                if entry and entry.get("node") == node.node_id:
+                    out.append(({"sandboxID": sid, **entry}, node))
+        return out
 
     async def sandbox(self, sandbox_id: str) -> dict[str, str] | None:
         data = await self.redis.hgetall(self._k("sbx", sandbox_id))
@@ -205,13 +256,14 @@ class Registry:
         reply = await self._route(keys=[self._k("sbx", sandbox_id)], args=[self.prefix])
         if not reply:
             return None
-        flat, body, alive, reserved = reply
+        flat, body, alive, reserved, released = reply
         entry = dict(zip(flat[::2], flat[1::2], strict=True))
         if not body:
             return entry, None
         status = NodeStatus.from_dict(json.loads(body))
         status.state = "up" if alive else "down"
         status.reserved = int(reserved or 0)
+        status.released = int(released or 0)
         return entry, status
 
     async def forget_sandbox(self, sandbox_id: str) -> None:

@@ -17,7 +17,7 @@ import httpx
 from fastapi import Request
 
 from ..orchestrator import NotFound
-from .common import ClusterError
+from .common import ClusterError, Failover
 from .node_registry import NodeStatus, Registry
 
 # The gateway's logger: these are its decisions, wherever the code lives.
@@ -34,7 +34,7 @@ class Gateway:
 
     def __init__(self, registry: Registry, scheduler_url: str, api_key: str) -> None:
         self.registry = registry
-        self.scheduler = scheduler_url.rstrip("/")
+        self.schedulers = Failover(scheduler_url)
         self.api_key = api_key
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=3.0, read=600.0, write=60.0, pool=10.0),
@@ -53,11 +53,19 @@ class Gateway:
         body = {"template": template, "snapshot": snapshot, "count": count,
                 "exclude": exclude or [], "runtimeKind": runtime[0],
                 "runtimeVersion": runtime[1]}
-        try:
-            r = await self.http.post(f"{self.scheduler}/placements", json=body,
-                                     headers={"X-API-Key": self.api_key})
-        except httpx.HTTPError as exc:
-            raise ClusterError(503, f"scheduler unreachable: {exc}") from exc
+        failure: Exception | None = None
+        for url in self.schedulers.order():  # a scheduler killed: the next one
+            try:
+                r = await self.http.post(f"{url}/placements", json=body,
+                                         headers={"X-API-Key": self.api_key})
+            except httpx.HTTPError as exc:
+                failure = exc
+                log.warning("scheduler %s unreachable: %s", url, exc)
+                continue
+            self.schedulers.answered(url)
+            break
+        else:
+            raise ClusterError(503, f"no scheduler reachable: {failure}")
         if r.status_code != 200:
             raise ClusterError(r.status_code, error_message(r))
         return r.json()["nodes"]
@@ -94,13 +102,12 @@ class Gateway:
         entry, node = found
         if node is not None and node.state == "up":
             return entry, node
-        if entry.get("state") == "paused" and entry.get("committed") == "1":
+        if resumable(entry):
             return await self._adopt(sandbox_id, entry, node)
-        hint = (f"; its last committed snapshot {entry['snapshot']} can be started with "
-                f"templateID={entry['snapshot']}" if entry.get("snapshot") else "")
         raise ClusterError(410, f"sandbox '{sandbox_id}' was {entry.get('state', 'running')} on "
-                                f"node {entry['node']}, which is down: its running state is "
-                                f"lost{hint}")
+                                f"node {entry['node']}, which is down (no heartbeat within its "
+                                f"TTL): the sandbox is lost, and it has no committed pause "
+                                f"snapshot to be resumed from")
 
     async def _find(self, sandbox_id: str
                     ) -> tuple[dict[str, str], NodeStatus | None] | None:
@@ -158,14 +165,23 @@ class Gateway:
                 continue
             if r.status_code != 201:
                 raise ClusterError(r.status_code, error_message(r))
-            log.info("sandbox %s (paused on down node %s) adopted by node %s", sandbox_id,
-                     entry["node"], pick["nodeID"])
+            log.info("sandbox %s (%s on down node %s) adopted by node %s from its pause "
+                     "snapshot %s", sandbox_id, entry.get("state"), entry["node"],
+                     pick["nodeID"], entry["snapshot"])
             await self.registry.set_sandbox(sandbox_id, pick["nodeID"], "paused",
                                             entry["snapshot"], True)
             node = await self.registry.node(pick["nodeID"])
             assert node is not None
             return await self.registry.sandbox(sandbox_id) or entry, node
         raise ClusterError(503, f"no node could take over paused sandbox '{sandbox_id}'")
+
+
+def resumable(entry: dict[str, str]) -> bool:
+    """Whether a sandbox of a down node can be taken over by another: paused, or
+    running (then from its last pause, what it ran since is lost), with that pause
+    snapshot committed to the shared repository."""
+    return entry.get("state") in ("paused", "running") and entry.get("committed") == "1" \
+        and bool(entry.get("snapshot"))
 
 
 def error_message(r: httpx.Response) -> str:

@@ -153,8 +153,8 @@ def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) 
         if not picks:
             raise ClusterError(503, "no node can take the sandbox: every node is down, full "
                                     "or of another runtime; retry later")
-        for pick in picks:
-            await registry.reserve(pick.node_id, node_ttl_ms)
-        return {"nodes": [{"nodeID": p.node_id, "url": p.url} for p in picks]}
+        beats = [await registry.reserve(pick.node_id, node_ttl_ms) for pick in picks]
+        return {"nodes": [{"nodeID": p.node_id, "url": p.url, "beat": beat}
+                          for p, beat in zip(picks, beats, strict=True)]}
 
     return app

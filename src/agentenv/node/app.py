@@ -26,6 +26,7 @@ from ..network import SlotPool
 from ..orchestrator import SandboxManager, SandboxState, SandboxStore
 from ..runtime import GVisorRuntime
 from ..snapshot import SnapshotStore, open_repository
+from ..snapshot.shared_templates import SharedTemplates
 from ..templates import TemplateRegistry
 from ..web.console import ConsoleSessions, console_router
 from ..web.errors import document_errors, install_error_handlers, serve_openapi
@@ -61,11 +62,12 @@ def build_manager(config: Config) -> SandboxManager:
         cache_dir=config.snapshot_cache_dir,
         staging_dir=config.home / "snapshots-staging",
     )
-    return SandboxManager(
-        config, runtime, slots, TemplateRegistry(config.templates_dir, config.local_templates_dir,
-                                           config.rootfs_mounts_dir),
-        SandboxStore(config.db_path), snapshots,
-    )
+    templates = TemplateRegistry(config.templates_dir, config.local_templates_dir,
+                                 config.rootfs_mounts_dir)
+    if config.scheduler_url:  # a cluster node: templates are shared through the repository
+        templates.remote = SharedTemplates(repository)
+    return SandboxManager(config, runtime, slots, templates, SandboxStore(config.db_path),
+                          snapshots)
 
 
 def create_app(config: Config) -> ASGIApp:

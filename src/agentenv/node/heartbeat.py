@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from ..api import models
+from ..cluster.common import Failover
 from ..cluster.node_registry import NodeStatus, SandboxEntry
 from ..orchestrator import SandboxState
 from ..snapshot import SnapshotError, SnapshotNotFound
@@ -35,19 +37,30 @@ def free_memory_mb() -> int:
 def node_status(manager: SandboxManager, url: str) -> NodeStatus:
     cfg = manager.config
     # A template whose boot image this node holds makes a warm create here.
-    templates = manager.boot_images.cached_templates() if manager.boot_images else []
+    templates = set(manager.boot_images.cached_templates() if manager.boot_images else [])
     store = manager.snapshots
     cached = store.cache_dir.iterdir() if store.cache_dir.is_dir() else iter(())
     snapshots = sorted(p.name for p in cached if p.is_dir() and store.is_cached(p.name))
+    # So does a built template whose snapshot this node caches (by ID and alias: a
+    # create names either).
+    held = set(snapshots)
+    for template in manager.templates.list():
+        if template.snapshot_id and template.snapshot_id in held:
+            templates.update((template.template_id, *template.aliases))
+    # A running sandbox's snapshot is its last pause (kept after the resume): what
+    # it can be resumed from should this node be lost.
     sandboxes = [
         SandboxEntry(sandbox_id=r.sandbox_id, state=str(r.state.value), snapshot_id=r.snapshot_id,
-                     committed=r.state is SandboxState.PAUSED and manager.pause_committed(r))
+                     committed=r.state in (SandboxState.PAUSED, SandboxState.RUNNING)
+                     and manager.pause_committed(r),
+                     item=models.listed(r).model_dump(mode="json", by_alias=True))
         for r in manager.list()
     ]
     return NodeStatus(
         node_id=cfg.node_id, url=url, capacity=cfg.max_sandboxes, load=manager.active_count(),
         free_memory_mb=free_memory_mb(), runtime_kind=manager.runtime.kind,
-        runtime_version=manager.runtime.version, templates=templates, snapshots=snapshots,
+        runtime_version=manager.runtime.version, templates=sorted(templates),
+        snapshots=snapshots,
         sandboxes=sandboxes,
     )
 
@@ -58,7 +71,7 @@ class Heartbeat:
     def __init__(self, manager: SandboxManager, scheduler_url: str, advertise_url: str,
                  api_key: str, interval: float) -> None:
         self.manager = manager
-        self.url = scheduler_url.rstrip("/") + "/nodes/heartbeat"
+        self.schedulers = Failover(scheduler_url)
         self.advertise_url = advertise_url
         self.interval = interval
         self._http = httpx.AsyncClient(headers={"X-API-Key": api_key}, trust_env=False,
@@ -79,8 +92,18 @@ class Heartbeat:
     async def beat(self) -> None:
         # On the loop, not a thread: it reads the manager's live records (a few stats).
         status = node_status(self.manager, self.advertise_url)
-        r = await self._http.post(self.url, json=status.to_dict())
-        r.raise_for_status()
+        body = status.to_dict()
+        order = self.schedulers.order()
+        for url in order:  # a scheduler down: the next one, this beat
+            try:
+                r = await self._http.post(url + "/nodes/heartbeat", json=body)
+                r.raise_for_status()
+            except httpx.HTTPError:
+                if url == order[-1]:
+                    raise
+                continue
+            self.schedulers.answered(url)
+            break
         for sandbox_id in r.json().get("disown", []):
             self.manager.disown(sandbox_id)
 
@@ -107,7 +130,8 @@ class Heartbeat:
                 self._failing = False
             except Exception as exc:
                 if not self._failing:  # once per outage, not once per beat
-                    log.warning("heartbeat to %s failed: %s", self.url, exc)
+                    log.warning("heartbeat to %s failed: %s", ", ".join(self.schedulers.urls),
+                                exc)
                 self._failing = True
             await asyncio.sleep(self.interval)
 

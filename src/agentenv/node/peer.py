@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from ..cluster.common import Failover
 from ..snapshot import CorruptSnapshot, Manifest, Repository, SnapshotStore
 from ..snapshot.chunking import compress, decompress_verified
 
@@ -33,7 +34,7 @@ class PeerRepository:
                  self_url: str) -> None:
         self._repo = repo
         self.description = f"{repo.description} (peer transfer on)"
-        self._scheduler = scheduler_url.rstrip("/")
+        self._schedulers = Failover(scheduler_url)
         self._self_url = self_url.rstrip("/")
         self._http = httpx.Client(headers={"X-API-Key": api_key}, trust_env=False,
                                   timeout=httpx.Timeout(10.0, connect=2.0))
@@ -70,15 +71,20 @@ class PeerRepository:
             known = self._peers.get(snapshot_id)
         if known and known[0] > now:
             return known[1]
-        try:
-            r = self._http.get(f"{self._scheduler}/nodes",
-                               params={"snapshot": snapshot_id, "state": "up"})
-            r.raise_for_status()
-            urls = [n["url"].rstrip("/") for n in r.json() if n["url"].rstrip("/") !=
-                    self._self_url]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            log.info("peer list for %s unavailable (%s): using the repository", snapshot_id, exc)
-            urls = []
+        urls: list[str] = []
+        for scheduler in self._schedulers.order():
+            try:
+                r = self._http.get(f"{scheduler}/nodes",
+                                   params={"snapshot": snapshot_id, "state": "up"})
+                r.raise_for_status()
+                urls = [n["url"].rstrip("/") for n in r.json() if n["url"].rstrip("/") !=
+                        self._self_url]
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                log.info("peer list for %s unavailable from %s (%s)", snapshot_id, scheduler,
+                         exc)
+                continue
+            self._schedulers.answered(scheduler)
+            break
         with self._lock:
             self._peers[snapshot_id] = (now + PEER_LIST_TTL, urls)
         return urls

@@ -35,6 +35,8 @@ from .envd_client import EnvdClient, EnvdUnavailable
 from .models import CapacityExceeded, OrchestratorError
 
 log = logging.getLogger(__name__)
+# Residents one launch evicts at most to find a free slot (others may take what it frees).
+MAX_EVICTIONS = 8
 
 
 @dataclass(frozen=True)
@@ -198,8 +200,15 @@ class Launcher:
         try:
             return await self.slots.acquire(internet=internet)
         except SlotPoolExhausted as exc:
-            if self.make_room is not None and await self.make_room():
-                return await self._acquire_or_raise(internet)
+            # Launches at once may evict the same resident, or one take the slot
+            # another freed: each goes on evicting while that frees anything.
+            for _ in range(MAX_EVICTIONS):
+                if self.make_room is None or not await self.make_room():
+                    break
+                try:
+                    return await self.slots.acquire(internet=internet)
+                except SlotPoolExhausted:
+                    continue
             end = time.monotonic() + self.slot_wait_s
             while (left := end - time.monotonic()) > 0:
                 await self.slots.wait_change(left)
@@ -207,12 +216,6 @@ class Launcher:
                     return await self.slots.acquire(internet=internet)
                 except SlotPoolExhausted:
                     continue
-            raise CapacityExceeded(f"no network slot free: {exc}") from exc
-
-    async def _acquire_or_raise(self, internet: bool) -> Slot:
-        try:
-            return await self.slots.acquire(internet=internet)
-        except SlotPoolExhausted as exc:
             raise CapacityExceeded(f"no network slot free: {exc}") from exc
 
     async def apply_egress(self, sandbox_id: str, slot: Slot, network: Mapping, internet: bool,

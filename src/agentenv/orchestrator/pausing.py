@@ -405,11 +405,28 @@ class Pausing(Captures):
 
     # -- paused sandboxes changing node -------------------------------------------------
 
+    async def _drop_copy(self, record: SandboxRecord) -> None:
+        try:
+            async with self._lock(record.sandbox_id):
+                if self._records.get(record.sandbox_id) is record:
+                    await self._teardown(record, True)
+        finally:
+            self._releasing.pop(record.sandbox_id, None)
+
     def disown(self, sandbox_id: str) -> bool:
         """Drop the record of a paused sandbox another node has taken over; its
         snapshot is that node's now, so it is left alone (a frozen runtime still here
-        is freed). False if not idle-paused with its pause committed."""
+        is freed). False if not idle-paused with its pause committed.
+
+        A running one was taken over from its last pause while this node was lost (past
+        its heartbeat TTL): this copy is destroyed, its snapshot left to the other."""
         record = self._records.get(sandbox_id)
+        if record is not None and record.state is SandboxState.RUNNING \
+                and not self._lock(sandbox_id).locked() and sandbox_id not in self._releasing:
+            log.warning("sandbox %s was taken over by another node while this one was lost; "
+                        "destroying this copy", sandbox_id)
+            self._releasing[sandbox_id] = asyncio.create_task(self._drop_copy(record))
+            return True
         entry = self._resident.get(sandbox_id) if self._resident is not None else None
         if record is None or record.state is not SandboxState.PAUSED \
                 or self._lock(sandbox_id).locked() or sandbox_id in self._releasing \

@@ -22,8 +22,9 @@ MAX_PAGE = 100
 # The states a listing shows unless asked otherwise, as the E2B API spells them (the
 # SDKs know no others: an unknown state fails their parsing of the whole list).
 LISTED_STATES = ("running", "paused")
-# Shown only when asked for by name (agentenv's own: ``aenv ls --state error``).
-EXTRA_STATES = ("error",)
+# Shown only when asked for by name (agentenv's own: ``aenv ls --state error``; a
+# cluster's gateway lists sandboxes ``lost`` with their node, which no node has).
+EXTRA_STATES = ("error", "lost")
 
 
 def public_state(record: SandboxRecord) -> str | None:

@@ -90,6 +90,27 @@ class NodeCache:
         """The manifest of a complete entry (raises OSError or CorruptSnapshot)."""
         return Manifest.from_json(self._marker(snapshot_id).read_bytes())
 
+    def of_template(self, template_id: str, scan: int = 16, most: int = 4) -> list[str]:
+        """Complete entries of snapshots of one template (a sandbox of it shares most
+        of its memory with them: the template's boot image, other sandboxes' pauses),
+        newest first; among the ``scan`` newest entries, at most ``most``."""
+        try:
+            markers = sorted(self._meta_dir.glob("*.json"), key=_mtime, reverse=True)[:scan]
+        except OSError:
+            return []
+        out = []
+        for marker in markers:
+            sid = marker.name.removesuffix(".json")
+            try:
+                meta = self.complete_manifest(sid).metadata
+            except (OSError, CorruptSnapshot):
+                continue
+            if meta.get("template_id") == template_id and self.is_cached(sid):
+                out.append(sid)
+                if len(out) >= most:
+                    break
+        return out
+
     def new_tmp(self, snapshot_id: str) -> Path:
         """A fresh path (not created) to build an entry in before install()."""
         return self._tmp_dir / f"{snapshot_id}.{uuid.uuid4().hex[:8]}"
@@ -160,6 +181,13 @@ class NodeCache:
                 if entry.name.endswith(".json") and sid not in live:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _fsync_file(path: Path) -> None:

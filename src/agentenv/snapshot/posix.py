@@ -30,7 +30,7 @@ from agentenv.snapshot.errors import (
 )
 from agentenv.snapshot.manifest import valid_digest
 
-_KEY_DIRS = ("manifests", "aliases", "leases", "locks")
+_KEY_DIRS = ("manifests", "aliases", "leases", "locks", "templates", "template-aliases")
 
 
 class PosixRepository:

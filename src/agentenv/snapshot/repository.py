@@ -4,7 +4,9 @@ Two kinds of things live in a repository:
 - content-addressed chunks (zstd blobs named by the blake3 of their raw bytes),
   written once, never changed, removed only by the garbage collector;
 - small named objects: ``manifests/<id>.json``, ``aliases/<alias>``,
-  ``leases/<name>``, ``locks/<name>``, each written whole and atomically.
+  ``leases/<name>``, ``locks/<name>``, and the templates published to a cluster
+  (``templates/<id>.json``, ``template-aliases/<alias>``: ``shared_templates``),
+  each written whole and atomically.
 
 Every backend must be safe to call from many threads, and every write must be
 atomic: an object is visible whole or not at all. A reader that fetches chunks

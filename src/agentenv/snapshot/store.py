@@ -369,8 +369,10 @@ class SnapshotStore:
         return target
 
     def _related(self, manifest: Manifest) -> builtins.list[str]:
-        """Snapshots likely to share chunks with this one: its parent, and the last
-        one this store committed from the same sandbox."""
+        """Snapshots likely to share chunks with this one: its parent, the last one
+        this store committed from the same sandbox, and cached ones of the same
+        template (a snapshot made on another node shares most of its memory with
+        this node's boot image of the template: only the rest is fetched)."""
         md = manifest.metadata
         related: builtins.list[str] = []
         parent = md.get("parent_snapshot_id")
@@ -380,6 +382,9 @@ class SnapshotStore:
         recent = self._recent.get(str(source)) if source else None
         if recent:
             related.append(recent)
+        template = md.get("template_id")
+        if isinstance(template, str) and template:
+            related += self.cache.of_template(template)
         return related
 
     # -- garbage collection -------------------------------------------------------

@@ -8,13 +8,36 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from ..resources import CPU, DISK, MEMORY, ResourceLimits
 from .tags import DEFAULT_TAG, InvalidTag, TagInfo, TemplateTags, split_ref
 
 BUILDS_DIR = "builds"  # <template dir>/builds/<buildID>.json: each kept build's metadata
+# In a template's directory: it was fetched from the cluster's shared repository
+# (its mtime: when; a copy older than SHARED_REFRESH_S is read again on use, so a
+# rebuild on another node reaches this one).
+SHARED_MARK = ".shared"
+SHARED_REFRESH_S = 10.0
+log = logging.getLogger(__name__)
+
+
+class RemoteTemplates(Protocol):
+    """Where a cluster's nodes publish their templates' metadata (the shared
+    repository): a node fetches a template it lacks on first use."""
+
+    def publish(self, doc: dict[str, Any]) -> None: ...
+
+    def unpublish(self, template_id: str, aliases: tuple[str, ...]) -> None: ...
+
+    def fetch(self, name: str) -> dict[str, Any] | None: ...
+
+    def names(self) -> builtins.list[str]: ...
 
 
 class TemplateNotFound(LookupError):
@@ -90,6 +113,8 @@ class TemplateRegistry:
         self.limits: ResourceLimits | None = None
         # Tags other than ``default`` (which is each template's current build).
         self.tags = TemplateTags(self.local_dir / ".tags")
+        # A cluster node's shared templates (None on a node of its own).
+        self.remote: RemoteTemplates | None = None
 
     @property
     def dirs(self) -> list[Path]:
@@ -144,6 +169,17 @@ class TemplateRegistry:
         return self._load(self.local_dir / template_id, self.build_path(template_id, build_id))
 
     def _get(self, name: str) -> Template:
+        template = self._get_local(name)
+        if template is not None and self._stale(template.template_id):
+            self._fetch(template.template_id)
+            template = self._get_local(name)
+        elif template is None and self._fetch(name):
+            template = self._get_local(name)
+        if template is None:
+            raise TemplateNotFound(f"template '{name}' not found")
+        return template
+
+    def _get_local(self, name: str) -> Template | None:
         if name and "/" not in name and not name.startswith("."):
             for directory in self.dirs:
                 template = self._load(directory / name)
@@ -152,7 +188,67 @@ class TemplateRegistry:
         for template in self.list():
             if name in template.aliases:
                 return template
-        raise TemplateNotFound(f"template '{name}' not found")
+        return None
+
+    # -- the cluster's shared templates -------------------------------------------------
+
+    def publish(self, template_id: str) -> None:
+        """Publish a template this node wrote (built, pulled, retagged) for the other
+        nodes; one fetched from the repository is not published back."""
+        directory = self.local_dir / template_id
+        if self.remote is None or (directory / SHARED_MARK).exists():
+            return
+        try:
+            self.remote.publish(json.loads((directory / "template.json").read_text()))
+        except (OSError, ValueError) as exc:  # the node keeps it; the others cannot start it
+            log.warning("template %s not published to the cluster: %s", template_id, exc)
+
+    def unpublish(self, template: Template) -> None:
+        if self.remote is not None:
+            try:
+                self.remote.unpublish(template.template_id, template.aliases)
+            except (OSError, ValueError) as exc:
+                log.warning("template %s not unpublished: %s", template.template_id, exc)
+
+    def sync(self) -> None:
+        """Fetch every published template this node lacks (a listing shows them)."""
+        if self.remote is None:
+            return
+        local = {t.template_id for t in self.list()}
+        for name in self.remote.names():
+            if name not in local:
+                self._fetch(name)
+
+    def _stale(self, template_id: str) -> bool:
+        mark = self.local_dir / template_id / SHARED_MARK
+        try:
+            return self.remote is not None and \
+                time.time() - mark.stat().st_mtime > SHARED_REFRESH_S
+        except OSError:
+            return False  # not a shared copy
+
+    def _fetch(self, name: str) -> bool:
+        """Fetch template ``name`` (an ID or an alias) from the cluster's repository
+        into this node's templates; True if it is here now."""
+        if self.remote is None or not name or "/" in name or name.startswith("."):
+            return False
+        doc = self.remote.fetch(name)
+        mark = self.local_dir / name / SHARED_MARK
+        if doc is None:
+            if mark.exists():  # unreachable or unpublished: the copy stands a while more
+                mark.touch()
+            return False
+        template_id = str(doc["templateID"])
+        directory = self.local_dir / template_id
+        if (directory / "template.json").exists() and not (directory / SHARED_MARK).exists():
+            return True  # this node's own wins over what the repository says
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / SHARED_MARK).touch()
+        tmp = directory / f".template.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, directory / "template.json")
+        log.info("template %s fetched from the cluster's repository", template_id)
+        return self._load(directory) is not None
 
     def _resource(self, name: str, value, default: int) -> int:
         """A template's resource as its file says, within the node's bounds (a file

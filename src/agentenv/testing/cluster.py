@@ -23,6 +23,7 @@ import httpx
 from .nodes import AENV, Node, free_port, leaks
 
 NODE_PORT = 8000
+SENTINEL_NAME = "aenv"
 # The gateway's and scheduler's request-head deadline (short, so a test can see it act).
 SERVICE_HEAD_TIMEOUT = 4
 
@@ -99,7 +100,8 @@ class Cluster:
     def __init__(self, root: Path, tag: str, nodes: int = 3, link_net: int = 23,
                  pool_nets: tuple[int, ...] = (33, 34, 35), max_sandboxes: int = 3,
                  heartbeat_ms: int = 300, node_ttl_ms: int = 1500,
-                 gateway_queue_s: float = 30.0, **node_env: str):
+                 gateway_queue_s: float = 30.0, schedulers: int = 1, sentinel: bool = False,
+                 **node_env: str):
         self.root = root
         self.tag = tag
         self.count = nodes
@@ -114,9 +116,18 @@ class Cluster:
         self.home = root / "cluster-home"
         self.repo = root / "repository"
         self.redis_port = free_port()
-        self.scheduler_port = free_port()
+        # Several schedulers (stateless over Redis): the gateway and nodes try each.
+        self.scheduler_ports = [free_port() for _ in range(schedulers)]
+        self.scheduler_port = self.scheduler_ports[0]
+        self.schedulers: list[subprocess.Popen] = []
         self.gateway_port = free_port()
         self.redis: subprocess.Popen | None = None
+        # With sentinel: a replica of it and one Sentinel (quorum 1) watching it.
+        self.sentinel = sentinel
+        self.replica_port = free_port()
+        self.sentinel_port = free_port()
+        self.replica: subprocess.Popen | None = None
+        self.sentinel_proc: subprocess.Popen | None = None
         self.scheduler: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
         self.nodes: list[ClusterNode] = []
@@ -140,6 +151,38 @@ class Cluster:
     def scheduler_url(self) -> str:
         return f"http://127.0.0.1:{self.scheduler_port}"
 
+    @property
+    def redis_url(self) -> str:
+        if self.sentinel:
+            return f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{SENTINEL_NAME}"
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def redis_primary(self) -> int:
+        """The port of the Redis primary now (Sentinel's answer, with sentinel)."""
+        if not self.sentinel:
+            return self.redis_port
+        out = subprocess.run(["redis-cli", "-p", str(self.sentinel_port), "sentinel",
+                              "get-master-addr-by-name", SENTINEL_NAME],
+                             capture_output=True, text=True).stdout.split()
+        return int(out[-1]) if out else 0
+
+    def _redis(self, name: str, port: int, *args: str, conf: Path | None = None
+               ) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "ab")
+        argv = ["redis-server", str(conf), "--sentinel"] if conf else \
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.root), *args]  # a replica's sync file
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True)
+        log.close()
+        end = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(port), "ping"],
+                             capture_output=True, text=True).stdout.strip() != "PONG":
+            if time.monotonic() > end or proc.poll() is not None:
+                raise RuntimeError(f"{name} (redis-server) did not start")
+            time.sleep(0.05)
+        return proc
+
     def e2b_env(self) -> dict[str, str]:
         return {"E2B_API_URL": self.gateway_url, "E2B_SANDBOX_URL": self.gateway_url,
                 "E2B_API_KEY": self.api_key}
@@ -161,7 +204,7 @@ class Cluster:
         log_path = self.root / f"{name}.log"
         log = open(log_path, "ab")
         env = {**os.environ, "AENV_HOME": str(self.home),
-               "AENV_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+               "AENV_REDIS_URL": self.redis_url,
                "AENV_NODE_TTL_MS": str(self.node_ttl_ms),
                "AENV_HTTP_HEAD_TIMEOUT": str(SERVICE_HEAD_TIMEOUT),
                "AENV_ADMISSION_QUEUE_TIMEOUT_S": str(self.gateway_queue_s)}
@@ -175,24 +218,27 @@ class Cluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.repo.mkdir(exist_ok=True)
         self._write_key(self.home)
-        log = open(self.root / "redis.log", "ab")
-        self.redis = subprocess.Popen(
-            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        log.close()
-        end = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(self.redis_port), "ping"],
-                             capture_output=True, text=True).stdout.strip() != "PONG":
-            if time.monotonic() > end or self.redis.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-        self.scheduler = self._service(
-            "scheduler", [str(AENV), "scheduler", "--host", "0.0.0.0",
-                          "--port", str(self.scheduler_port)], self.scheduler_url + "/health")
+        self.redis = self._redis("redis", self.redis_port)
+        if self.sentinel:
+            self.replica = self._redis("replica", self.replica_port, "--replicaof",
+                                       "127.0.0.1", str(self.redis_port))
+            conf = self.root / "sentinel.conf"
+            conf.write_text(
+                f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.root}\n"
+                f"sentinel monitor {SENTINEL_NAME} 127.0.0.1 {self.redis_port} 1\n"
+                f"sentinel down-after-milliseconds {SENTINEL_NAME} 1000\n"
+                f"sentinel failover-timeout {SENTINEL_NAME} 5000\n")
+            self.sentinel_proc = self._redis("sentinel", self.sentinel_port, conf=conf)
+        for i, port in enumerate(self.scheduler_ports):
+            self.schedulers.append(self._service(
+                f"scheduler{i or ''}", [str(AENV), "scheduler", "--host", "0.0.0.0",
+                                        "--port", str(port)],
+                f"http://127.0.0.1:{port}/health"))
+        self.scheduler = self.schedulers[0]
+        urls = ",".join(f"http://127.0.0.1:{p}" for p in self.scheduler_ports)
         self.gateway = self._service(
             "gateway", [str(AENV), "gateway", "--port", str(self.gateway_port),
-                        "--scheduler-url", self.scheduler_url], self.gateway_url + "/health")
+                        "--scheduler-url", urls], self.gateway_url + "/health")
         for k in range(1, self.count + 1):
             self.add_node(k)
         self.wait_nodes_up(list(range(1, self.count + 1)))
@@ -201,29 +247,35 @@ class Cluster:
         ns, link = self.netns(k), self.link(k)
         _ip("link", "del", link, check=False)  # leftovers of a crashed run, ours by name
         _ip("netns", "del", ns, check=False)
-        _ip("netns", "add", ns)
-        _ip("link", "add", link, "type", "veth", "peer", "name", "up0", "netns", ns)
-        _ip("addr", "add", f"10.{self.link_net}.{k}.1/24", "dev", link)
-        _ip("link", "set", link, "up")
-        _ip("link", "set", "lo", "up", netns=ns)
-        _ip("addr", "add", f"{self.node_address(k)}/24", "dev", "up0", netns=ns)
-        _ip("link", "set", "up0", "up", netns=ns)
-        # Peers reach each other through the root netns (it forwards).
-        _ip("route", "add", f"10.{self.link_net}.0.0/16", "via", f"10.{self.link_net}.{k}.1",
-            netns=ns)
-        home = self.root / f"node{k}"
-        self._write_key(home)
-        node = ClusterNode(
-            home, f"xc{self.tag}n{k}", f"10.{self.pool_nets[k - 1]}.0.0/16", ns,
-            self.node_address(k),
-            AENV_NODE_ID=f"node-{k}", AENV_SNAPSHOT_PATH=str(self.repo),
-            AENV_SCHEDULER_URL=f"http://10.{self.link_net}.{k}.1:{self.scheduler_port}",
-            AENV_HEARTBEAT_INTERVAL_MS=str(self.heartbeat_ms),
-            AENV_MAX_SANDBOXES=str(self.max_sandboxes),
-            AENV_NET_POOL_LOW="1", AENV_NET_POOL_HIGH="2", **self.node_env,
-        )
+        try:  # a half-made node's netns and link go at once (stop() knows only nodes)
+            _ip("netns", "add", ns)
+            _ip("link", "add", link, "type", "veth", "peer", "name", "up0", "netns", ns)
+            _ip("addr", "add", f"10.{self.link_net}.{k}.1/24", "dev", link)
+            _ip("link", "set", link, "up")
+            _ip("link", "set", "lo", "up", netns=ns)
+            _ip("addr", "add", f"{self.node_address(k)}/24", "dev", "up0", netns=ns)
+            _ip("link", "set", "up0", "up", netns=ns)
+            # Peers reach each other through the root netns (it forwards).
+            _ip("route", "add", f"10.{self.link_net}.0.0/16", "via", f"10.{self.link_net}.{k}.1",
+                netns=ns)
+            home = self.root / f"node{k}"
+            self._write_key(home)
+            node = ClusterNode(
+                home, f"xc{self.tag}n{k}", f"10.{self.pool_nets[k - 1]}.0.0/16", ns,
+                self.node_address(k),
+                AENV_NODE_ID=f"node-{k}", AENV_SNAPSHOT_PATH=str(self.repo),
+                AENV_SCHEDULER_URL=",".join(f"http://10.{self.link_net}.{k}.1:{p}"
+                                            for p in self.scheduler_ports),
+                AENV_HEARTBEAT_INTERVAL_MS=str(self.heartbeat_ms),
+                AENV_MAX_SANDBOXES=str(self.max_sandboxes),
+                AENV_NET_POOL_LOW="1", AENV_NET_POOL_HIGH="2", **self.node_env,
+            )
+        except BaseException:
+            _ip("link", "del", link, check=False)
+            _ip("netns", "del", ns, check=False)
+            raise
+        self.nodes.append(node)  # first: stop() removes its netns even if it fails to start
         node.start()
-        self.nodes.append(node)
         return node
 
     def warm(self, template: str = "base", wait: float = 120) -> None:
@@ -279,7 +331,8 @@ class Cluster:
             except Exception as exc:  # keep stopping the rest
                 left.append(f"node {node.netns}: {exc}")
             left += node.leaks()
-        for proc in (self.gateway, self.scheduler, self.redis):
+        for proc in (self.gateway, *self.schedulers, self.sentinel_proc, self.replica,
+                     self.redis):
             _stop(proc)
         for k in range(1, len(self.nodes) + 1):
             _ip("link", "del", self.link(k), check=False)

@@ -65,6 +65,7 @@ async def pull_image(request: Request, body: PullRequest) -> Response:
             service.pull(body.image, body.name,
                          body.credentials.model_dump() if body.credentials else None,
                          progress=progress, cancel=cancel)
+            service.templates.publish(body.name)  # for the cluster's other nodes
             loop.call_soon_threadsafe(events.put_nowait, None)
         except BaseException as exc:
             loop.call_soon_threadsafe(events.put_nowait, exc)
@@ -153,4 +154,6 @@ async def delete_image(request: Request, name: str) -> Response:
         await asyncio.to_thread(_service(request).delete, name)
     except ImageError as exc:
         return _error(exc)
+    if template is not None:
+        await asyncio.to_thread(manager.templates.unpublish, template)
     return Response(status_code=204)

@@ -4,6 +4,7 @@ status with logs), and deletion."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from datetime import datetime
@@ -65,6 +66,7 @@ async def list_templates(request: Request, team_id: str | None = Query(default=N
                                                                        alias="teamID")
                          ) -> list[models.TemplateInfo]:
     counts = _spawned(request)
+    await asyncio.to_thread(_registry(request).sync)  # the cluster's other nodes' too
     return [models.template_info(t, counts.get(t.template_id, 0))
             for t in _registry(request).list()]
 
