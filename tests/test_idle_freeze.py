@@ -103,6 +103,24 @@ def test_a_sandbox_whose_process_works_is_not_frozen(fnode: Node) -> None:
         sbx.kill()
 
 
+def test_metrics_of_a_frozen_sandbox_leave_it_frozen(fnode: Node) -> None:
+    """A dashboard polling metrics (the web console does, every 3 s) must not keep
+    every sandbox thawed: a frozen one answers its last sample, at 0 % CPU."""
+    sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        first = sbx.get_metrics()[-1]  # from envd: this thaws it
+        assert first.mem_used > 0 and first.mem_total > 0
+        wait_frozen(sbx.sandbox_id)
+        for _ in range(3):
+            again = sbx.get_metrics()[-1]
+            assert again.cpu_used_pct == 0 and again.mem_used == first.mem_used
+            time.sleep(0.3)
+        assert frozen(sbx.sandbox_id)
+        assert sbx.commands.run("echo up").stdout == "up\n"
+    finally:
+        sbx.kill()
+
+
 def test_a_sandbox_that_opted_out_is_never_frozen(fnode: Node) -> None:
     sbx = Sandbox.create(template="base", timeout=120, metadata={"aenv.idle_freeze": "off"})
     try:

@@ -167,6 +167,10 @@ class ManagerCore:
         self.freezer.touch(sandbox_id)
         return record.slot_address, port
 
+    def frozen(self, sandbox_id: str) -> bool:
+        """Whether the running sandbox is frozen idle now (asking does not thaw it)."""
+        return self.freezer.enabled and self.runtime.is_frozen(sandbox_id)
+
     def awake(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
         """Kept thawed while a request to the sandbox is in flight (the proxy)."""
         return self.freezer.awake(sandbox_id)

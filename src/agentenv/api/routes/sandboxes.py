@@ -281,9 +281,25 @@ async def sandbox_metrics(sandbox_id: str, request: Request, start: int | None =
     return [sample]
 
 
+SAMPLE_FIELDS = ("cpu_count", "mem_used", "mem_total", "mem_cache", "disk_used", "disk_total")
+
+
+def _last_samples(request: Request) -> dict[str, dict]:
+    """Each running sandbox's last sample, kept for while it is frozen."""
+    state = request.app.state
+    if not hasattr(state, "last_metric_samples"):
+        state.last_metric_samples = {}
+    return state.last_metric_samples
+
+
 async def _sample(request: Request, sandbox_id: str) -> models.SandboxMetric:
     mgr = manager(request)
     record = mgr.get(sandbox_id)
+    last = _last_samples(request)
+    # A frozen sandbox uses no CPU and its memory does not move: its last sample
+    # stands, so a dashboard polling metrics does not keep every sandbox thawed.
+    if record.state is SandboxState.RUNNING and mgr.frozen(sandbox_id) and sandbox_id in last:
+        return models.metric({**last[sandbox_id], "cpu_used_pct": 0.0, "ts": int(time.time())})
     address, port = mgr.endpoint(sandbox_id, ENVD_PORT)
     # A client per call: slot addresses are reused by later sandboxes, so no pooling.
     async with httpx.AsyncClient(timeout=5.0, trust_env=False, verify=shared_tls()) as http:
@@ -297,7 +313,14 @@ async def _sample(request: Request, sandbox_id: str) -> models.SandboxMetric:
         raise _Unavailable(f"sandbox '{sandbox_id}' did not report metrics: HTTP {r.status_code}")
     sample = r.json()
     sample.setdefault("ts", int(time.time()))
-    return models.metric(sample)
+    metric = models.metric(sample)  # (a malformed sample fails here, before it is kept)
+    if len(last) >= 4 * max(1, mgr.config.max_sandboxes):  # drop those of gone sandboxes
+        live = {r.sandbox_id for r in mgr.list()}
+        for gone in [sid for sid in last if sid not in live]:
+            del last[gone]
+    # (only the fields a sample has: what a sandbox's envd answers is its own to shape)
+    last[sandbox_id] = {k: sample[k] for k in SAMPLE_FIELDS if k in sample}
+    return metric
 
 
 class _Unavailable(HTTPException):
