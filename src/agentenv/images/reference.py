@@ -58,6 +58,9 @@ class ArchiveRef:
 ImageRef = RegistryRef | LayoutRef | ArchiveRef
 
 
+# As Docker's reference grammar: a name (registry and repository) of at most 255.
+NAME_MAX = 255
+
 def check_digest(digest: str) -> str:
     if not _DIGEST.match(digest):
         raise BadReference(f"unsupported digest {digest[:80]!r} (only sha256 is accepted)")
@@ -85,6 +88,8 @@ def parse_reference(text: str) -> ImageRef:
     if "@" in name:
         name, digest = name.split("@", 1)
         check_digest(digest)
+    if len(name) > NAME_MAX:
+        raise BadReference(f"image name over {NAME_MAX} characters: {name[:80]!r}...")
     tag = ""
     slash = name.rfind("/")
     colon = name.rfind(":")
