@@ -9,6 +9,7 @@ all work on a frozen sandbox and leave nothing frozen or behind.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +118,76 @@ def test_metrics_of_a_frozen_sandbox_leave_it_frozen(fnode: Node) -> None:
             time.sleep(0.3)
         assert frozen(sbx.sandbox_id)
         assert sbx.commands.run("echo up").stdout == "up\n"
+    finally:
+        sbx.kill()
+
+
+# A host outside the node, for a connection a sandbox holds open (its own names and
+# addresses: test_egress has one too, and may run at the same time).
+OUTSIDE_NS, OUTSIDE_LINK = "aetfzout", "aetfzo"
+HOST_SIDE, OUTSIDE_ADDR = "10.250.9.1", "10.250.9.2"
+# Accepts one connection and answers nothing, as a model server thinking does.
+SILENT_PEER = ("import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+               f"socket.SO_REUSEADDR, 1); s.bind(('{OUTSIDE_ADDR}', 9000)); s.listen(); "
+               "c, _ = s.accept(); time.sleep(600)")
+
+
+@pytest.fixture
+def silent_peer() -> Iterator[str]:
+    def sh(*args: str) -> None:
+        subprocess.run(args, check=True, capture_output=True)
+
+    def clean() -> None:
+        subprocess.run(["ip", "link", "del", OUTSIDE_LINK], capture_output=True)
+        subprocess.run(["ip", "netns", "del", OUTSIDE_NS], capture_output=True)
+
+    clean()
+    sh("ip", "netns", "add", OUTSIDE_NS)
+    server = None
+    try:
+        sh("ip", "link", "add", OUTSIDE_LINK, "type", "veth", "peer", "name", "eth0",
+           "netns", OUTSIDE_NS)
+        sh("ip", "addr", "add", f"{HOST_SIDE}/30", "dev", OUTSIDE_LINK)
+        sh("ip", "link", "set", OUTSIDE_LINK, "up")
+        sh("ip", "-n", OUTSIDE_NS, "addr", "add", f"{OUTSIDE_ADDR}/30", "dev", "eth0")
+        sh("ip", "-n", OUTSIDE_NS, "link", "set", "eth0", "up")
+        server = subprocess.Popen(["ip", "netns", "exec", OUTSIDE_NS, "python3", "-c",
+                                   SILENT_PEER])
+        yield OUTSIDE_ADDR
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        clean()
+
+
+def test_a_sandbox_waiting_on_an_outbound_connection_is_not_frozen(
+        fnode: Node, silent_peer: str) -> None:
+    """An agent loop awaiting a model's answer uses no CPU: an open outbound
+    connection keeps the sandbox awake; once it closes, the sandbox is frozen."""
+    sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        sbx.files.write("/home/user/wait.py", (
+            "import socket, time\n"
+            "for _ in range(100):\n"
+            "    try:\n"
+            f"        c = socket.create_connection(('{silent_peer}', 9000), timeout=2)\n"
+            "        break\n"
+            "    except OSError:\n"
+            "        time.sleep(0.1)\n"
+            "open('/tmp/connected', 'w').close()\n"
+            "c.settimeout(None)\n"
+            "c.recv(1)\n"))
+        waiter = sbx.commands.run("python3 /home/user/wait.py", background=True)
+        waiter.disconnect()
+        end = time.monotonic() + 30
+        while not sbx.files.exists("/tmp/connected"):
+            assert time.monotonic() < end, "the sandbox did not connect to its peer"
+            time.sleep(0.2)
+        time.sleep(4)  # four idle windows with no request in flight
+        assert not frozen(sbx.sandbox_id)
+        assert sbx.commands.kill(waiter.pid)  # the connection closes with it
+        wait_frozen(sbx.sandbox_id)
     finally:
         sbx.kill()
 

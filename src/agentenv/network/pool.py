@@ -34,6 +34,7 @@ from .slot import (
     apply_policy,
     create_slot,
     destroy_slot,
+    egress_connections,
     readdress_sandbox_side,
     reset_slot,
     set_egress,
@@ -257,6 +258,13 @@ class SlotPool:
         t0 = time.perf_counter()
         await nsutil.run_in_thread(apply_policy, slot, self.pool_cidr, compiled)
         self._timings["apply_policy"].append(time.perf_counter() - t0)
+
+    async def egress_connections(self, slot: Slot) -> int:
+        """Outbound TCP connections the slot's sandbox holds open (``slot.egress_connections``)."""
+        try:
+            return await nsutil.run_in_thread(egress_connections, slot)
+        except (OSError, NetlinkError) as exc:
+            raise SlotError(f"slot {slot.index}: reading its connections: {exc}") from exc
 
     def stats(self) -> dict[str, Any]:
         def pct(values: deque[float], q: float) -> float | None:

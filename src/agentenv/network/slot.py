@@ -11,12 +11,13 @@ import errno
 import ipaddress
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 from pyroute2 import IPRoute
 from pyroute2.conntrack import Conntrack
 from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+from pyroute2.netlink.nfnetlink.nfctsocket import TCP_CONNTRACK_ESTABLISHED, NFCTAttrTuple
 
 from . import nsutil
 from .policy import CompiledPolicy, chain_rules
@@ -341,6 +342,17 @@ def readdress_sandbox_side(slot: Slot) -> None:
                 raise
     with nsutil.entered(slot.router_netns), Conntrack() as ct:
         ct.flush()
+
+
+def egress_connections(slot: Slot) -> int:
+    """TCP connections the sandbox opened to the outside and still holds open
+    (established, in its router's conntrack table). A process waiting on a remote
+    answer spends no CPU, yet it is at work."""
+    outbound = NFCTAttrTuple(saddr=SANDBOX_IP, proto=socket.IPPROTO_TCP)
+    with nsutil.entered(slot.router_netns), Conntrack() as ct:
+        return sum(1 for entry in ct.dump_entries(tuple_orig=outbound)
+                   if entry.protoinfo is not None
+                   and entry.protoinfo.state == TCP_CONNTRACK_ESTABLISHED)
 
 
 def forget_host_conntrack(address: str) -> None:

@@ -92,12 +92,14 @@ class IdleFreezer:
         self._watch.pop(sandbox_id, None)
         self._last_active.pop(sandbox_id, None)
 
-    def tick(self) -> int:
-        """Freeze the running sandboxes quiet for a whole window; returns how many."""
+    def due(self) -> list[str]:
+        """The running sandboxes quiet for a whole window, at no more than
+        ``cpu_pct`` of a core: each is then frozen (``freeze``) unless the caller
+        finds it still at work another way (``working``: open outbound connections)."""
         if not self.enabled:
-            return 0
+            return []
         now = time.monotonic()
-        frozen = 0
+        due: list[str] = []
         running = set()
         for record in self._records():
             sid = record.sandbox_id
@@ -119,12 +121,26 @@ class IdleFreezer:
             cpu = self.runtime.cpu_seconds(sid)
             used_pct = (cpu - watch.cpu) / (now - watch.since) * 100 if cpu is not None \
                 and watch.cpu is not None else None
-            if used_pct is not None and used_pct <= self.cpu_pct and self.runtime.freeze(sid):
-                frozen += 1
-                metrics.FREEZES.inc()
-                self._watch.pop(sid, None)
+            if used_pct is not None and used_pct <= self.cpu_pct:
+                due.append(sid)
             else:  # working, or no accounting: look again over the next window
                 self._watch[sid] = _Watch(now, cpu)
         for sid in set(self._watch) - running:
             del self._watch[sid]
-        return frozen
+        return due
+
+    def freeze(self, sandbox_id: str) -> bool:
+        """Freeze a sandbox ``due`` named, unless a request or an operation reached it
+        since (the caller may have waited on a check meanwhile)."""
+        if sandbox_id not in self._watch or self._in_flight.get(sandbox_id) \
+                or self._busy(sandbox_id):
+            return False
+        del self._watch[sandbox_id]
+        if not self.runtime.freeze(sandbox_id):
+            return False
+        metrics.FREEZES.inc()
+        return True
+
+    def working(self, sandbox_id: str) -> None:
+        """Still at work (a sandbox ``due`` named): a new quiet window begins."""
+        self._watch[sandbox_id] = _Watch(time.monotonic(), self.runtime.cpu_seconds(sandbox_id))

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from ..envd.protocol import ENVD_PORT
 from ..metrics import observed
+from ..network import SlotError
 from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound
 from ..templates.registry import InvalidTemplateRef
@@ -361,6 +362,23 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
                 with contextlib.suppress(SnapshotError):
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
 
+    async def _freeze_idle(self) -> None:
+        """Freeze the sandboxes idle for a window, but for those holding an outbound
+        connection open: waiting on a remote answer costs no CPU, and a frozen
+        sandbox would never see the answer arrive."""
+        for sandbox_id in self.freezer.due():
+            slot = self._slots.get(sandbox_id)
+            if slot is not None:
+                try:
+                    held = await self.slots.egress_connections(slot)
+                except SlotError as exc:  # not known: frozen as if it held none
+                    log.debug("sandbox %s: %s", sandbox_id, exc)
+                    held = 0
+                if held:
+                    self.freezer.working(sandbox_id)
+                    continue
+            self.freezer.freeze(sandbox_id)
+
     async def _ttl_loop(self) -> None:
         ticks = 0
         while True:
@@ -370,7 +388,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
             except Exception:
                 log.exception("runtime housekeeping failed")
             ticks += 1
-            self.freezer.tick()
+            await self._freeze_idle()
             self._tend_pressure()
             await self._tend_residents()
             await self._tend_runs()

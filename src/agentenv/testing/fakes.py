@@ -175,6 +175,7 @@ class FakeSlots:
     faults: Faults = field(default_factory=Faults)
     holding: dict[int, Slot] = field(default_factory=dict)
     policies: dict[int, CompiledPolicy] = field(default_factory=dict)
+    connections: dict[int, int] = field(default_factory=dict)  # outbound TCP held, per slot
 
     async def acquire(self, internet: bool = True) -> Slot:
         await self.faults.check("acquire")
@@ -205,6 +206,9 @@ class FakeSlots:
     async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None:
         await self.faults.check("egress")
         self.policies[slot.index] = compiled
+
+    async def egress_connections(self, slot: Slot) -> int:
+        return self.connections.get(slot.index, 0)
 
     async def start(self, in_use: dict[int, bool] | None = None) -> None:
         """After a restart: the slots adopted sandboxes still hold stay held."""
