@@ -50,6 +50,9 @@ ID_ALPHABET = string.ascii_lowercase + string.digits
 BUILD_SANDBOX_TTL = 3600
 BUILD_METADATA_KEY = "aenv.build"
 KEEP_BUILDS = 10  # finished builds kept per template
+# How long a cancel waits for the build to let go before it ends the build's sandbox
+# (which ends whatever step is running in it) and answers anyway.
+CANCEL_GRACE_S = 5.0
 # Builds requested and not started (their records cost disk and memory): at most
 # this many at once (a 429 past it), each dropped after an upload URL's lifetime.
 MAX_WAITING_BUILDS = 100
@@ -67,6 +70,7 @@ class TemplateBuilder:
         self.files_dir = self.files.files_dir
         self.store = BuildStore(home / "builds", manager.config.build_log_max_bytes)
         self._tasks: dict[str, asyncio.Task] = {}
+        self._cancelled: set[str] = set()  # builds whose cancel came while they ran
         self._publish_lock = asyncio.Lock()
         self.ready_timeout_s = float(manager.config.build_ready_timeout)
 
@@ -212,7 +216,11 @@ class TemplateBuilder:
         self.store.put(build)
         task = asyncio.create_task(self._run(build, spec), name=f"build-{build_id}")
         self._tasks[build_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(build_id, None))
+        def forget(_: asyncio.Task) -> None:
+            self._tasks.pop(build_id, None)
+            self._cancelled.discard(build_id)
+
+        task.add_done_callback(forget)
         return build
 
     async def wait(self, build_id: str) -> Build:
@@ -227,9 +235,25 @@ class TemplateBuilder:
 
     async def cancel(self, build_id: str) -> None:
         task = self._tasks.get(build_id)
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if task is None:
+            return
+        self._cancelled.add(build_id)
+        task.cancel()
+        _, pending = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+        if not pending:
+            return
+        # Seen only in a node that had served a long while (the suite): the cancel did
+        # not end the step in time. Its sandbox goes, which ends any step in it; the
+        # build is recorded as cancelled either way, and the caller is answered.
+        build = self.store.get(build_id)
+        log.warning("build %s did not stop %.0fs after its cancel (status %s); ending its "
+                    "sandbox", build_id, CANCEL_GRACE_S, build.status if build else "?")
+        if build is not None:
+            if not build.done:
+                self._finish(build, ERROR, {"message": "the build was cancelled"})
+            await asyncio.wait({asyncio.ensure_future(self._kill_sandbox(build))},
+                               timeout=CANCEL_GRACE_S)
+        task.cancel()
 
     def logs(self, build_id: str) -> list[dict]:
         return self.store.logs(build_id)
@@ -361,6 +385,9 @@ class TemplateBuilder:
             self._finish(build, ERROR, {"message": "the build was cancelled"})
             raise
         except Exception as exc:
+            if build.build_id in self._cancelled:  # its sandbox ended by the cancel
+                self._finish(build, ERROR, {"message": "the build was cancelled"})
+                return
             step = exc.step if isinstance(exc, StepFailed) else "finalize"
             if not isinstance(exc, StepFailed):
                 log.exception("build %s failed", build.build_id)
