@@ -23,7 +23,6 @@ from websockets.sync.client import connect as ws_connect
 from agentenv.cluster import NodeStatus, PlacementRequest, place
 from agentenv.snapshot import Manifest
 from agentenv.snapshot.manifest import ZERO
-from agentenv.testing import sdk_env
 from agentenv.testing.cluster import SERVICE_HEAD_TIMEOUT, Cluster
 from proxy_attacks import (
     assert_bad_routing_is_400,
@@ -40,14 +39,8 @@ GATEWAY_QUEUE_S = 4.0
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("cluster"), f"{os.getpid() % 1296:x}"[:3], nodes=3,
                 gateway_queue_s=GATEWAY_QUEUE_S, AENV_PEER_TRANSFER="1")
-    try:
-        c.start()
-        c.warm()
-        with sdk_env(c.e2b_env()):
-            yield c
-    finally:
-        left = c.stop()
-    assert not left, f"cluster left behind: {left}"
+    with c.serving(warm=True) as serving:
+        yield serving
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import sdk_env
 from agentenv.testing.cluster import Cluster
 
 CAPACITY = 2
@@ -35,13 +34,8 @@ def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("slow-cluster"), f"r{os.getpid() % 256:02x}", nodes=1,
                 link_net=36, pool_nets=(37,), max_sandboxes=CAPACITY, heartbeat_ms=10_000,
                 node_ttl_ms=30_000, gateway_queue_s=1.0, schedulers=2, sentinel=True)
-    try:
-        c.start()
-        with sdk_env(c.e2b_env()):
-            yield c
-    finally:
-        left = c.stop()
-    assert not left, f"cluster left behind: {left}"
+    with c.serving() as serving:
+        yield serving
 
 
 def refused(c: Cluster) -> float:
@@ -62,6 +56,30 @@ def burst(n: int) -> list[Sandbox | Exception]:
             return exc
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda _: one(), range(n)))
+
+
+def burst_through(kill: subprocess.Popen) -> None:
+    """A burst with ``kill`` (a control-plane process) killed -9 while it is under
+    way: every create of it succeeds."""
+    with ThreadPoolExecutor(1) as pool:
+        during = pool.submit(burst, CAPACITY)
+        time.sleep(0.1)
+        kill.kill()
+        kill.wait()
+        first = during.result()
+    check_and_kill(first)
+
+
+def check_and_kill(sandboxes: list, command: str = "") -> None:
+    """Every create succeeded (and the first runs ``echo command``); all killed after."""
+    try:
+        assert all(isinstance(s, Sandbox) for s in sandboxes), sandboxes
+        if command:
+            assert sandboxes[0].commands.run(f"echo {command}").stdout == f"{command}\n"
+    finally:
+        for sbx in sandboxes:
+            if isinstance(sbx, Sandbox):
+                sbx.kill()
 
 
 def test_room_freed_between_heartbeats_is_room_at_once(slow: Cluster) -> None:
@@ -98,26 +116,9 @@ def beats(c: Cluster) -> int:
 
 def test_a_scheduler_killed_during_a_burst_fails_no_create(slow: Cluster) -> None:
     before = beats(slow)
-    with ThreadPoolExecutor(1) as pool:
-        during = pool.submit(burst, CAPACITY)
-        time.sleep(0.1)
-        slow.scheduler.kill()  # -9, with creates under way
-        slow.scheduler.wait()
-        first = during.result()
-    try:
-        assert all(isinstance(s, Sandbox) for s in first), first
-    finally:
-        for sbx in first:
-            if isinstance(sbx, Sandbox):
-                sbx.kill()
-    after = burst(CAPACITY)  # placed through the other scheduler
-    try:
-        assert all(isinstance(s, Sandbox) for s in after), after
-        assert after[0].commands.run("echo placed").stdout == "placed\n"
-    finally:
-        for sbx in after:
-            if isinstance(sbx, Sandbox):
-                sbx.kill()
+    assert slow.scheduler is not None
+    burst_through(slow.scheduler)
+    check_and_kill(burst(CAPACITY), "placed")  # placed through the other scheduler
     # The node's heartbeats reach the other scheduler (the node stays up).
     end = time.monotonic() + 3 * slow.heartbeat_ms / 1000
     while beats(slow) <= before and time.monotonic() < end:
@@ -141,29 +142,11 @@ def test_a_redis_failover_during_creates_fails_none(slow: Cluster) -> None:
         time.sleep(0.2)
     assert slow.redis_primary() == slow.redis_port
     assert slow.redis is not None
-    with ThreadPoolExecutor(1) as pool:
-        during = pool.submit(burst, CAPACITY)
-        time.sleep(0.1)
-        slow.redis.kill()  # -9, with creates under way
-        slow.redis.wait()
-        first = during.result()
-    try:
-        assert all(isinstance(s, Sandbox) for s in first), first
-    finally:
-        for sbx in first:
-            if isinstance(sbx, Sandbox):
-                sbx.kill()
+    burst_through(slow.redis)
     end = time.monotonic() + 30
     while slow.redis_primary() != slow.replica_port:
         assert time.monotonic() < end, "Sentinel did not promote the replica"
         time.sleep(0.2)
-    after = burst(CAPACITY)
-    try:
-        assert all(isinstance(s, Sandbox) for s in after), after
-        assert after[0].commands.run("echo served").stdout == "served\n"
-    finally:
-        for sbx in after:
-            if isinstance(sbx, Sandbox):
-                sbx.kill()
+    check_and_kill(burst(CAPACITY), "served")
     with slow.client() as api:
         assert api.get("/v2/sandboxes").json() == []

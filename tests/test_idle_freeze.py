@@ -20,22 +20,16 @@ from e2b import Sandbox
 
 from agentenv.config import ConfigError, load_config
 from agentenv.resources import host_capacity, host_memory_mb
-from agentenv.testing import Node, leaks, sdk_env
+from agentenv.testing import Node, leaks, sdk_env, serving
 
 PREFIX = f"fz{os.getpid() % 4096:03x}"
 
 
 @pytest.fixture(scope="module")
 def fnode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    node = Node(tmp_path_factory.mktemp("freeze"), PREFIX, "10.101.0.0/16",
-                AENV_IDLE_FREEZE_S="1", AENV_MAX_SANDBOXES="8")
-    node.start()
-    try:
-        with sdk_env(node.e2b_env()):
-            yield node
-    finally:
-        node.stop()
-    assert leaks(PREFIX, node.home) == []
+    with serving(Node(tmp_path_factory.mktemp("freeze"), PREFIX, "10.101.0.0/16",
+                      AENV_IDLE_FREEZE_S="1", AENV_MAX_SANDBOXES="8")) as node:
+        yield node
 
 
 def frozen(sandbox_id: str) -> bool:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import Node, free_cidr, leaks, sdk_env
+from agentenv.testing import Node, free_cidr, serving
 
 CLI = [sys.executable, "-m", "agentenv.cli.main"]
 CAPACITY = 4
@@ -29,15 +29,9 @@ CAPACITY = 4
 @pytest.fixture(scope="module")
 def rl_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     prefix = f"r{os.getpid() % 4096:03x}"
-    node = Node(tmp_path_factory.mktemp("rl") / "home", prefix,
-                free_cidr(150, 10, os.getpid()), AENV_MAX_SANDBOXES=str(CAPACITY))
-    node.start()
-    try:
-        with sdk_env(node.e2b_env()):
-            yield node
-    finally:
-        node.stop()
-    assert leaks(prefix, node.home) == []
+    with serving(Node(tmp_path_factory.mktemp("rl") / "home", prefix,
+                      free_cidr(150, 10, os.getpid()), AENV_MAX_SANDBOXES=str(CAPACITY))) as node:
+        yield node
 
 
 @pytest.fixture

@@ -12,15 +12,17 @@ set <link>k down``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-from .nodes import AENV, Node, free_port, leaks
+from .nodes import AENV, Node, free_port, leaks, sdk_env
 
 NODE_PORT = 8000
 SENTINEL_NAME = "aenv"
@@ -213,6 +215,20 @@ class Cluster:
         log.close()
         _wait_http(url, proc, log_path)
         return proc
+
+    @contextlib.contextmanager
+    def serving(self, warm: bool = False) -> Iterator[Cluster]:
+        """Started (each node holding ``base``'s image when ``warm``) with the e2b SDKs
+        pointed at the gateway; stopped afterwards, nothing of it left behind."""
+        try:
+            self.start()
+            if warm:
+                self.warm()
+            with sdk_env(self.e2b_env()):
+                yield self
+        finally:
+            left = self.stop()
+        assert not left, f"cluster left behind: {left}"
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

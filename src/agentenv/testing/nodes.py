@@ -138,6 +138,20 @@ def sdk_env(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def serving(node: Node) -> Iterator[Node]:
+    """``node`` started with the e2b SDKs pointed at it, stopped afterwards, and
+    nothing of it left behind."""
+    node.start()
+    try:
+        with sdk_env(node.e2b_env()):
+            yield node
+    finally:
+        node.stop()
+    left = leaks(node.prefix, node.home)
+    assert not left, f"node left behind: {left}"
+
+
 def leaks(prefix: str, home: Path) -> list[str]:
     """Everything of a node's that should be gone after it stops."""
     found = []
