@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import websockets.sync.client as ws_client
 from e2b import Sandbox
 
 from agentenv.config import ConfigError, load_config
@@ -182,6 +183,26 @@ def test_a_sandbox_waiting_on_an_outbound_connection_is_not_frozen(
         assert not frozen(sbx.sandbox_id)
         assert sbx.commands.kill(waiter.pid)  # the connection closes with it
         wait_frozen(sbx.sandbox_id)
+    finally:
+        sbx.kill()
+
+
+def test_an_open_terminal_keeps_its_sandbox_awake(fnode: Node) -> None:
+    """The web console's terminal: a shell waiting for keys is not idle to its user,
+    and what is typed after a quiet while must reach it at once."""
+    sbx = Sandbox.create(template="base", timeout=120)
+    url = f"{fnode.url.replace('http', 'ws', 1)}/ui/sandboxes/{sbx.sandbox_id}/terminal"
+    try:
+        with ws_client.connect(url, additional_headers={"X-API-Key": fnode.api_key},
+                               open_timeout=10) as term:
+            time.sleep(4)  # four idle windows, nothing typed
+            assert not frozen(sbx.sandbox_id)
+            term.send(b"echo hi-$((2*3))\n")
+            seen, end = b"", time.monotonic() + 15
+            while b"hi-6" not in seen:
+                assert time.monotonic() < end, seen[-300:]
+                seen += term.recv(timeout=15)
+        wait_frozen(sbx.sandbox_id)  # closed: idle again
     finally:
         sbx.kill()
 

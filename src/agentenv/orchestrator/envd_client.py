@@ -143,15 +143,11 @@ class EnvdClient:
             process["cwd"] = cwd
         if envs:
             process["envs"] = envs
-        message = json.dumps({"process": process})
-        body = b"\x00" + struct.pack(">I", len(message)) + message.encode()
-        headers = {
-            "Content-Type": "application/connect+json",
-            "Connect-Protocol-Version": "1",
-            "X-Access-Token": token,
-            "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode(),
-        }
-        return headers, body
+        return self._stream_headers(token, user), _envelope({"process": process})
+
+    def _stream_headers(self, token: str, user: str) -> dict[str, str]:
+        return {**self._unary_headers(token, user),
+                "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
 
     @_awake
     async def run(self, address: str, token: str, command: str, user: str = "root",
@@ -221,44 +217,43 @@ class EnvdClient:
     async def pty(self, address: str, token: str, cols: int, rows: int, user: str = "user"
                   ) -> AsyncIterator[tuple[int, AsyncIterator[bytes]]]:
         """A login shell on a new PTY: ``(pid, its output)``. Leaving the block kills it
-        (envd keeps a process whose stream ends running)."""
-        message = json.dumps({
+        (envd keeps a process whose stream ends running). The sandbox is kept thawed
+        while the terminal is open: a shell waiting for keys is not idle to its user."""
+        body = _envelope({
             "process": {"cmd": "/bin/bash", "args": ["-i", "-l"],
                         "envs": {"TERM": "xterm-256color", "LANG": "C.UTF-8"}},
             "pty": {"size": {"cols": cols, "rows": rows}}})
-        body = b"\x00" + struct.pack(">I", len(message)) + message.encode()
-        headers = {**self._unary_headers(token, user),
-                   "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
         url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
         pid = 0
-        async with self._http.stream("POST", url, headers=headers, content=body,
-                                     timeout=httpx.Timeout(10.0, read=None)) as r:
-            if r.status_code != 200:
-                raise EnvdUnavailable(f"envd refused the terminal: HTTP {r.status_code}")
-            frames = _frames(r)
-            async for frame in frames:
-                start = frame.get("event", {}).get("start")
-                if start is not None:
-                    pid = int(start.get("pid", 0))
-                    break
-            if not pid:
-                raise EnvdUnavailable("envd did not start the terminal")
-
-            async def output() -> AsyncIterator[bytes]:
+        with self.awake_at(address):
+            async with self._http.stream("POST", url, headers=self._stream_headers(token, user),
+                                         content=body, timeout=httpx.Timeout(10.0, read=None)) as r:
+                if r.status_code != 200:
+                    raise EnvdUnavailable(f"envd refused the terminal: HTTP {r.status_code}")
+                frames = _frames(r)
                 async for frame in frames:
-                    event = frame.get("event", {})
-                    data = event.get("data", {}).get("pty")
-                    if data:
-                        yield base64.b64decode(data)
-                    if event.get("end") is not None:
-                        return
+                    start = frame.get("event", {}).get("start")
+                    if start is not None:
+                        pid = int(start.get("pid", 0))
+                        break
+                if not pid:
+                    raise EnvdUnavailable("envd did not start the terminal")
 
-            try:
-                yield pid, output()
-            finally:
-                with contextlib.suppress(httpx.HTTPError, EnvdUnavailable):
-                    await self._unary(address, token, "SendSignal", {
-                        "process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})
+                async def output() -> AsyncIterator[bytes]:
+                    async for frame in frames:
+                        event = frame.get("event", {})
+                        data = event.get("data", {}).get("pty")
+                        if data:
+                            yield base64.b64decode(data)
+                        if event.get("end") is not None:
+                            return
+
+                try:
+                    yield pid, output()
+                finally:
+                    with contextlib.suppress(httpx.HTTPError, EnvdUnavailable):
+                        await self._unary(address, token, "SendSignal", {
+                            "process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})
 
     async def pty_input(self, address: str, token: str, pid: int, data: bytes) -> None:
         await self._unary(address, token, "SendInput", {
@@ -278,6 +273,12 @@ class EnvdClient:
                                   json=message, headers=self._unary_headers(token))
         if r.status_code != 200:
             raise EnvdUnavailable(f"envd {method}: HTTP {r.status_code} {r.text[:200]}")
+
+
+def _envelope(message: dict) -> bytes:
+    """One Connect streaming request message (flags 0, 4-byte length, JSON)."""
+    data = json.dumps(message).encode()
+    return b"\x00" + struct.pack(">I", len(data)) + data
 
 
 async def _file_chunks(f: BinaryIO, size: int = 1 << 20) -> AsyncIterator[bytes]:
