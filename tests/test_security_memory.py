@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import CommandExitException, Sandbox
 
 from agentenv.runtime.oci import files_quota_mb, writable_mb
 from agentenv.testing import Node
@@ -149,11 +149,13 @@ def test_sandbox_whose_runtime_dies_is_error_at_once(node: Node, api: httpx.Clie
 
 
 def test_host_oom_kill_is_reported_with_its_reason(node: Node, api: httpx.Client) -> None:
-    """When the host's OOM killer takes the whole sandbox anyway, its state says so at
-    once: "was killed: out of memory: the sandbox used X MB of its Y MB limit"."""
+    """When the host's OOM killer takes the whole sandbox anyway (a host where the
+    node cannot turn it off for the sandbox's cgroup), its state says so at once:
+    "was killed: out of memory: the sandbox used X MB of its Y MB limit"."""
     sbx = Sandbox.create("base", timeout=300)
     sid = sbx.sandbox_id
     cg = _cgroup(node, sid)
+    (cg / "memory.oom_control").write_text("0")
     # Leave the sandbox less room on the host than its guest thinks it has, so that
     # the host kills before anything inside notices.
     usage = int((cg / "memory.usage_in_bytes").read_text())
@@ -168,6 +170,58 @@ def test_host_oom_kill_is_reported_with_its_reason(node: Node, api: httpx.Client
     assert f"sandbox {sid} was killed: out of memory: the sandbox used" in log, log
     _assert_fails_fast(node, api, sbx, "out of memory")
     _assert_removed_cleanly(node, api, sid)
+
+
+# envd (the sandbox's pid 1) stopped, so its guard cannot act before the host limit,
+# as when a loaded host delays it; the command's own shell resumes it after a while.
+STOP_ENVD = "kill -STOP 1; (sleep RESUME; kill -CONT 1) & "
+
+
+def test_a_sandbox_at_its_limit_is_held_while_envd_frees_memory(
+        node: Node, api: httpx.Client) -> None:
+    """A hog reaches the host cgroup's limit before envd's guard acts (here: envd is
+    stopped meanwhile). The sandbox is held at its limit, not killed whole; once envd
+    runs it kills the hog, the sandbox lives, and its limit is its own again."""
+    sbx = Sandbox.create("base", timeout=300)
+    sid = sbx.sandbox_id
+    cg = _cgroup(node, sid)
+    own_limit = int((cg / "memory.limit_in_bytes").read_text())
+    try:
+        with pytest.raises(CommandExitException) as hog:
+            sbx.commands.run(STOP_ENVD.replace("RESUME", "4") + "python3 -c 'import time; b = "
+                             "[bytearray(50 << 20) for _ in range(12)]; time.sleep(30)'",
+                             user="root", timeout=90, request_timeout=90)
+        assert hog.value.exit_code == 137, hog.value
+        assert f"sandbox {sid} reached its {own_limit >> 20} MB host memory limit; held " \
+            "there" in node.log_tail(400)
+        assert sbx.commands.run("echo alive", timeout=30).stdout.strip() == "alive"
+        assert _state(api, sid)["state"] == "running"
+        deadline = time.monotonic() + 10
+        while int((cg / "memory.limit_in_bytes").read_text()) != own_limit:
+            assert time.monotonic() < deadline, "the lift was not taken back"
+            time.sleep(0.2)
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    _node_serves(api)
+
+
+def test_a_sandbox_envd_cannot_free_is_ended_with_its_reason(
+        node: Node, api: httpx.Client) -> None:
+    """Held at its limit and envd never frees memory (stopped for good here): the node
+    ends the sandbox after a while, as the host's OOM killer would have, and says so."""
+    sbx = Sandbox.create("base", timeout=300)
+    sid = sbx.sandbox_id
+    sbx.commands.run(STOP_ENVD.replace("RESUME", "600") + "python3 -c 'import time; b = "
+                     "[bytearray(64 << 20) for _ in range(16)]; time.sleep(60)'",
+                     user="root", background=True, timeout=0)
+    info, took = _wait_error(api, sid, within=40)
+    assert info["state"] == "error", info
+    assert info["error"].startswith("was killed: out of memory: the sandbox reached its "), info
+    assert "envd could not free memory; the node ended it" in info["error"], info
+    print(f"ended {took:.1f} s after the hog started: {info['error']}")
+    _assert_fails_fast(node, api, sbx, "out of memory")
+    _assert_removed_cleanly(node, api, sid)
+    _node_serves(api)
 
 
 @pytest.mark.parametrize("where", ["/tmp", "/home/user"])

@@ -75,9 +75,11 @@ class ExitWatcher:
             log.exception("handling the exit of sandbox %s failed", sandbox_id)
 
 
-def exit_reason(memory_cgroup: Path, memory_mb: int = 0) -> str:
+def exit_reason(memory_cgroup: Path, memory_mb: int = 0, held_at_limit: bool = False,
+                own_limit: int = 0) -> str:
     """Why a sandbox's process ended, from its memory cgroup (read before it is removed):
-    "killed: out of memory (...)" when the kernel's OOM killer acted there."""
+    "killed: out of memory (...)" when the kernel's OOM killer acted there, or when the
+    node ended it after holding it at its limit (``oom_hold.py``)."""
     oom_kills = 0
     with contextlib.suppress(OSError, ValueError):
         for line in (memory_cgroup / "memory.oom_control").read_text().splitlines():
@@ -86,9 +88,14 @@ def exit_reason(memory_cgroup: Path, memory_mb: int = 0) -> str:
                 oom_kills = int(value)
     peak = _read_int(memory_cgroup / "memory.max_usage_in_bytes")
     limit = _read_int(memory_cgroup / "memory.limit_in_bytes")
-    if oom_kills:
+    if held_at_limit and own_limit:
+        limit = own_limit  # not the lift it was held with
+    if oom_kills or held_at_limit:
         size = f"{memory_mb} MB of memory plus {limit // MIB - memory_mb} MB for its kernel" \
             if memory_mb and limit // MIB > memory_mb else "its memory"
+        if held_at_limit:
+            return (f"was killed: out of memory: the sandbox reached its {limit // MIB} MB "
+                    f"limit ({size}) and envd could not free memory; the node ended it")
         return (f"was killed: out of memory: the sandbox used {peak // MIB} MB of its "
                 f"{limit // MIB} MB limit ({size}); the host's OOM killer stopped it")
     return "exited: its runtime process ended" + (

@@ -23,7 +23,8 @@ from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
 from .cpu_balance import CpuBalancer
 from .exits import MIB, ExitWatcher, PressureWatcher, exit_reason, memory_file_bytes, working_set
 from .freezer import CgroupFreezer
-from .oci import build_spec, pressure_threshold
+from .oci import build_spec, host_memory_limit, pressure_threshold
+from .oom_hold import OomHold
 from .reaping import alive, become_subreaper, reap, reap_runsc_orphans
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class GVisorRuntime:
         # Near the cgroup's limit envd is told to free memory (SIGUSR2) before the host
         # OOM-kills the whole sandbox.
         self._pressure = PressureWatcher(self._pressed)
+        # At the limit itself the sandbox waits instead of being killed whole, while
+        # envd frees memory (oom_hold.py).
+        self._hold = OomHold(self._held_at_limit, self._give_up)
         self._signals: set[asyncio.Task] = set()
         for d in (self.state_dir, self.sandboxes_dir):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -227,6 +231,7 @@ class GVisorRuntime:
     async def housekeeping(self) -> None:
         reap_runsc_orphans()
         self._pressure.recheck()
+        self._hold.recheck()
         try:
             self._cpu.tick()
         except OSError:
@@ -285,11 +290,17 @@ class GVisorRuntime:
                 sandbox_id, cgroup, pressure_threshold(self._memory_mb(sandbox_id), limit),
                 limit):
             log.warning("sandbox %s: cannot watch its memory cgroup %s", sandbox_id, cgroup)
+        memory_mb = self._memory_mb(sandbox_id)
+        if limit:
+            self._hold.watch(sandbox_id, cgroup,
+                             host_memory_limit(memory_mb) if memory_mb else limit)
         return pid
 
     def _unwatch(self, sandbox_id: str) -> None:
         self._exits.unwatch(sandbox_id)
         self._pressure.unwatch(sandbox_id)
+        self._hold.unwatch(sandbox_id)
+        self._hold.given_up.discard(sandbox_id)
 
     def _pressed(self, sandbox_id: str) -> None:
         cgroup = self.memory_cgroup(sandbox_id)
@@ -297,10 +308,32 @@ class GVisorRuntime:
                     "kernel's included); telling envd to free memory", sandbox_id,
                     working_set(cgroup) // MIB,
                     _read_int(cgroup / "memory.limit_in_bytes") // MIB)
+        self._signal_envd(sandbox_id)
+
+    def _held_at_limit(self, sandbox_id: str) -> None:
+        # A frozen sandbox would not run envd's guard, lifted or not.
+        self.freezer.thaw(sandbox_id)
+        self._signal_envd(sandbox_id)
+
+    def _signal_envd(self, sandbox_id: str) -> None:
         task = asyncio.get_running_loop().create_task(
             self._runsc("kill", sandbox_id, "USR2", check=False, limit=5))
         self._signals.add(task)
-        task.add_done_callback(self._signals.discard)
+        task.add_done_callback(self._signalled)
+
+    def _signalled(self, task: asyncio.Task) -> None:
+        self._signals.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("signalling a sandbox failed: %s", task.exception())
+
+    def _give_up(self, sandbox_id: str) -> None:
+        """End a sandbox held at its memory limit that envd could not free: what the
+        host's OOM killer would have done. Its exit is reported as out of memory."""
+        self.freezer.thaw(sandbox_id)
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self._kill_processes, sandbox_id))
+        self._signals.add(task)
+        task.add_done_callback(self._signalled)
 
     def capture_size(self, sandbox_id: str) -> int:
         """The memory file's pages (shmem): an uncompressed capture writes each of them."""
@@ -311,7 +344,9 @@ class GVisorRuntime:
         return CGROUP_ROOT / "memory" / self._cgroups_path(sandbox_id).strip("/")
 
     def _exited(self, sandbox_id: str) -> None:
-        reason = exit_reason(self.memory_cgroup(sandbox_id), self._memory_mb(sandbox_id))
+        reason = exit_reason(self.memory_cgroup(sandbox_id), self._memory_mb(sandbox_id),
+                             held_at_limit=sandbox_id in self._hold.given_up,
+                             own_limit=self._hold.own_limit(sandbox_id))
         log.warning("sandbox %s %s", sandbox_id, reason)
         for line in _guard_lines(self.bundle_dir(sandbox_id) / "console.log"):
             log.warning("sandbox %s before it ended: %s", sandbox_id, line)
