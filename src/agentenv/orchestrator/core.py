@@ -119,7 +119,7 @@ class ManagerCore:
         self._template_listings = TemplateListings()
         # Idle running sandboxes frozen in place, thawed by the next request (idling.py).
         self.freezer = IdleFreezer(runtime, config.idle_freeze_s, config.idle_freeze_cpu_pct,
-                                   lambda: self._records.values(), self._held)
+                                   lambda: self._records, self._held)
         self.envd.awake_at = self.freezer.awake_at
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from .. import metrics
@@ -36,12 +36,15 @@ class _Watch:
 
 class IdleFreezer:
     def __init__(self, runtime: Runtime, idle_s: float, cpu_pct: float,
-                 records: Callable[[], Iterable[SandboxRecord]],
+                 records: Callable[[], Mapping[str, SandboxRecord]],
                  busy: Callable[[str], bool]) -> None:
         self.runtime = runtime
         self.idle_s = idle_s
         self.cpu_pct = cpu_pct
-        self._records = records
+        self._by_id = records  # (the node replaces its mapping when it adopts records)
+        # slot address -> the sandbox last found there: the node's own envd calls
+        # (every create's wait and init) look a sandbox up by address
+        self._at: dict[str, str] = {}
         self._busy = busy  # an operation holds the sandbox (its lock)
         self._in_flight: dict[str, int] = {}
         self._watch: dict[str, _Watch] = {}
@@ -83,10 +86,17 @@ class IdleFreezer:
     def awake_at(self, address: str) -> contextlib.AbstractContextManager[None]:
         """``awake`` for the running sandbox at a slot address (the node's envd client
         knows addresses); a sandbox still starting has nothing to thaw."""
-        for record in self._records():
-            if record.slot_address == address and record.state is SandboxState.RUNNING:
-                return self.awake(record.sandbox_id)
-        return contextlib.nullcontext()
+        record = self._by_id().get(self._at.get(address, ""))
+        if record is None or record.slot_address != address:
+            # slots are reused: the cache is a hint, checked against the record
+            record = next((r for r in self._by_id().values() if r.slot_address == address), None)
+            if record is None:
+                self._at.pop(address, None)
+                return contextlib.nullcontext()
+            self._at[address] = record.sandbox_id
+        if record.state is not SandboxState.RUNNING:
+            return contextlib.nullcontext()
+        return self.awake(record.sandbox_id)
 
     def forget(self, sandbox_id: str) -> None:
         self._watch.pop(sandbox_id, None)
@@ -101,7 +111,7 @@ class IdleFreezer:
         now = time.monotonic()
         due: list[str] = []
         running = set()
-        for record in self._records():
+        for record in self._by_id().values():
             sid = record.sandbox_id
             if record.state is not SandboxState.RUNNING or record.error or \
                     record.metadata.get("aenv.build") or \
