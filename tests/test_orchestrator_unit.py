@@ -9,14 +9,12 @@ repository) and the template registry are the real ones, on a temporary director
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from agentenv.config import Config
 from agentenv.orchestrator import (
     BadRequest,
     CapacityExceeded,
@@ -24,76 +22,20 @@ from agentenv.orchestrator import (
     CreateRequest,
     NotFound,
     OrchestratorError,
-    SandboxManager,
     SandboxState,
-    SandboxStore,
     StorageFull,
 )
-from agentenv.orchestrator import specs as specs_module
 from agentenv.orchestrator.admission import TooManyRequests
 from agentenv.orchestrator.envd_client import EnvdUnavailable
 from agentenv.runtime import RuntimeFailure
-from agentenv.snapshot import SnapshotNotFound, SnapshotStore, open_repository
-from agentenv.templates import TemplateRegistry
-from agentenv.testing.fakes import FakeEnvd, FakeRuntime, FakeSlots
-
-
-class Node:
-    """A manager over fakes; ``restart()`` makes a new one on the same home and runtime."""
-
-    def __init__(self, root: Path, capacity: int, slots: int, resident: bool = False,
-                 idle_s: int = 600, capture_delay_ms: int = 0) -> None:
-        self.root = root
-        templates = root / "images" / "templates" / "base"
-        (templates / "rootfs").mkdir(parents=True, exist_ok=True)
-        (templates / "template.json").write_text(json.dumps(
-            {"templateID": "base", "aliases": ["base"], "cpuCount": 64, "memoryMB": 256}))
-        self.config = Config(home=root / "home", images_dir=root / "images",
-                             max_sandboxes=capacity, template_snapshots=False,
-                             max_cpu_count=2, max_memory_mb=1024, node_id="unit",
-                             resident_pause=resident, resident_pause_idle_s=idle_s,
-                             resident_capture_delay_ms=capture_delay_ms,
-                             admission_queue_timeout_s=1.0)
-        self.runtime = FakeRuntime()
-        self.slots = FakeSlots(slots)
-        self.envd = FakeEnvd()
-        self.manager = self._manager()
-
-    def _manager(self) -> SandboxManager:
-        cfg = self.config
-        snapshots = SnapshotStore(open_repository(cfg.snapshot_repository()),
-                                  cache_dir=cfg.home / "cache" / "snapshots",
-                                  staging_dir=cfg.home / "snapshots-staging")
-        return SandboxManager(cfg, self.runtime, self.slots,  # type: ignore[arg-type]
-                              TemplateRegistry(cfg.templates_dir, cfg.local_templates_dir,
-                                               cfg.rootfs_mounts_dir),
-                              SandboxStore(cfg.db_path), snapshots,
-                              envd=self.envd)  # type: ignore[arg-type]
-
-    async def restart(self) -> SandboxManager:
-        await self.manager.close(destroy=False)
-        self.manager.store.close()
-        import os
-        os.close(self.manager._home_lock)  # the process would end here
-        self.manager = self._manager()
-        await self.manager.start()
-        return self.manager
-
-    def clean(self) -> bool:
-        return not self.slots.holding and not self.runtime.sandboxes
+from agentenv.snapshot import SnapshotNotFound
+from unit_nodes import Node, started
 
 
 @pytest.fixture
 async def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Node]:
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    # envd's real bundle is built (and tested) by the node tests; here only its name counts.
-    monkeypatch.setattr(specs_module, "build_bundle", lambda _dir: bundle)
-    n = Node(tmp_path, capacity=3, slots=4)
-    await n.manager.start()
-    yield n
-    await n.manager.close(destroy=True)
-    n.manager.store.close()
+    async with started(tmp_path, monkeypatch, capacity=3, slots=4) as n:
+        yield n
 
 
 async def test_create_runs_with_bounded_resources_and_its_env(node: Node) -> None:
@@ -284,182 +226,6 @@ async def test_a_restart_adopts_running_and_paused_sandboxes(node: Node) -> None
     assert mgr.get(paused.sandbox_id).state is SandboxState.RUNNING
 
 
-# -- two-tier (resident) pauses --------------------------------------------------------
-
-@pytest.fixture
-async def resident_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                        ) -> AsyncIterator[Node]:
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    monkeypatch.setattr(specs_module, "build_bundle", lambda _dir: bundle)
-    n = Node(tmp_path, capacity=3, slots=3, resident=True)
-    await n.manager.start()
-    yield n
-    await n.manager.close(destroy=True)
-    n.manager.store.close()
-
-
-async def _captured(mgr: SandboxManager, sandbox_id: str) -> None:
-    entry = mgr._resident.get(sandbox_id)
-    if entry is not None and entry.capture is not None:
-        await entry.capture
-    await asyncio.gather(*mgr._commits.values())
-
-
-async def test_a_resident_pause_freezes_and_a_resume_thaws_in_place(resident_node: Node) -> None:
-    node = resident_node
-    mgr = node.manager
-    record = await mgr.create(CreateRequest("base"))
-    sid, slot = record.sandbox_id, record.slot_address
-    await mgr.pause(sid)
-    assert record.state is SandboxState.PAUSED
-    assert node.runtime.sandboxes[sid].state == "paused" and record.slot_address == slot
-    await _captured(mgr, sid)  # captured frozen, committed in the background
-    assert node.runtime.sandboxes[sid].state == "paused"
-    assert mgr.snapshots.get(record.snapshot_id).metadata["kind"] == "pause"
-    await mgr.resume(sid)
-    assert record.state is SandboxState.RUNNING and record.slot_address == slot
-    assert ("restore", sid) not in node.runtime.calls  # a thaw, not a restore
-    assert node.runtime.sandboxes[sid].state == "running"
-
-    # Paused and resumed before its capture began: no capture, no snapshot left over.
-    before = record.snapshot_id
-    await mgr.pause(sid)
-    await mgr.resume(sid)
-    await asyncio.sleep(0)
-    assert record.snapshot_id == before and not mgr._commits
-    assert [m.snapshot_id for m in mgr.snapshots.list()] == [before]
-
-
-async def test_a_resume_within_the_capture_delay_is_a_thaw_and_eviction_hurries_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    monkeypatch.setattr(specs_module, "build_bundle", lambda _dir: bundle)
-    # A delay far longer than the test: whatever is captured was hurried.
-    node = Node(tmp_path, capacity=2, slots=2, resident=True, capture_delay_ms=60_000)
-    mgr = node.manager
-    await mgr.start()
-    try:
-        record = await mgr.create(CreateRequest("base"))
-        sid = record.sandbox_id
-        before = record.snapshot_id
-        await mgr.pause(sid)
-        await asyncio.sleep(0.05)
-        await mgr.resume(sid)  # within the delay: a thaw, nothing captured
-        assert ("checkpoint", sid) not in node.runtime.calls
-        assert ("restore", sid) not in node.runtime.calls
-        assert record.snapshot_id == before and not mgr._commits
-
-        # An eviction does not wait out the delay: it captures at once.
-        await mgr.pause(sid)
-        await asyncio.wait_for(mgr.evict(sid), 10)
-        assert sid not in node.runtime.sandboxes and record.slot_index == 0
-        await asyncio.gather(*mgr._commits.values())
-        assert mgr.snapshots.get(record.snapshot_id).metadata["kind"] == "pause"
-        await mgr.resume(sid)
-        assert ("restore", sid) in node.runtime.calls
-
-        # A create that finds every slot held, one by a sandbox paused a moment ago,
-        # hurries that one's capture and takes its slot.
-        other = await mgr.create(CreateRequest("base"))
-        await mgr.pause(other.sandbox_id)
-        third = await asyncio.wait_for(mgr.create(CreateRequest("base")), 10)
-        assert other.slot_index == 0 and other.sandbox_id not in node.runtime.sandboxes
-        for r in (record, other, third):
-            await mgr.kill(r.sandbox_id)
-        assert node.clean()
-
-        # A node that stops destroys every runtime: one paused a moment ago (its
-        # capture still waiting) is captured first, and resumes after the restart.
-        last = await mgr.create(CreateRequest("base"))
-        await mgr.pause(last.sandbox_id)
-        await asyncio.wait_for(mgr.close(destroy=True), 10)
-        assert ("checkpoint", last.sandbox_id) in node.runtime.calls and node.clean()
-        mgr.store.close()
-        import os
-        os.close(mgr._home_lock)
-        node.manager = mgr = node._manager()
-        await mgr.start()
-        await mgr.resume(last.sandbox_id)
-        assert mgr.get(last.sandbox_id).state is SandboxState.RUNNING
-        await mgr.kill(last.sandbox_id)
-    finally:
-        await mgr.close(destroy=True)
-        mgr.store.close()
-
-
-async def test_resident_pauses_are_evicted_when_idle_or_their_slot_is_needed(
-        resident_node: Node) -> None:
-    node = resident_node
-    mgr = node.manager
-    a, b, c = [await mgr.create(CreateRequest("base")) for _ in range(3)]
-    for r in (a, b):
-        await mgr.pause(r.sandbox_id)
-        await _captured(mgr, r.sandbox_id)
-    # All three slots held (c running, a and b frozen): a create evicts a, the oldest.
-    d = await mgr.create(CreateRequest("base"))
-    assert a.slot_index == 0 and a.sandbox_id not in node.runtime.sandboxes
-    assert b.slot_index and node.runtime.sandboxes[b.sandbox_id].state == "paused"
-    await mgr.resume(a.sandbox_id)  # from its capture: a restore
-    assert ("restore", a.sandbox_id) in node.runtime.calls and a.state is SandboxState.RUNNING
-    await mgr.kill(d.sandbox_id)
-
-    assert mgr._resident is not None
-    mgr._resident.idle_s = 0
-    await mgr._tend_residents()
-    assert b.slot_index == 0 and b.sandbox_id not in node.runtime.sandboxes
-    await mgr.kill(b.sandbox_id)
-    await mgr.kill(a.sandbox_id)
-    await mgr.kill(c.sandbox_id)
-    assert node.clean() and mgr.snapshots.list() == []
-
-
-async def test_a_frozen_runtime_that_dies_keeps_what_was_captured(resident_node: Node) -> None:
-    node = resident_node
-    mgr = node.manager
-    saved = await mgr.create(CreateRequest("base"))
-    await mgr.pause(saved.sandbox_id)
-    await _captured(mgr, saved.sandbox_id)
-    node.runtime.crash(saved.sandbox_id, "was killed")
-    await asyncio.sleep(0.05)
-    assert saved.state is SandboxState.PAUSED and saved.slot_index == 0
-    await mgr.resume(saved.sandbox_id)
-    assert saved.state is SandboxState.RUNNING
-
-    lost = await mgr.create(CreateRequest("base"))
-    node.runtime.faults.delay("checkpoint", 0.5)
-    await mgr.pause(lost.sandbox_id)
-    await asyncio.sleep(0.05)  # its capture is under way
-    node.runtime.crash(lost.sandbox_id, "was killed")
-    await asyncio.sleep(0.6)
-    assert lost.state is SandboxState.ERROR and "before its state was saved" in lost.error
-    await mgr.kill(lost.sandbox_id)
-    await mgr.kill(saved.sandbox_id)
-    assert node.clean()
-
-
-async def test_a_restart_captures_what_it_finds_frozen(resident_node: Node) -> None:
-    node = resident_node
-    mgr = node.manager
-    record = await mgr.create(CreateRequest("base"))
-    sid = record.sandbox_id
-    node.runtime.faults.delay("checkpoint", 5)
-    await mgr.pause(sid)
-    # The node dies before the capture: the frozen runtime and the record remain.
-    entry = mgr._resident.get(sid)
-    assert entry is not None and entry.capture is not None
-    entry.capture.cancel()
-    node.runtime.faults.delays.clear()
-    mgr = await node.restart()
-    await _captured(mgr, sid)
-    again = mgr.get(sid)
-    assert again.state is SandboxState.PAUSED and again.slot_index
-    assert mgr.snapshots.get(again.snapshot_id).metadata["source_sandbox_id"] == sid
-    await mgr.resume(sid)
-    assert ("restore", sid) not in node.runtime.calls and again.state is SandboxState.RUNNING
-
-
 async def test_reset_in_place_keeps_the_slot_and_a_failed_one_ends_in_error(node: Node) -> None:
     mgr = node.manager
     record = await mgr.create(CreateRequest("base"))
@@ -515,98 +281,3 @@ async def test_a_paused_sandbox_whose_reset_fails_stays_paused(node: Node) -> No
     assert record.state is SandboxState.PAUSED and node.clean()
     await mgr.reset(record.sandbox_id, ttl=60)
     assert record.state is SandboxState.RUNNING and record.slot_index
-
-
-# -- admission, runs -----------------------------------------------------------------
-
-
-async def test_a_create_beyond_capacity_waits_for_room_and_holds_nothing(node: Node) -> None:
-    mgr = node.manager
-    first, *_ = [await mgr.create(CreateRequest("base")) for _ in range(3)]
-    waiting = asyncio.create_task(mgr.create(CreateRequest("base")))
-    await asyncio.sleep(0.1)
-    assert not waiting.done() and mgr.admission.waiting == 1
-    assert len(mgr.list()) == 3 and len(node.slots.holding) == 3  # a waiter holds nothing
-    await mgr.kill(first.sandbox_id)
-    record = await waiting
-    assert record.state is SandboxState.RUNNING
-    assert record.queued_at < record.started_at <= record.booted_at <= record.ready_at
-    # A waiter that gives up (its client hung up) leaves the queue and takes no room.
-    gone = asyncio.create_task(mgr.create(CreateRequest("base")))
-    await asyncio.sleep(0.1)
-    gone.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await gone
-    assert mgr.admission.waiting == 0 and len(mgr.list()) == 3
-
-
-async def test_waiters_are_served_round_robin_across_keys(node: Node) -> None:
-    mgr = node.manager
-    held = [await mgr.create(CreateRequest("base", owner="a")) for _ in range(3)]
-    order: list[str] = []
-
-    async def create(owner: str) -> None:
-        await mgr.create(CreateRequest("base", owner=owner))
-        order.append(owner)
-
-    tasks = []
-    for owner in ("a", "a", "a", "b"):
-        tasks.append(asyncio.create_task(create(owner)))
-        await asyncio.sleep(0.02)
-    for record in held[:2]:
-        await mgr.kill(record.sandbox_id)
-        await asyncio.sleep(0.1)
-    assert order == ["a", "b"]  # b's one create does not wait behind a's burst
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def test_per_key_quota_holds_one_key_not_the_others(node: Node) -> None:
-    mgr = node.manager
-    node.config.key_quotas = {"small": {"max_sandboxes": 1}}
-    await mgr.create(CreateRequest("base", owner="small"))
-    with pytest.raises(TooManyRequests, match="quota of 1 concurrent"):
-        await mgr.create(CreateRequest("base", owner="small"))
-    assert (await mgr.create(CreateRequest("base", owner="other"))).state is \
-        SandboxState.RUNNING
-
-
-async def test_a_run_ends_with_its_sandboxes_and_survives_a_restart(node: Node) -> None:
-    mgr = node.manager
-    with pytest.raises(BadRequest, match="unknown or has ended"):
-        await mgr.create(CreateRequest("base", run_id="run_nope"))
-    assert mgr.list() == []
-    run = mgr.create_run("trainer-1", 5, "kill")
-    other = await mgr.create(CreateRequest("base"))
-    members = [await mgr.create(CreateRequest("base", run_id=run.run_id)) for _ in range(2)]
-    assert {r.sandbox_id for r in mgr.run_members(run.run_id)} == {r.sandbox_id for r in members}
-    mgr = await node.restart()  # the run and its lease are kept
-    (kept,) = mgr.runbook.list()
-    assert kept.run_id == run.run_id and kept.lease_s == 5
-    kept.expires_at = 0  # its lease lapsed (while the node was down, say)
-    await mgr._tend_runs()
-    for _ in range(50):
-        if not mgr.runbook.list() and len(mgr.list()) == 1:
-            break
-        await asyncio.sleep(0.05)
-    assert [r.sandbox_id for r in mgr.list()] == [other.sandbox_id]
-    assert mgr.runbook.list() == []
-    with pytest.raises(BadRequest):
-        await mgr.create(CreateRequest("base", run_id=run.run_id))
-    for bad in (("", 5, "kill"), ("x" * 65, 5, "kill"), ("a b", 5, "kill"),
-                ("ok", 4, "kill"), ("ok", 86401, "kill"), ("ok", True, "kill"),
-                ("ok", 5, "explode")):
-        with pytest.raises(BadRequest):
-            mgr.create_run(*bad)
-
-
-async def test_a_creates_per_second_quota_paces_a_key(node: Node) -> None:
-    mgr = node.manager
-    mgr.admission.timeout_s = 5
-    node.config.key_quotas = {"paced": {"creates_per_s": 2}}
-    for _ in range(3):
-        record = await mgr.create(CreateRequest("base", owner="paced"))
-        await mgr.kill(record.sandbox_id)
-    # Two go at once (the bucket holds two); the third waits for a token, woken by time.
-    assert mgr.admission.stats()["waited"] == 1
