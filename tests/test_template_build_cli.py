@@ -144,8 +144,10 @@ def test_the_readmes_offline_quick_start(node: Node, env: dict[str, str],
 def test_ctrl_c_cancels_the_build(node: Node, env: dict[str, str], tmp_path: Path) -> None:
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text("FROM e2bdev/base\nRUN echo long-step-started && sleep 300\n")
+    # PYTHONFAULTHANDLER: should the CLI hang, a SIGABRT prints where (see below).
     proc = subprocess.Popen([*CLI, "template", "build", "-f", str(dockerfile), "--name",
-                             f"xbt-clicancel-{uuid.uuid4().hex[:6]}"], env=env, text=True,
+                             f"xbt-clicancel-{uuid.uuid4().hex[:6]}"],
+                            env={**env, "PYTHONFAULTHANDLER": "1"}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     seen = ""
@@ -157,10 +159,24 @@ def test_ctrl_c_cancels_the_build(node: Node, env: dict[str, str], tmp_path: Pat
     ids = re.search(r"Template created with ID: (\w+), Build ID: ([\w-]+)", seen)
     assert ids, seen
     proc.send_signal(signal.SIGINT)
-    rest = proc.communicate(timeout=10)[1]
+    try:
+        rest = proc.communicate(timeout=10)[1]
+    except subprocess.TimeoutExpired:
+        # The open bug: keep where the CLI hung, and what the node did, for the record
+        # (an xfail's message is not shown).
+        proc.send_signal(signal.SIGABRT)
+        rest = proc.communicate(timeout=10)[1]
+        (tmp_path / "hung.txt").write_text(seen + rest + "\n--- node ---\n" + node.log_tail(300))
+        raise AssertionError(f"the CLI did not end 10 s after Ctrl-C: {tmp_path / 'hung.txt'}") \
+            from None
+    if proc.returncode != 130:
+        (tmp_path / "exit.txt").write_text(f"{proc.returncode}\n{seen}{rest}")
     assert proc.returncode == 130, seen + rest
     with node.client() as api:
         status = api.get(f"/templates/{ids[1]}/builds/{ids[2]}/status").json()
+        if not (status["status"] == "error" and "cancelled" in status["reason"]["message"]):
+            (tmp_path / "not-cancelled.txt").write_text(
+                f"{status}\n{seen}{rest}\n--- node ---\n{node.log_tail(300)}")
         assert status["status"] == "error" and "cancelled" in status["reason"]["message"]
         assert not [s for s in api.get("/sandboxes").json()
                     if s.get("metadata", {}).get("aenv.build") == ids[2]]
