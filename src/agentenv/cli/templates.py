@@ -100,7 +100,7 @@ def template_build(
             status = _follow(Template, info, show, api)
         except KeyboardInterrupt:
             if info is not None:  # the build stops with us
-                c.request("DELETE", f"/templates/{info.template_id}/builds/{info.build_id}")
+                _cancel(c, info)
             raise
         except (BuildException, TemplateException) as exc:
             raise CliError(f"build failed: {exc}") from exc
@@ -112,6 +112,16 @@ def template_build(
                            "name": name, "status": "ready"})
     else:
         typer.echo(info.template_id)
+
+
+def _cancel(c: Client, info) -> None:
+    """Cancel the build on Ctrl-C; a failure to is said, and the interrupt goes on."""
+    output.err.print("cancelling the build...", markup=False)
+    try:
+        c.request("DELETE", f"/templates/{quote(info.template_id, safe='')}/builds/"
+                            f"{quote(info.build_id, safe='')}", timeout=30)
+    except CliError as exc:
+        output.err.print(f"the build was not cancelled: {exc}", markup=False)
 
 
 def _follow(template_cls, info, show, api: dict):
