@@ -152,11 +152,10 @@ class PressureWatcher:
         armed).
         """
         self.unwatch(sandbox_id)
-        try:
-            usage_fd = os.open(cgroup / "memory.usage_in_bytes", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        fds = event_fds(cgroup, "memory.usage_in_bytes")
+        if fds is None:
             return False
-        efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        efd, usage_fd = fds
         step = max(self.STEP, (limit - threshold) // self.LEVELS)
         levels = list(range(threshold, max(limit, threshold + 1), step))
         token = object()
@@ -235,6 +234,16 @@ class PressureWatcher:
             self._on_pressure(sandbox_id)
         except Exception:
             log.exception("handling memory pressure of sandbox %s failed", sandbox_id)
+
+
+def event_fds(cgroup: Path, control: str) -> tuple[int, int] | None:
+    """(an eventfd, the control file open) for a cgroup v1 notification on ``control``
+    (``cgroup.event_control``), or None when the cgroup cannot be watched."""
+    try:
+        control_fd = os.open(cgroup / control, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    return os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK), control_fd
 
 
 def _arm(cgroup: Path, efd: int, usage_fd: int, levels: list[int]) -> None:

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .exits import MIB, working_set
+from .exits import MIB, event_fds, working_set
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,10 @@ class OomHold:
         events; ``limit`` is the sandbox's own (a node restarted while a lift was on
         takes it back to that)."""
         self.unwatch(sandbox_id)
-        try:
-            control_fd = os.open(cgroup / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        fds = event_fds(cgroup, "memory.oom_control")
+        if fds is None:
             return False
-        efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        efd, control_fd = fds
         held = _Held(cgroup, limit, efd, control_fd)
         token = object()
         self._arming[sandbox_id] = token
