@@ -7,6 +7,8 @@
   through either, is served by the one left (API and proxied envd traffic);
 - a create's Idempotency-Key makes one sandbox through whichever gateways its tries
   go (the key's node is kept in Redis);
+- a create from an image is placed on a node that holds the image, before a less
+  loaded one that would pull it again;
 - the native clients take several gateway URLs and use the next when one does not
   connect: the `aenv` CLI (AENV_API_URL) and the RL client's EnvPool.
 
@@ -29,16 +31,19 @@ from e2b import Sandbox
 
 from agentenv.rl import EnvPool, ExecResult
 from agentenv.testing.cluster import Cluster
+from agentenv.testing.oci_registry import build_image, write_oci_layout
+from agentenv.testing.small_images import tools_layer
 
-CAPACITY = 3  # per node
+CAPACITY = 4  # per node (a base boot-image capture, then a pooled sandbox, hold one)
 BURST = 6
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("two-gateways"), f"g{os.getpid() % 256:02x}", nodes=2,
-                link_net=91, pool_nets=(92, 93), max_sandboxes=CAPACITY, schedulers=2,
-                gateways=2, front=True)
+    root = tmp_path_factory.mktemp("two-gateways")
+    c = Cluster(root, f"g{os.getpid() % 256:02x}", nodes=2, link_net=91, pool_nets=(92, 93),
+                max_sandboxes=CAPACITY, schedulers=2, gateways=2, front=True,
+                AENV_IMAGE_IMPORT_DIR=str(root / "imports"))
     with c.serving() as serving:
         yield serving
 
@@ -140,3 +145,45 @@ def test_native_clients_use_the_next_gateway_url(two: Cluster) -> None:
     with pytest.raises(ValueError, match="no server URL"):
         EnvPool([], two.api_key, template="base")
     assert listed(alive, two.api_key) == []
+
+
+def node_of(c: Cluster, sandbox_id: str) -> str:
+    with c.client(c.scheduler_url) as sched:
+        return sched.get(f"/sandboxes/{sandbox_id}").json()["node"]
+
+
+def test_a_create_from_an_image_goes_where_the_image_is(two: Cluster) -> None:
+    layout = write_oci_layout(two.root / "imports" / "small", build_image([tools_layer()]))
+    ref = f"oci-layout:{layout}"
+    made: list[str] = []
+    try:
+        with two.client() as api:
+            first = api.post("/sandboxes", json={"image": ref, "timeout": 60})
+            assert first.status_code == 201, first.text
+            made.append(first.json()["sandboxID"])
+            holder = node_of(two, made[0])
+            template = first.json()["templateID"]
+            api.delete(f"/sandboxes/{made.pop()}")
+            # The holder is the busier node now (a sandbox made on it directly), and
+            # says in its heartbeat that it holds the image.
+            with two.client(two.node(holder).url) as direct:
+                busy = direct.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+                assert busy.status_code == 201, busy.text
+                made.append(busy.json()["sandboxID"])
+            end = time.monotonic() + 20
+            with two.client(two.scheduler_url) as sched:
+                while True:
+                    status = sched.get(f"/nodes/{holder}").json()
+                    if template in status["templates"] and status["load"] == 1:
+                        break
+                    assert time.monotonic() < end, status
+                    time.sleep(0.2)
+        # Through the e2b SDK's way of naming an image: placed on the holder.
+        sbx = Sandbox.create(template=f"docker://{ref}", timeout=60)
+        made.append(sbx.sandbox_id)
+        assert node_of(two, sbx.sandbox_id) == holder
+        assert sbx.commands.run("echo from the image").stdout == "from the image\n"
+    finally:
+        with two.client() as api:
+            for sid in made:
+                api.delete(f"/sandboxes/{sid}")
