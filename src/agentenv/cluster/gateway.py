@@ -45,7 +45,7 @@ from ..web.console import ConsoleSessions, console_router
 from ..web.errors import error_response, install_error_handlers
 from ..web.keys import key_matches, require_api_key
 from .common import ClusterError
-from .gateway_creates import Creates
+from .gateway_creates import Creates, cached_as
 from .gateway_proxy import GatewayProxy
 from .gateway_runs import GatewayRuns, parse_body, run_of
 from .gateway_templates import home_node, remember
@@ -165,14 +165,14 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     async def create(request: Request) -> Response:
         body = await request.body()
         parsed = parse_body(body)
-        template = str(parsed.get("templateID") or "")
         run_id = run_of(request, parsed)
         if run_id:  # on the run's node, which queues it if it must
             r, node = await runs.create_in_run(request, run_id, body)
             if r.status_code == 201:
                 await registry.set_sandbox(r.json()["sandboxID"], node.node_id, "running")
             return _relay(r)
-        return await creates.create(request, body, template)
+        # Placed where the template's (or image's) cache is warm, if a node has room.
+        return await creates.create(request, body, cached_as(parsed))
 
     async def _gather(request: Request, path: str, params: dict[str, Any]
                       ) -> list[dict[str, Any]]:

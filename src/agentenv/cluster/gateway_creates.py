@@ -15,10 +15,13 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 from fastapi import Request, Response
 
+from ..builds.base import image_template_name
+from ..builds.image_sources import image_from_template
 from .common import ClusterError
 from .node_registry import Registry
 from .routing import Gateway
@@ -41,6 +44,20 @@ def too_many(queue_timeout_s: float, why: str) -> ClusterError:
                             f"({why}); retry after the time in Retry-After")
     err.headers = {"Retry-After": str(GATEWAY_RETRY_AFTER_S)}
     return err
+
+
+def cached_as(body: dict[str, Any]) -> str:
+    """The template whose cache a create's node should hold: its ``templateID``, or
+    for a create from an image (``image``, or ``templateID: docker://REF``) the image's
+    template as every node names it (one pulled with credentials has a name keyed by
+    a node's own secret: no node is preferred for it)."""
+    template = body.get("templateID")
+    image = body.get("image")
+    if not isinstance(image, str) or not image.strip():
+        image = image_from_template(template) if isinstance(template, str) else None
+    if image and image.strip():
+        return "" if body.get("imageCredentials") else image_template_name(image.strip())
+    return template if isinstance(template, str) else ""
 
 
 class KeyedNodes:
