@@ -83,6 +83,10 @@ def test_an_idempotency_key_makes_one_sandbox_through_either_gateway(two: Cluste
             # The same key with another request is refused, through either.
             other = b.post("/sandboxes", json={**body, "timeout": 61}, headers=headers)
             assert other.status_code == 422, other.text
+            # A key no node takes: a clear 400, and the gateway goes on serving.
+            bad = a.post("/sandboxes", json=body, headers={"Idempotency-Key": "k" * 300})
+            assert bad.status_code == 400 and "dempotency" in bad.text, bad.text
+            assert a.get("/sandboxes").status_code == 200
         assert listed(two.gateway_url, two.api_key) == [made[0]]
     finally:
         with two.client() as api:

@@ -22,6 +22,7 @@ from fastapi import Request, Response
 
 from ..builds.base import image_template_name
 from ..builds.image_sources import image_from_template
+from ..orchestrator.idempotency import MAX_KEY_CHARS
 from .common import ClusterError
 from .node_registry import Registry
 from .routing import Gateway
@@ -58,6 +59,11 @@ def cached_as(body: dict[str, Any]) -> str:
     if image and image.strip():
         return "" if body.get("imageCredentials") else image_template_name(image.strip())
     return template if isinstance(template, str) else ""
+
+
+def _valid_key(key: str) -> bool:
+    """What a node takes as an Idempotency-Key: 1..255 printable ASCII characters."""
+    return 0 < len(key) <= MAX_KEY_CHARS and all(" " <= c <= "~" for c in key)
 
 
 class KeyedNodes:
@@ -119,6 +125,8 @@ class Creates:
         # the queue time, then 429 with Retry-After; a full node's 503/429 sends the
         # create to the next best node.
         key = request.headers.get("idempotency-key", "")
+        if not _valid_key(key):
+            key = ""  # the node answers it with its 400; nothing of it goes to Redis
         deadline = time.monotonic() + self.queue_timeout_s
         exclude: list[str] = []
         last: httpx.Response | None = None
