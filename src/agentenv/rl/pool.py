@@ -12,6 +12,9 @@ are retried as the server asks (``Retry-After``); at most ``max_inflight`` creat
 resets go at once. The pool's sandboxes belong to a run whose lease it keeps alive,
 and which it deletes on close; every sandbox is also tagged with the pool's ID in its
 metadata, and close sweeps any the server still lists, so nothing outlives the pool.
+
+``url`` is a node's or a gateway's, or several gateways' (a list, or comma-separated):
+a request that cannot connect to one goes to the next (``agentenv.failover``).
 """
 
 from __future__ import annotations
