@@ -79,7 +79,7 @@ class FailoverTransport(httpx.BaseTransport):
             try:
                 response = self.transport.handle_request(self.rotation.aimed(request, url))
             except _CONNECT_FAILED as exc:
-                log.warning("%s unreachable (%s): trying the next URL", url, exc)
+                log.info("%s unreachable (%s): trying the next URL", url, exc)
                 failure = exc
                 continue
             self.rotation.answered(url)
@@ -104,7 +104,7 @@ class AsyncFailoverTransport(httpx.AsyncBaseTransport):
                 response = await self.transport.handle_async_request(
                     self.rotation.aimed(request, url))
             except _CONNECT_FAILED as exc:
-                log.warning("%s unreachable (%s): trying the next URL", url, exc)
+                log.info("%s unreachable (%s): trying the next URL", url, exc)
                 failure = exc
                 continue
             self.rotation.answered(url)
