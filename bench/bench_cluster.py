@@ -1,6 +1,8 @@
 """Cluster: create throughput through the gateway with three nodes against one node,
 and the latency the gateway adds to a request against the same request sent to the
-node directly (an API call, and a proxied envd call).
+node directly (an API call, and a proxied envd call). With two gateways
+(``--gateways``, bench_gateways.py): create throughput through one and two gateways,
+and the time to recover from a gateway killed with -9.
 
 All on one 2-core machine: three nodes share the cores one node has, so the
 throughput figure measures the gateway's spreading, not extra hardware.
@@ -21,10 +23,11 @@ from common import summary, table, write
 ENVD = "49983"
 
 
-def create_round(cluster: Cluster, n: int) -> float:
-    """Wall time of ``n`` concurrent creates through the gateway (then deletes, untimed)."""
-    def one(_: int) -> str:
-        with cluster.client() as c:
+def create_round(cluster: Cluster, n: int, urls: list[str] | None = None) -> float:
+    """Wall time of ``n`` concurrent creates through the gateway (``urls``: the i-th
+    through the i-th URL in turn), then deletes, untimed."""
+    def one(i: int) -> str:
+        with cluster.client(urls[i % len(urls)] if urls else None) as c:
             r = c.post("/sandboxes", json={"templateID": "base", "timeout": 120})
             if r.status_code != 201:
                 raise RuntimeError(f"create answered {r.status_code}: {r.text}")
@@ -93,7 +96,15 @@ def main() -> None:
     ap.add_argument("--creates", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--gateways", action="store_true",
+                    help="only the two-gateway phases (bench_gateways.py)")
+    ap.add_argument("--net", type=int, default=23,
+                    help="the first of the 10.<net>/16 ranges the clusters use (3 of them)")
     args = ap.parse_args()
+    if args.gateways:
+        from bench_gateways import run as run_gateways
+        run_gateways(args.creates, args.rounds, args.net)
+        return
     root = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     # A prefix of its own per phase: no phase meets another's slots.
     lat, lat_left = latency(root, "bl", args.samples)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the host packages agentenv needs: runsc from bookworm-backports,
 # iptables, mmdebstrap (base template), redis (cluster tests), docker-registry
-# (image tests), chromium (the web console's browser test).
+# (image tests), chromium (the web console's browser test), haproxy (the front of two
+# gateways in the cluster tests).
 # Idempotent: does nothing when everything is already present.
 set -euo pipefail
 
@@ -16,6 +17,8 @@ dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
 command -v docker-registry >/dev/null || need+=(docker-registry)
 # A real browser for the web console's test (tests/test_console.py, driven by Playwright).
 command -v chromium >/dev/null || need+=(chromium)
+# An HTTP front over two gateways (tests/test_cluster_gateways.py; deploy/haproxy.cfg).
+command -v haproxy >/dev/null || need+=(haproxy)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -44,6 +47,9 @@ fi
 # The redis package starts a system service; tests start their own servers.
 if command -v systemctl >/dev/null && systemctl is-active -q redis-server 2>/dev/null; then
   systemctl disable --now redis-server >/dev/null 2>&1 || true
+fi
+if command -v systemctl >/dev/null && systemctl is-active -q haproxy 2>/dev/null; then
+  systemctl disable --now haproxy >/dev/null 2>&1 || true
 fi
 if command -v systemctl >/dev/null && systemctl is-active -q docker-registry 2>/dev/null; then
   systemctl disable --now docker-registry >/dev/null 2>&1 || true

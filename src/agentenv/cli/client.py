@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from ..failover import FailoverTransport
 from .config import CliError, Credentials, credentials
 
 
@@ -20,8 +21,19 @@ class ApiError(CliError):
 class Client:
     def __init__(self, creds: Credentials | None = None, timeout: float = 120):
         self.creds = creds or credentials()
-        self.http = httpx.Client(base_url=self.creds.url, timeout=timeout, trust_env=False,
+        # Several gateways' URLs: a request that cannot connect to one goes to the next.
+        try:
+            self.transport = FailoverTransport(self.creds.url)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        self.http = httpx.Client(base_url=self.transport.rotation.urls[0], timeout=timeout,
+                                 trust_env=False, transport=self.transport,
                                  headers={"X-API-Key": self.creds.key})
+
+    @property
+    def url(self) -> str:
+        """The server URL that answered last (of several gateways' URLs)."""
+        return self.transport.rotation.current
 
     def __enter__(self) -> Client:
         return self
@@ -115,7 +127,7 @@ def sdk_sandbox(c: Client, sid: str):
     """The e2b SDK's Sandbox for ``sid``, pointed at this node."""
     from e2b import Sandbox
 
-    url = c.creds.url
+    url = c.url
     try:
         return Sandbox.connect(sid, api_key=c.creds.key, api_url=url, sandbox_url=url)
     except Exception as exc:

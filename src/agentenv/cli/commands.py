@@ -11,6 +11,7 @@ from urllib.parse import quote
 
 import typer
 
+from ..failover import split_urls
 from . import output
 from .client import ApiError, Client, sdk_sandbox
 from .config import CliError, Credentials, config_path, read_file, write_file
@@ -36,7 +37,9 @@ def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
 
 @cli.command()
 def auth(
-    url: Annotated[str | None, typer.Option(help="Server URL, e.g. http://127.0.0.1:8000")] = None,
+    url: Annotated[str | None, typer.Option(
+        help="Server URL, e.g. http://127.0.0.1:8000; several gateways' URLs comma-separated "
+             "(a request that cannot connect to one goes to the next)")] = None,
     key: Annotated[str | None, typer.Option(help="API key (X-API-Key).")] = None,
     verify: Annotated[bool, typer.Option(help="Check the URL and key with the server.")] = True,
 ) -> None:
@@ -46,9 +49,11 @@ def auth(
         url = typer.prompt("Server URL", default=stored.get("api_url", "http://127.0.0.1:8000"))
     if key is None:
         key = typer.prompt("API key", hide_input=True)
-    url, key = url.strip().rstrip("/"), key.strip()
-    if not url.startswith(("http://", "https://")):
-        raise CliError(f"invalid URL '{url}': expected http://... or https://...")
+    key = key.strip()
+    try:
+        url = ",".join(split_urls(url))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if not key:
         raise CliError("empty API key")
     if verify:

@@ -107,7 +107,7 @@ def pull(
                     elif status == "done":
                         record = event["template"]
         except httpx.HTTPError as exc:
-            raise CliError(f"cannot reach {c.creds.url}: {exc}") from exc
+            raise CliError(f"cannot reach {c.url}: {exc}") from exc
     if record is None:
         raise CliError("the node ended the pull without a result")
     digest = record["image"]["manifestDigest"]

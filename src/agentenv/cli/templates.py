@@ -83,7 +83,7 @@ def template_build(
     context = context or file.parent
     name = name or _default_name(context)
     with Client() as c:
-        api: dict[str, Any] = {"api_key": c.creds.key, "api_url": c.creds.url}
+        api: dict[str, Any] = {"api_key": c.creds.key, "api_url": c.url}
         try:
             template = Template(file_context_path=str(context)).from_dockerfile(str(file))
         except (TemplateException, ValueError, OSError) as exc:

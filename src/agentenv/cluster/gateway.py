@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import re
-import time
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
@@ -46,6 +45,7 @@ from ..web.console import ConsoleSessions, console_router
 from ..web.errors import error_response, install_error_handlers
 from ..web.keys import key_matches, require_api_key
 from .common import ClusterError
+from .gateway_creates import Creates, cached_as
 from .gateway_proxy import GatewayProxy
 from .gateway_runs import GatewayRuns, parse_body, run_of
 from .gateway_templates import home_node, remember
@@ -55,19 +55,10 @@ from .routing import Gateway, error_message
 
 log = logging.getLogger(__name__)
 MAX_PAGE = 100
-# Seconds between placements of a create no node had room for.
-PLACE_RETRY_S = 0.5
-GATEWAY_RETRY_AFTER_S = 5
 # How long a kill waits for a node past its heartbeat TTL (it may be dead).
 LATE_NODE_TIMEOUT = httpx.Timeout(10.0, connect=3.0)
 _SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")  # new_sandbox_id()'s alphabet
 
-
-def _too_many(queue_timeout_s: float, why: str) -> ClusterError:
-    err = ClusterError(429, f"no node had room for the sandbox within {queue_timeout_s:g}s "
-                            f"({why}); retry after the time in Retry-After")
-    err.headers = {"Retry-After": str(GATEWAY_RETRY_AFTER_S)}
-    return err
 
 __all__ = ["Gateway", "GatewayProxy", "create_gateway_app"]
 
@@ -135,6 +126,7 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     auth = [Depends(require_api_key)]
     app.include_router(prometheus.metrics_router(require_api_key))  # before the catch-all
     runs = GatewayRuns(gw, registry)
+    creates = Creates(gw, registry, queue_timeout_s, node_ttl_ms, _relay)
     runs.install(app, auth, _relay)
     app.include_router(console_router())  # the web console, before the catch-all
 
@@ -173,49 +165,14 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     async def create(request: Request) -> Response:
         body = await request.body()
         parsed = parse_body(body)
-        template = str(parsed.get("templateID") or "")
         run_id = run_of(request, parsed)
         if run_id:  # on the run's node, which queues it if it must
             r, node = await runs.create_in_run(request, run_id, body)
             if r.status_code == 201:
                 await registry.set_sandbox(r.json()["sandboxID"], node.node_id, "running")
             return _relay(r)
-        # No node with room: wait (as a node's admission queue does) for one, up to
-        # the queue time, then 429 with Retry-After; a full node's 503/429 sends the
-        # create to the next best node.
-        deadline = time.monotonic() + queue_timeout_s
-        exclude: list[str] = []
-        last: httpx.Response | None = None
-        while True:
-            try:
-                pick = (await gw.place(template=template, snapshot=template,
-                                       exclude=exclude))[0]
-            except ClusterError as exc:
-                if exc.status != 503:
-                    raise
-                if time.monotonic() < deadline and not await request.is_disconnected():
-                    await asyncio.sleep(PLACE_RETRY_S)
-                    exclude = []
-                    continue
-                if last is not None:
-                    return _relay(last)
-                raise _too_many(queue_timeout_s, str(exc)) from None
-            try:
-                r = await gw.forward(request, pick["url"], body=body)
-            except httpx.HTTPError as exc:
-                log.warning("create on node %s failed: %s", pick["nodeID"], exc)
-                exclude.append(pick["nodeID"])
-                continue
-            if r.status_code == 201:
-                await registry.set_sandbox(r.json()["sandboxID"], pick["nodeID"], "running")
-                return _relay(r)
-            # No sandbox came of the placement: its room is the next create's.
-            await registry.release(pick["nodeID"], str(pick.get("beat", "")), node_ttl_ms)
-            if r.status_code in (429, 503):  # full after all: the next best node
-                exclude.append(pick["nodeID"])
-                last = r
-                continue
-            return _relay(r)
+        # Placed where the template's (or image's) cache is warm, if a node has room.
+        return await creates.create(request, body, cached_as(parsed))
 
     async def _gather(request: Request, path: str, params: dict[str, Any]
                       ) -> list[dict[str, Any]]:

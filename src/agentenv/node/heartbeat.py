@@ -17,6 +17,7 @@ import httpx
 from ..api import models
 from ..cluster.common import Failover
 from ..cluster.node_registry import NodeStatus, SandboxEntry
+from ..images.store import hex_of
 from ..orchestrator import SandboxState
 from ..snapshot import SnapshotError, SnapshotNotFound
 
@@ -43,9 +44,13 @@ def node_status(manager: SandboxManager, url: str) -> NodeStatus:
     snapshots = sorted(p.name for p in cached if p.is_dir() and store.is_cached(p.name))
     # So does a built template whose snapshot this node caches (by ID and alias: a
     # create names either).
+    # And an image's template (a create from an image) whose layers are all here.
     held = set(snapshots)
+    layers = manager.image_cache.store
     for template in manager.templates.list():
-        if template.snapshot_id and template.snapshot_id in held:
+        if (template.snapshot_id and template.snapshot_id in held) or (
+                template.image is not None and template.image.layers
+                and all(layers.has(hex_of(d)) for d, _ in template.image.layers)):
             templates.update((template.template_id, *template.aliases))
     # A running sandbox's snapshot is its last pause (kept after the resume): what
     # it can be resumed from should this node be lost.

@@ -14,10 +14,13 @@ import collections
 import email.utils
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from ..failover import AsyncFailoverTransport
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 
@@ -70,20 +73,29 @@ def _message(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
-class Api:
-    """The REST API of a node (or gateway) with an API key."""
+def failover_client(urls: str | Sequence[str], max_connections: int,
+                    timeout_s: float = 120.0, **kw: Any) -> httpx.AsyncClient:
+    """An HTTP client of a node, or of one or several gateways (comma-separated URLs
+    or a list): a request that cannot connect to one goes to the next."""
+    transport = AsyncFailoverTransport(urls, httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(max_connections=max_connections,
+                            max_keepalive_connections=max_connections)))
+    return httpx.AsyncClient(base_url=transport.rotation.urls[0], transport=transport,
+                             timeout=httpx.Timeout(timeout_s, connect=10.0), **kw)
 
-    def __init__(self, url: str, api_key: str, retry: RetryPolicy | None = None,
-                 max_connections: int = 64, timeout_s: float = 120.0) -> None:
+
+class Api:
+    """The REST API of a node (or gateways) with an API key."""
+
+    def __init__(self, url: str | Sequence[str], api_key: str,
+                 retry: RetryPolicy | None = None, max_connections: int = 64,
+                 timeout_s: float = 120.0) -> None:
         self.retry = retry or RetryPolicy()
         # How many answers asked for a retry, by status (0: no answer): counts, not a
         # list, so a client that runs for days holds a few integers.
         self.refusals: collections.Counter[int] = collections.Counter()
-        self.client = httpx.AsyncClient(
-            base_url=url.rstrip("/"), headers={"X-API-Key": api_key},
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections,
-                                max_keepalive_connections=max_connections))
+        self.client = failover_client(url, max_connections, timeout_s,
+                                      headers={"X-API-Key": api_key})
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -12,6 +12,9 @@ are retried as the server asks (``Retry-After``); at most ``max_inflight`` creat
 resets go at once. The pool's sandboxes belong to a run whose lease it keeps alive,
 and which it deletes on close; every sandbox is also tagged with the pool's ID in its
 metadata, and close sweeps any the server still lists, so nothing outlives the pool.
+
+``url`` is a node's or a gateway's, or several gateways' (a list, or comma-separated):
+a request that cannot connect to one goes to the next (``agentenv.failover``).
 """
 
 from __future__ import annotations
@@ -21,14 +24,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-import httpx
-
 from .envd import Envd, ExecResult
-from .http import Api, ApiError, RetryPolicy
+from .http import Api, ApiError, RetryPolicy, failover_client
 from .runs import RUN_HEADER, RUN_METADATA, RunLease
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class Env:
 
 
 class EnvPool:
-    def __init__(self, api_url: str, api_key: str, *, template: str | None = None,
+    def __init__(self, api_url: str | Sequence[str], api_key: str, *,
+                 template: str | None = None,
                  snapshot: str | None = None, size: int = 8, run_name: str = "rl",
                  lease_s: int = 300, sandbox_timeout_s: int = 3600,
                  max_inflight: int | None = None, retry: RetryPolicy | None = None,
@@ -97,10 +99,7 @@ class EnvPool:
         self.pool_id = uuid.uuid4().hex[:16]
         self.metadata = {**(metadata or {}), POOL_METADATA: self.pool_id}
         self.api = Api(api_url, api_key, retry, max_connections=2 * size + 8)
-        self._envd_http = httpx.AsyncClient(
-            base_url=api_url.rstrip("/"), timeout=httpx.Timeout(120.0, connect=10.0),
-            limits=httpx.Limits(max_connections=2 * size + 8,
-                                max_keepalive_connections=2 * size + 8))
+        self._envd_http = failover_client(api_url, 2 * size + 8)
         self.run = RunLease(self.api, run_name, lease_s)
         self._inflight = asyncio.Semaphore(max_inflight or size)
         # None in it wakes a waiter to see that envs were lost (see _lose).

@@ -25,6 +25,8 @@ import httpx
 from .nodes import AENV, Node, free_port, leaks, sdk_env
 
 NODE_PORT = 8000
+# The front of several gateways, as deployed.
+FRONT_CONFIG = Path(__file__).resolve().parents[3] / "deploy" / "haproxy.cfg"
 SENTINEL_NAME = "aenv"
 # The gateway's and scheduler's request-head deadline (short, so a test can see it act).
 SERVICE_HEAD_TIMEOUT = 4
@@ -103,7 +105,7 @@ class Cluster:
                  pool_nets: tuple[int, ...] = (33, 34, 35), max_sandboxes: int = 3,
                  heartbeat_ms: int = 300, node_ttl_ms: int = 1500,
                  gateway_queue_s: float = 30.0, schedulers: int = 1, sentinel: bool = False,
-                 **node_env: str):
+                 gateways: int = 1, front: bool = False, **node_env: str):
         self.root = root
         self.tag = tag
         self.count = nodes
@@ -122,7 +124,14 @@ class Cluster:
         self.scheduler_ports = [free_port() for _ in range(schedulers)]
         self.scheduler_port = self.scheduler_ports[0]
         self.schedulers: list[subprocess.Popen] = []
-        self.gateway_port = free_port()
+        # Several gateways (stateless over Redis); with front, HAProxy over them
+        # (deploy/haproxy.cfg) is what gateway_url names.
+        self.gateway_ports = [free_port() for _ in range(gateways)]
+        self.gateway_port = self.gateway_ports[0]
+        self.gateways: list[subprocess.Popen] = []
+        self.front = front
+        self.front_port = free_port()
+        self.front_proc: subprocess.Popen | None = None
         self.redis: subprocess.Popen | None = None
         # With sentinel: a replica of it and one Sentinel (quorum 1) watching it.
         self.sentinel = sentinel
@@ -147,7 +156,11 @@ class Cluster:
 
     @property
     def gateway_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
+        return f"http://127.0.0.1:{self.front_port if self.front else self.gateway_port}"
+
+    def gateway_urls(self) -> list[str]:
+        """Every gateway's own URL (not the front's)."""
+        return [f"http://127.0.0.1:{p}" for p in self.gateway_ports]
 
     @property
     def scheduler_url(self) -> str:
@@ -252,12 +265,31 @@ class Cluster:
                 f"http://127.0.0.1:{port}/health"))
         self.scheduler = self.schedulers[0]
         urls = ",".join(f"http://127.0.0.1:{p}" for p in self.scheduler_ports)
-        self.gateway = self._service(
-            "gateway", [str(AENV), "gateway", "--port", str(self.gateway_port),
-                        "--scheduler-url", urls], self.gateway_url + "/health")
+        for i, port in enumerate(self.gateway_ports):
+            self.gateways.append(self._service(
+                f"gateway{i or ''}", [str(AENV), "gateway", "--port", str(port),
+                                      "--scheduler-url", urls],
+                f"http://127.0.0.1:{port}/health"))
+        self.gateway = self.gateways[0]
+        if self.front:
+            self._start_front()
         for k in range(1, self.count + 1):
             self.add_node(k)
         self.wait_nodes_up(list(range(1, self.count + 1)))
+
+    def _start_front(self) -> None:
+        """HAProxy with the deployment's own config (deploy/haproxy.cfg) over the
+        first two gateways."""
+        log_path = self.root / "front.log"
+        log = open(log_path, "ab")
+        env = {**os.environ, "AENV_FRONT_BIND": f"127.0.0.1:{self.front_port}",
+               **{f"AENV_GATEWAY{i}": f"127.0.0.1:{p}"
+                  for i, p in enumerate(self.gateway_ports[:2], 1)}}
+        self.front_proc = subprocess.Popen(
+            ["haproxy", "-db", "-f", str(FRONT_CONFIG)], env=env, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        _wait_http(self.gateway_url + "/health", self.front_proc, log_path)
 
     def add_node(self, k: int) -> ClusterNode:
         ns, link = self.netns(k), self.link(k)
@@ -347,8 +379,8 @@ class Cluster:
             except Exception as exc:  # keep stopping the rest
                 left.append(f"node {node.netns}: {exc}")
             left += node.leaks()
-        for proc in (self.gateway, *self.schedulers, self.sentinel_proc, self.replica,
-                     self.redis):
+        for proc in (self.front_proc, *self.gateways, *self.schedulers, self.sentinel_proc,
+                     self.replica, self.redis):
             _stop(proc)
         for k in range(1, len(self.nodes) + 1):
             _ip("link", "del", self.link(k), check=False)
