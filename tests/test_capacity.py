@@ -4,6 +4,7 @@ Retry-After (the e2b SDK's RateLimitException), keeps serving and leaks nothing.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,6 +55,39 @@ def test_capacity_queues_then_is_a_clear_429(tmp_path: Path) -> None:
             assert api.delete(f"/sandboxes/{first.json()['sandboxID']}").status_code == 204
             again = api.post("/sandboxes", json={"templateID": "base"})
             assert again.status_code == 201, again.text
+    finally:
+        node.stop()
+    assert leaks(prefix, node.home) == []
+
+
+def test_a_warm_pool_gives_its_room_to_a_waiting_create(tmp_path: Path) -> None:
+    """The warm pool never takes capacity users need: at capacity with a pooled sandbox,
+    a create is served (the pooled sandbox gives up its room) instead of waiting out its
+    queue time for a 429."""
+    prefix = f"w{os.getpid() % 4096:03x}"
+    node = Node(tmp_path / "home", prefix, f"10.{120 + os.getpid() % 20}.0.0/16",
+                AENV_MAX_SANDBOXES="2", AENV_WARM_POOL_SIZE="1",
+                AENV_ADMISSION_QUEUE_TIMEOUT_S="20")
+    node.start()
+    try:
+        with node.client() as api:
+            first = api.post("/sandboxes", json={"templateID": "base"})
+            assert first.status_code == 201, first.text
+            deadline = time.monotonic() + 60
+            while api.get("/cluster/status").json().get("bootImages", {}).get(
+                    "pooled", {}).get("base", 0) < 1:
+                assert time.monotonic() < deadline, api.get("/cluster/status").json()
+                time.sleep(0.2)
+            # The node is full: one sandbox and one pooled. Another create still fits.
+            t0 = time.monotonic()
+            second = api.post("/sandboxes", json={"templateID": "base"})
+            assert second.status_code == 201, second.text
+            print(f"a create at capacity with a pooled sandbox: {time.monotonic() - t0:.1f} s")
+            with sdk_env(node.e2b_env()):
+                sbx = Sandbox.connect(second.json()["sandboxID"])
+                assert sbx.commands.run("echo ok").stdout == "ok\n"
+            assert len(api.get("/sandboxes").json()) == 2
+            assert httpx.get(node.url + "/health").status_code == 200
     finally:
         node.stop()
     assert leaks(prefix, node.home) == []

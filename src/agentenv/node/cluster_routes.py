@@ -69,4 +69,5 @@ async def status(request: Request) -> dict[str, Any]:
     body = node_status(mgr, cfg.advertise_url or f"http://{cfg.host}:{cfg.port}").to_dict()
     body["peer"] = getattr(mgr.snapshots.repo, "stats", None)
     body["admission"] = mgr.admission.stats()
+    body["bootImages"] = mgr.boot_images.stats() if mgr.boot_images is not None else None
     return body

@@ -72,6 +72,8 @@ class Host(Protocol):
 
     def active_count(self) -> int: ...
 
+    def creates_waiting(self) -> int: ...
+
 
 class BootImages:
     def __init__(self, manager: Host, pool_size: int = 0):
@@ -85,6 +87,7 @@ class BootImages:
         self._building: dict[str, asyncio.Task] = {}
         self._pool: dict[str, list[PooledSandbox]] = {}
         self._refilling: dict[str, asyncio.Task] = {}
+        self._shedding: dict[str, asyncio.Task] = {}  # members given up for room
         self._closed = False
         # Called when a capture or a refill ends (the slot it held may be free).
         self.on_freed: Callable[[], None] = lambda: None
@@ -251,7 +254,7 @@ class BootImages:
         m = self.manager
         members = self._pool.setdefault(template.template_id, [])
         while not self._closed and len(members) < self.pool_size:
-            if m.active_count() + self.pooled() >= m.config.max_sandboxes:
+            if m.active_count() + self.pooled() >= m.config.max_sandboxes or m.creates_waiting():
                 return  # the pool never takes capacity users need
             try:
                 image = await self.image(template)
@@ -303,7 +306,31 @@ class BootImages:
     def slots_held(self) -> int:
         """Slots this holds outside any record, at most: one per image being captured
         and per pool refill under way, and the pooled sandboxes'."""
-        return len(self._building) + len(self._refilling) + self.pooled()
+        return len(self._building) + len(self._refilling) + self.pooled() + len(self._shedding)
+
+    def shed(self) -> bool:
+        """Give a pooled sandbox's room to a create that waits for room (the pool never
+        takes capacity users need): a member of the largest pool is destroyed, its slot
+        still counted until it is gone, then ``on_freed``. True if room is coming."""
+        if self._shedding:
+            return True  # one at a time: the waiter is woken when it is gone
+        members = max(self._pool.values(), key=len, default=[])
+        if not members:
+            return False
+        member = members.pop()
+        task = asyncio.create_task(self._destroy(member), name=f"shed-{member.sandbox_id}")
+        self._shedding[member.sandbox_id] = task
+        task.add_done_callback(lambda _: self._shedding.pop(member.sandbox_id, None))
+        task.add_done_callback(lambda _: self.on_freed())
+        return True
+
+    async def _destroy(self, member: PooledSandbox) -> None:
+        m = self.manager
+        try:
+            await m.runtime.destroy(member.sandbox_id)
+        except Exception:
+            log.exception("destroying pooled sandbox %s failed", member.sandbox_id)
+        await m.slots.release(member.slot)
 
     def pooled(self) -> int:
         return sum(len(v) for v in self._pool.values())
@@ -319,9 +346,8 @@ class BootImages:
             task.cancel()
         await asyncio.gather(*self._building.values(), *self._refilling.values(),
                              return_exceptions=True)
-        m = self.manager
+        await asyncio.gather(*self._shedding.values(), return_exceptions=True)
         for members in self._pool.values():
             for member in members:
-                await m.runtime.destroy(member.sandbox_id)
-                await m.slots.release(member.slot)
+                await self._destroy(member)
         self._pool.clear()

@@ -153,6 +153,10 @@ class ManagerCore:
     def list(self) -> builtins.list[SandboxRecord]:
         return [r for r in self._records.values() if r.state is not SandboxState.KILLED]
 
+    def creates_waiting(self) -> int:
+        """Creates queued for room (admission.py)."""
+        return self.admission.waiting
+
     def active_count(self) -> int:
         """Sandboxes holding node resources (paused ones hold none)."""
         return sum(1 for r in self._records.values()
@@ -210,6 +214,8 @@ class ManagerCore:
         if self.boot_images is not None:  # captures of boot images, pooled sandboxes
             busy += self.boot_images.slots_held()
         if busy + reserved >= cap:
+            if self.boot_images is not None and self.boot_images.shed():
+                return "a warm-pool sandbox is giving up its room"
             return (f"node is at capacity ({cap} sandboxes, counting those whose slots "
                     "are being released)")
         limit = self._max_starting
