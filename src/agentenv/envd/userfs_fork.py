@@ -56,15 +56,15 @@ def _child_main(sock: socket.socket, uid: int, gid: int, groups: list[int]) -> N
         # (both normally loaded in envd already: prepare_forks).
         libc = _libc()
         from .userfs_ops import WorkerServer
-        # Not dumpable before it is the user's: no process of theirs may ptrace it
-        # or read its memory (a copy of envd's, access token included).
-        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
         if os.geteuid() == 0:
             os.setgroups(groups)
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
         elif os.geteuid() != uid:
             raise PermissionError(errno.EPERM, "envd is not root")
+        # Not dumpable, after the credentials change (which may reset it): no process
+        # of the user's may ptrace it or read its memory (a copy of envd's).
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
         os.chdir("/")
         WorkerServer(sock, libc).serve()
     except BaseException as e:  # the child must never unwind into envd
