@@ -5,7 +5,9 @@ At each step (every ``--step`` sandboxes up to ``--max``) it prints and records:
 - host memory per idle sandbox: PSS over all processes in the sandboxes' memory
   cgroups (sentry, gofer, systrap stubs), each address space once (systrap stubs of
   one guest process share an mm and each reports it whole: ``kcmp(KCMP_VM)`` finds
-  them), and the naive per-process sum as earlier benchmarks added it up;
+  them), and the naive per-process sum as earlier benchmarks added it up; and the
+  memory cgroups' own counts: the sentry's memory file (guest anonymous memory and
+  tmpfs) and runsc's own anonymous memory (sentry and gofer heaps);
 - idle CPU of all sandboxes (the node's cpuacct cgroup) over ``--window`` seconds;
 - the node API's p50 (``GET /sandboxes/{id}``) and the exec round trip of one sandbox
   (the first command after the idle window apart: it thaws a frozen sandbox);
@@ -75,6 +77,28 @@ def cgroup_pss(cgroup: str) -> tuple[int, int, int]:
                 firsts.append(pid)
                 dedup += size
     return dedup, naive, count
+
+
+def cgroup_memory(cgroup: str) -> tuple[int, int, int]:
+    """(memory file bytes, Go/runsc anonymous bytes, sandboxes) over every sandbox cgroup
+    below ``cgroup``: the memory cgroup's own counts (``total_shmem`` is the sentry's
+    memory file, which holds the guest's anonymous memory and tmpfs; ``total_rss`` the
+    sentry's and gofer's own heaps), what PSS cannot see of pages no process maps."""
+    shmem = rss = count = 0
+    root = CG / "memory" / cgroup
+    for child in root.iterdir() if root.is_dir() else []:
+        stat = child / "memory.stat"
+        if not stat.is_file():
+            continue
+        count += 1
+        with contextlib.suppress(OSError, ValueError):
+            for line in stat.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "total_shmem":
+                    shmem += int(value)
+                elif key == "total_rss":
+                    rss += int(value)
+    return shmem, rss, count
 
 
 def cpu_ns(cgroup: str) -> int:
@@ -216,6 +240,7 @@ def base_rootfs() -> Path:
 
 
 def main() -> None:
+    global PREFIX
     ap = argparse.ArgumentParser()
     ap.add_argument("--max", type=int, default=300)
     ap.add_argument("--step", type=int, default=50)
@@ -229,7 +254,11 @@ def main() -> None:
                     help="the node's default capacity (derived from the host), not max + 8")
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--name", default="density")
+    ap.add_argument("--cidr", default=CIDR,
+                    help="the node's slot addresses (a /16 no other node on the host uses)")
+    ap.add_argument("--prefix", default=PREFIX, help="the node's netns/cgroup name prefix")
     args = ap.parse_args()
+    PREFIX = args.prefix
 
     env = {"AENV_NET_POOL_LOW": "8", "AENV_NET_POOL_HIGH": "16"}
     if not args.host_capacity:
@@ -237,7 +266,7 @@ def main() -> None:
     if args.idle_freeze_s is not None:
         env["AENV_IDLE_FREEZE_S"] = str(args.idle_freeze_s)
     home = Path(tempfile.mkdtemp(prefix="aenv-density-"))
-    node = Node(home, PREFIX, CIDR, **env)
+    node = Node(home, PREFIX, args.cidr, **env)
     floor_out = None if args.no_floor else floor(args.window, base_rootfs())
     print("floor:", floor_out, flush=True)
     node.start()
@@ -264,6 +293,9 @@ def main() -> None:
                 dedup, naive, count = cgroup_pss(PREFIX)
                 row["pss_MiB_per_sandbox"] = round(dedup / max(count, 1) / MIB, 1)
                 row["pss_naive_MiB_per_sandbox"] = round(naive / max(count, 1) / MIB, 1)
+                shmem, rss, count = cgroup_memory(PREFIX)
+                row["memfile_MiB_per_sandbox"] = round(shmem / max(count, 1) / MIB, 1)
+                row["runsc_anon_MiB_per_sandbox"] = round(rss / max(count, 1) / MIB, 1)
                 row["mem_available_GiB"] = round(mem_available() / (1 << 30), 1)
                 row["frozen"] = frozen_count(api)
                 row["api_p50_ms"] = api_p50(api, probe)
@@ -291,6 +323,7 @@ def main() -> None:
 def report(args: argparse.Namespace, floor_out: dict | None, unloaded: dict, rows: list[dict],
            answered: int, total: int, failures: list[str], left: list[str]) -> None:
     cols = ["sandboxes", "ramp_s", "pss_MiB_per_sandbox", "pss_naive_MiB_per_sandbox",
+            "memfile_MiB_per_sandbox", "runsc_anon_MiB_per_sandbox",
             "idle_cpu_pct", "frozen", "api_p50_ms", "exec_first_ms", "exec_p50_ms",
             "mem_available_GiB", "failures"]
     text = (f"## Density: idle `base` sandboxes (step {args.step}, max {args.max}, "

@@ -305,3 +305,45 @@ def test_fifo_planted_by_the_user_does_not_hang_envd(node: Node) -> None:
         assert sbx.commands.run("echo alive", timeout=15).stdout == "alive\n"
     finally:
         sbx.kill()
+
+
+# -- issue 17: what an idle sandbox holds of envd's; a worker is the user's, sealed -----
+# envd's processes: those started through the bundle's loader (argv[0] /.aenv/lib/...).
+_ENVD_PIDS = ("for p in /proc/[0-9]*; do [ \"$(head -c 11 $p/cmdline 2>/dev/null)\" = "
+              "/.aenv/lib/ ] && echo ${p#/proc/}; done; true")
+
+
+_PEEK = """
+import sys
+pid = sys.argv[1]
+heap = [ln for ln in open(f"/proc/{pid}/maps") if "[heap]" in ln][0].split("-")[0]
+try:
+    with open(f"/proc/{pid}/mem", "rb") as f:
+        f.seek(int(heap, 16))
+        print("readable" if f.read(4096) else "empty")
+except PermissionError:
+    print("sealed")
+"""
+
+
+def test_an_idle_sandbox_runs_envd_alone_and_a_file_worker_is_sealed(node: Node) -> None:
+    sandbox = Sandbox.create(template="base", timeout=120)
+    try:
+        # Fresh: envd (pid 1) and nothing else of its own (no start-up zygote, which
+        # held ~12 MiB of every idle sandbox's memory).
+        assert _root(sandbox, _ENVD_PIDS).split() == ["1"]
+        sandbox.files.write("/home/user/w.txt", "x", user="user")
+        workers = [p for p in _root(sandbox, _ENVD_PIDS).split() if p != "1"]
+        assert len(workers) == 1, workers
+        pid = workers[0]
+        status = _root(sandbox, f"cat /proc/{pid}/status")
+        uid = sandbox.commands.run("id -u", user="user").stdout.strip()
+        assert f"Uid:\t{uid}\t{uid}\t{uid}" in status, status
+        # A copy of envd's memory (its access token among it): the user whose
+        # worker it is may not read it.
+        sandbox.files.write("/tmp/peek.py", _PEEK)
+        out = sandbox.commands.run(f"python3 /tmp/peek.py {pid}", user="user")
+        assert out.stdout.strip() == "sealed", out.stdout
+        assert sandbox.files.read("/home/user/w.txt", user="user") == "x"
+    finally:
+        sandbox.kill()

@@ -39,13 +39,6 @@ def main(argv: list[str] | None = None) -> None:
         from .bootid import prepare
 
         prepare()
-    if os.geteuid() == 0:
-        # File operations run in per-user workers forked from this small process
-        # (see userfs_fork), forked now, before the heavy imports make envd big.
-        from .userfs_fork import start_zygote
-
-        start_zygote()
-        marks.append(("zygote", _since_process_start()))
     from .protos import ensure_importable
 
     ensure_importable()
@@ -60,14 +53,13 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(state)
 
     marks.append(("app", _since_process_start()))
-    import uvicorn
-
-    config = uvicorn.Config(
+    Config, Server = _uvicorn_core()
+    config = Config(
         app, host=args.host, port=args.port, http="h11", loop="none", lifespan="off",
         ws="none", interface="asgi3", log_level=args.log_level.lower(), access_log=False,
         server_header=False, date_header=False, timeout_keep_alive=75,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     marks.append(("imports and app", _since_process_start()))
 
     async def serve() -> None:
@@ -82,10 +74,9 @@ def main(argv: list[str] | None = None) -> None:
             start_sudo_broker(registry.children)
         print("envd start-up ms: " + ", ".join(f"{k} {v:.0f}" for k, v in marks),
               file=sys.stderr, flush=True)
-        if os.geteuid() == 0:
-            from .userfs_fork import warm_zygote
+        from .userfs_fork import prepare_forks
 
-            loop.call_later(0.2, warm_zygote)  # after the node's first requests
+        loop.call_later(0.2, prepare_forks)  # after the node's first requests
         guard = guard_from_env()
         guard_task = asyncio.create_task(guard.run()) if guard else None
         try:
@@ -102,6 +93,26 @@ def main(argv: list[str] | None = None) -> None:
     with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(
             selectors.PollSelector())) as runner:
         runner.run(serve())
+
+
+def _uvicorn_core():
+    """uvicorn's ``Config`` and ``Server`` without running its package ``__init__``,
+    which imports its command line (click, the multiprocessing supervisors): ~2.5 MB
+    of every idle envd's memory for code envd never runs."""
+    import importlib.util
+
+    if "uvicorn" not in sys.modules:
+        spec = importlib.util.find_spec("uvicorn")
+        if spec is None:
+            raise ImportError("uvicorn is not installed")
+        sys.modules["uvicorn"] = importlib.util.module_from_spec(spec)  # not executed
+    from uvicorn.config import Config
+    from uvicorn.server import Server
+
+    # `from uvicorn import Config` (uvicorn.lifespan) reads the package's attribute.
+    package = sys.modules["uvicorn"]
+    package.Config, package.Server = Config, Server
+    return Config, Server
 
 
 def _listen(host: str, port: int):

@@ -213,6 +213,7 @@ def _build_into(root: Path) -> dict:
         info = _dist_info_dir(dist)
         if info is not None:
             _copytree(info, site / info.name)
+    _pin_connectrpc_version(site / "connectrpc" / "_version.py")
     envd_src = Path(__file__).resolve().parent
     (site / "agentenv").mkdir()
     shutil.copy2(envd_src.parent / "__init__.py", site / "agentenv" / "__init__.py")
@@ -257,6 +258,17 @@ def _build_into(root: Path) -> dict:
         "packages": {d: _dist_version(d) for d in SITE_MODULES.values()},
         "libs": sorted(libs),
     }
+
+
+def _pin_connectrpc_version(path: Path) -> None:
+    """connectrpc reads its own version through ``importlib.metadata`` at import, which
+    imports email, zipfile and csv: ~2 MB of every idle envd's memory. The bundle holds
+    one known version, so it is written in as a constant (a file of another shape is
+    left alone)."""
+    expected = 'from importlib.metadata import version\n\n__version__ = version("connectrpc")\n'
+    if path.is_file() and path.read_text().endswith(expected):
+        version = _dist_version("connectrpc")
+        path.write_text(f'"""Pinned by the envd bundle."""\n\n__version__ = {version!r}\n')
 
 
 def _strip(*groups) -> None:

@@ -27,12 +27,14 @@ import os
 import re
 import shutil
 import stat
-import tarfile
 import threading
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from .asgi import HTTPError, body_chunks, read_small_body, send_response
+
+if TYPE_CHECKING:
+    import tarfile
 
 PREFIX = "/aenv/fs/"
 # Not the sandbox's own files: kernel views, devices, envd's bundle.
@@ -111,6 +113,8 @@ class _Exact(io.RawIOBase):
 
 def export_tar(paths: list[str], out: IO[bytes]) -> None:
     """A tar stream of ``paths`` (each entry alone: directories without their contents)."""
+    import tarfile  # here: only pauses need it, and it costs every idle envd ~0.4 MB
+
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for path in paths:
             try:
@@ -145,6 +149,8 @@ def _clear_way(target: str, member: tarfile.TarInfo) -> None:
 
 def import_tar(src: IO[bytes]) -> int:
     """Extract a tar stream made by export_tar over /, owners and modes kept."""
+    import tarfile
+
     count = 0
     with tarfile.open(fileobj=src, mode="r|") as tar:
         for member in tar:

@@ -41,8 +41,8 @@ from .userfs_protocol import MAX_FDS, MAX_FRAME, Refused, WorkerGone
 
 WORKERS_PER_USER = 2
 MAX_WORKERS = 8
-# A worker idle this long exits (each costs ~14 MB of sandbox memory under gVisor;
-# a new one is forked from the zygote in a few ms).
+# A worker idle this long exits (a copy-on-write fork of envd: it costs the pages
+# written while it lives; a new one is forked in a few ms).
 WORKER_IDLE_S = 30.0
 
 
