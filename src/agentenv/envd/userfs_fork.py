@@ -56,6 +56,9 @@ def _child_main(sock: socket.socket, uid: int, gid: int, groups: list[int]) -> N
         # (both normally loaded in envd already: prepare_forks).
         libc = _libc()
         from .userfs_ops import WorkerServer
+        # Not dumpable before the drop as well as after it: at no moment may a process
+        # of the user's attach to it while it holds a copy of envd's memory.
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
         if os.geteuid() == 0:
             os.setgroups(groups)
             os.setresgid(gid, gid, gid)
