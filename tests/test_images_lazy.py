@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +37,7 @@ PREFIX = f"z{os.getpid() % 4096:03x}"
 CIDR = free_cidr(102, 18, os.getpid())  # 10.102-10.119: this file's band
 BUSYBOX = Path("/bin/busybox")
 BIG_MIB = 24
+BUDGET = 16 << 20  # the node's cache budget: smaller than /opt/big
 
 pytestmark = pytest.mark.skipif(not BUSYBOX.exists(), reason="needs busybox-static")
 
@@ -69,7 +72,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     bad_top = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
                          Entry("opt/x", b"x" * 1000)])
     bad_ref = registry.push("lazy/bad", "v1", build_image([base, bad_top], ["tar", "tar"]))
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy")
+    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
+                AENV_LOCAL_CACHE_BYTES=str(BUDGET))
     node.start()
     try:
         with sdk_env(node.e2b_env()):
@@ -103,8 +107,13 @@ def test_lazy_start_reads_on_demand(world: dict) -> None:
         assert before < 0.25 * world["image_bytes"], (before, world["image_bytes"])
         assert cached_bytes(node) < 0.25 * world["image_bytes"]
         assert sbx.commands.run("md5sum /opt/big").stdout.split()[0] == world["md5_big"]
-        assert cached_bytes(node) >= BIG_MIB << 20  # read in full now, and cached
-        # Read again (page cache or chunk cache): the same bytes.
+        # Past the budget: cold chunks go (the running sandbox's too), within a sweep.
+        deadline = time.monotonic() + 30
+        while "image chunks" not in node.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert re.search(r"evicted \d+ image chunks", node.log_path.read_text())
+        assert cached_bytes(node) < BIG_MIB << 20
+        # Read again (the page cache, or fetched again): the same bytes.
         assert sbx.commands.run("md5sum /opt/big").stdout.split()[0] == world["md5_big"]
         log = node.log_path.read_text()
         assert "converted for lazy loading" in log and "mounted lazily" in log
@@ -162,6 +171,22 @@ def test_index_outside_its_data_rejected(world: dict) -> None:
     assert "points outside its data" in str(exc.value), exc.value
     # Nothing of it was mounted, and the node goes on serving.
     assert len(mounted_under(lazy_root(node) / "mnt")) <= 2
+    sbx = Sandbox.create(template=f"docker://{world['ref']}", timeout=60)
+    try:
+        assert sbx.commands.run("cat /opt/hello").stdout == "hello lazily\n"
+    finally:
+        sbx.kill()
+
+
+def test_restart_after_crash_unmounts_stale_layers(world: dict) -> None:
+    node = world["node"]
+    before = mounted_under(lazy_root(node) / "mnt")
+    assert before
+    node.kill9()  # its layer servers outlive it, mounted
+    assert mounted_under(lazy_root(node) / "mnt") == before
+    node.start()
+    assert mounted_under(lazy_root(node) / "mnt") == []  # stale: no sandbox survived
+    assert "removing stale lazy layer mount" in node.log_path.read_text()
     sbx = Sandbox.create(template=f"docker://{world['ref']}", timeout=60)
     try:
         assert sbx.commands.run("cat /opt/hello").stdout == "hello lazily\n"

@@ -116,7 +116,8 @@ class ImageService:
         try:
             image = source.resolve()
             compressed = sum(layer.size for layer in image.layers)
-            if compressed > self.store.budget:
+            # Lazily loaded, nothing of a layer must fit at once: chunks come and go.
+            if self.lazy is None and compressed > self.store.budget:
                 raise CacheTooSmall(f"image needs at least {compressed} bytes; the image cache "
                                     f"budget is {self.store.budget} (local_cache_bytes)")
             emit({"status": "resolved", "manifestDigest": image.manifest_digest,
