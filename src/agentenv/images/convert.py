@@ -28,7 +28,10 @@ from agentenv.snapshot.repository import Repository
 from .errors import HostileInput
 from .unpack import CHUNK, OPAQUE, WHITEOUT, _Compressed, _Pipelined, _Tar, clean_name
 
-IN_FLIGHT = 16  # chunks compressed and stored at once (bounds memory)
+# Chunks compressed and stored at once: zstd frees the GIL and a posix_fs write waits
+# on its fsync, so more writers than cores pay; the bound keeps memory small.
+THREADS = 6
+IN_FLIGHT = 32
 LEASE_TTL_S = 600.0
 GC_WAIT_S = 300.0
 
@@ -40,7 +43,8 @@ class _Uploader:
         self.repo = repo
         self.known: set[str] = set()
         self.stored_bytes = 0
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="layer-chunks")
+        self.written: list[str] = []
+        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="layer-chunks")
         self._slots = threading.Semaphore(IN_FLIGHT)
         self._futures: list[Future] = []
 
@@ -59,6 +63,7 @@ class _Uploader:
                 blob = compress(data)
                 self.repo.put_chunk(d, blob)
                 self.stored_bytes += len(blob)
+                self.written.append(d)
         finally:
             self._slots.release()
 
@@ -124,6 +129,9 @@ def _convert(chunks: Iterator[bytes], repo: Repository, layer_hex: str, *, diges
         raise HostileInput(f"{what}: uncompressed digest {tar_digest} does not match the "
                            f"config's diff ID {diff_id}")
     index = LayerIndex(got, tar_digest, builder.entries)
+    sync = getattr(repo, "sync_chunks", None)  # posix_fs: the chunks' directory entries
+    if sync is not None:
+        sync(uploader.written)
     # Last, as a snapshot's manifest: an index that exists names only stored chunks.
     repo.put_object(key_of(layer_hex), index.dump())
     return index

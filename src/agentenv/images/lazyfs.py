@@ -22,7 +22,7 @@ import os
 import stat
 import sys
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import pyfuse3
@@ -62,6 +62,7 @@ class LazyLayerFS(pyfuse3.Operations):
         self._offsets: dict[int, list[int]] = {}
         self._memory: OrderedDict[str, bytes] = OrderedDict()
         self.fetched = 0  # bytes (as stored) read from the repository
+        self.calls: Counter[str] = Counter()  # requests served, logged at the end
 
     def _entry(self, inode: int) -> Entry:
         i = inode - ROOT
@@ -87,6 +88,7 @@ class LazyLayerFS(pyfuse3.Operations):
         return a
 
     async def lookup(self, parent_inode, name, ctx=None):
+        self.calls["lookup"] += 1
         ino = self.children.get(parent_inode, {}).get(bytes(name))
         if ino is None:
             if name == b".":
@@ -99,6 +101,7 @@ class LazyLayerFS(pyfuse3.Operations):
         return self._attr(ino)
 
     async def getattr(self, inode, ctx=None):
+        self.calls["getattr"] += 1
         return self._attr(inode)
 
     async def readlink(self, inode, ctx):
@@ -108,6 +111,7 @@ class LazyLayerFS(pyfuse3.Operations):
         return os.fsencode(e.link)
 
     async def opendir(self, inode, ctx):
+        self.calls["opendir"] += 1
         if self._entry(inode).type != "d":
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
@@ -120,6 +124,7 @@ class LazyLayerFS(pyfuse3.Operations):
                 return
 
     async def open(self, inode, flags, ctx):
+        self.calls["open"] += 1
         if self._entry(inode).type != "f":
             raise pyfuse3.FUSEError(errno.EINVAL)
         if flags & (os.O_WRONLY | os.O_RDWR):
@@ -127,6 +132,7 @@ class LazyLayerFS(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     async def read(self, fh, off, size):
+        self.calls["read"] += 1
         e = self._entry(fh)
         if off >= e.size or size <= 0:
             return b""
@@ -237,7 +243,8 @@ def main() -> None:
     finally:
         pyfuse3.close(unmount=False)
         repo.close()
-        log.info("lazyfs %s: unmounted; %d bytes fetched from the repository", name, fs.fetched)
+        log.info("lazyfs %s: unmounted; %d bytes fetched from the repository; requests: %s",
+                 name, fs.fetched, dict(fs.calls))
 
 
 if __name__ == "__main__":
