@@ -178,6 +178,22 @@ def test_index_outside_its_data_rejected(world: dict) -> None:
         sbx.kill()
 
 
+def test_dead_layer_server_is_replaced(world: dict) -> None:
+    node = world["node"]
+    Sandbox.create(template=f"docker://{world['ref']}", timeout=60).kill()  # layers mounted
+    pids = subprocess.run(["pgrep", "-f", f"agentenv.images.lazyfs {lazy_root(node)}"],
+                          capture_output=True, text=True).stdout.split()
+    assert len(pids) == 2
+    os.kill(int(pids[0]), 9)  # one of this node's layer servers dies
+    sbx = Sandbox.create(template=f"docker://{world['ref']}", timeout=60)
+    try:
+        assert sbx.commands.run("cat /opt/hello; md5sum /opt/big").stdout.split()[:3] == [
+            "hello", "lazily", world["md5_big"]]
+    finally:
+        sbx.kill()
+    assert "died; mounting its rootfs again" in node.log_path.read_text()
+
+
 def test_restart_after_crash_unmounts_stale_layers(world: dict) -> None:
     node = world["node"]
     before = mounted_under(lazy_root(node) / "mnt")

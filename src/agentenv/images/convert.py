@@ -37,33 +37,39 @@ GC_WAIT_S = 300.0
 
 
 class _Uploader:
-    """Compresses and stores new chunks beside the tar reading (zstd frees the GIL)."""
+    """Hashes, compresses and stores chunks beside the tar reading (blake3 and zstd free
+    the GIL); a chunk's digest is known once its future is done."""
 
     def __init__(self, repo: Repository):
         self.repo = repo
-        self.known: set[str] = set()
         self.stored_bytes = 0
         self.written: list[str] = []
+        self._claimed: set[str] = set()
+        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="layer-chunks")
         self._slots = threading.Semaphore(IN_FLIGHT)
         self._futures: list[Future] = []
 
-    def add(self, data: bytes) -> str:
-        d = digest(data)
-        if d == ZERO or d in self.known:
-            return d
-        self.known.add(d)
+    def add(self, data: bytes) -> Future:
         self._slots.acquire()
-        self._futures.append(self._pool.submit(self._put, d, data))
-        return d
+        future = self._pool.submit(self._put, data)
+        self._futures.append(future)
+        return future
 
-    def _put(self, d: str, data: bytes) -> None:
+    def _put(self, data: bytes) -> str:
         try:
+            d = digest(data)
+            with self._lock:
+                if d == ZERO or d in self._claimed:
+                    return d
+                self._claimed.add(d)
             if not self.repo.has_chunk(d):
                 blob = compress(data)
                 self.repo.put_chunk(d, blob)
-                self.stored_bytes += len(blob)
-                self.written.append(d)
+                with self._lock:
+                    self.stored_bytes += len(blob)
+                    self.written.append(d)
+            return d
         finally:
             self._slots.release()
 
@@ -128,6 +134,8 @@ def _convert(chunks: Iterator[bytes], repo: Repository, layer_hex: str, *, diges
     if diff_id and tar_digest != diff_id:
         raise HostileInput(f"{what}: uncompressed digest {tar_digest} does not match the "
                            f"config's diff ID {diff_id}")
+    for entry in builder.entries.values():  # the workers are done: digests, not futures
+        entry.chunks = [(f.result(), n) for f, n in entry.chunks]  # type: ignore[attr-defined]
     index = LayerIndex(got, tar_digest, builder.entries)
     sync = getattr(repo, "sync_chunks", None)  # posix_fs: the chunks' directory entries
     if sync is not None:
@@ -203,11 +211,14 @@ class _Builder:
         if member.isreg():
             entry = new("f", size=member.size, xattrs=_xattrs(member))
             data = tar.extractfile(member)
-            if data is not None and member.size:
+            if data is not None and 0 < member.size <= MAX_SIZE:
+                whole = data.read()  # one chunk (most files): no cutting
+                entry.chunks.append((up.add(whole), len(whole)))  # type: ignore[arg-type]
+            elif data is not None and member.size:
                 cdc = FastCDC(AVG_SIZE, min_size=MIN_SIZE, max_size=MAX_SIZE)
                 for piece in cdc.cut_stream(data):
                     chunk = bytes(piece.data)
-                    entry.chunks.append((up.add(chunk), len(chunk)))
+                    entry.chunks.append((up.add(chunk), len(chunk)))  # type: ignore[arg-type]
             if sum(n for _, n in entry.chunks) != member.size:
                 raise HostileInput(f"{self.what}: entry {member.name[:200]!r} is truncated")
         elif member.issym():

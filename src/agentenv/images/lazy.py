@@ -131,7 +131,7 @@ class LazyLayers:
         """The layer's FUSE mount, started when it is not up."""
         point = self.mnt_dir / h
         with self.layer_lock(h):
-            if os.path.ismount(point):
+            if self.served(h):
                 return point
             if mounted_under(point):  # its server died: the mount answers nothing
                 log.warning("images: lazy layer %s lost its server; mounting it again", h[:12])
@@ -163,6 +163,16 @@ class LazyLayers:
                 self._procs[h] = proc
             log.info("images: layer %s mounted lazily (pid %d)", h[:12], proc.pid)
             return point
+
+    def served(self, h: str) -> bool:
+        """The layer is mounted and its server answers: statfs always asks the server
+        (a stat may be answered from the kernel's cached attributes)."""
+        point = self.mnt_dir / h
+        try:
+            os.statvfs(point)
+        except OSError:
+            return False
+        return os.path.ismount(point)
 
     # -- the chunk cache -------------------------------------------------------------
 

@@ -59,6 +59,7 @@ class LazyLayerFS(pyfuse3.Operations):
             if p:
                 parent, _, base = p.rpartition("/")
                 self.children.setdefault(self.inode_of[parent], {})[os.fsencode(base)] = ino
+        self.listing = {ino: sorted(names.items()) for ino, names in self.children.items()}
         self._offsets: dict[int, list[int]] = {}
         self._memory: OrderedDict[str, bytes] = OrderedDict()
         self.fetched = 0  # bytes (as stored) read from the repository
@@ -117,7 +118,7 @@ class LazyLayerFS(pyfuse3.Operations):
         return inode
 
     async def readdir(self, fh, start_id, token):
-        names = sorted(self.children.get(fh, {}).items())
+        names = self.listing.get(fh, [])
         for i in range(start_id, len(names)):
             name, ino = names[i]
             if not pyfuse3.readdir_reply(token, name, self._attr(ino), i + 1):

@@ -269,6 +269,11 @@ class ImageService:
                 cache_lookup("image", hit=not missing)
                 if missing:
                     self._refetch(template, info, missing)
+                if self.lazy is not None and os.path.ismount(template.rootfs) and \
+                        not all(self.lazy.served(h) for h in hexes):
+                    log.warning("images: a layer server of %s died; mounting its rootfs again",
+                                template.template_id)
+                    unmount(template.rootfs)
                 if not os.path.ismount(template.rootfs):
                     lowers = hexes if self.lazy is None else \
                         [str(self.lazy.mount(h)) for h in hexes]
