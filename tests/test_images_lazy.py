@@ -23,7 +23,7 @@ from agentenv.images.mounts import mounted_under
 from agentenv.snapshot.chunking import compress
 from agentenv.snapshot.layer_index import Entry as IndexEntry
 from agentenv.snapshot.layer_index import LayerIndex, key_of, load
-from agentenv.testing import Node, free_cidr, leaks, sdk_env
+from agentenv.testing import Node, free_cidr, leaks, sdk_env, serving
 from agentenv.testing.oci_registry import (
     DEFAULT_PATH,
     Entry,
@@ -38,6 +38,8 @@ CIDR = free_cidr(102, 18, os.getpid())  # 10.102-10.119: this file's band
 BUSYBOX = Path("/bin/busybox")
 BIG_MIB = 24
 BUDGET = 16 << 20  # the node's cache budget: smaller than /opt/big
+
+from test_snapshot_store import S3Server  # noqa: E402  (moto's S3 server, as the oss tests)
 
 pytestmark = pytest.mark.skipif(not BUSYBOX.exists(), reason="needs busybox-static")
 
@@ -72,12 +74,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     bad_top = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
                          Entry("opt/x", b"x" * 1000)])
     bad_ref = registry.push("lazy/bad", "v1", build_image([base, bad_top], ["tar", "tar"]))
+    # A small one for the S3 repository (moto is slow per request).
+    small = os.urandom(1 << 20)
+    small_ref = registry.push("lazy/small", "v1", build_image([base, tar_layer([
+        Entry("opt/", type=tarfile.DIRTYPE, mode=0o755), Entry("opt/small", small)])],
+        ["gzip", "gzip"]))
     node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
                 AENV_LOCAL_CACHE_BYTES=str(BUDGET))
     node.start()
     try:
         with sdk_env(node.e2b_env()):
             yield {"node": node, "ref": ref, "bad_ref": bad_ref, "bad_top": bad_top,
+                   "small_ref": small_ref, "md5_small": hashlib.md5(small).hexdigest(),
                    "md5_big": hashlib.md5(big).hexdigest(), "image_bytes": len(base) +
                    len(data), "other": other}
     finally:
@@ -176,6 +184,38 @@ def test_index_outside_its_data_rejected(world: dict) -> None:
         assert sbx.commands.run("cat /opt/hello").stdout == "hello lazily\n"
     finally:
         sbx.kill()
+
+
+def test_oss_repository_and_a_second_node(world: dict, tmp_path: Path) -> None:
+    """Two nodes on one S3-compatible repository: the first converts the image, the
+    second starts it from the repository's index and chunks alone."""
+    s3 = S3Server()
+    s3.start()
+    try:
+        for name in ("key-id", "secret"):
+            (tmp_path / name).write_text("test")
+            os.chmod(tmp_path / name, 0o600)
+        repo = {"AENV_SNAPSHOT_BACKEND": "oss", "AENV_SNAPSHOT_ENDPOINT_URL": s3.url,
+                "AENV_SNAPSHOT_BUCKET": s3.new_bucket(), "AENV_SNAPSHOT_PREFIX": "shared",
+                "AENV_SNAPSHOT_REGION": "us-east-1",
+                "AENV_SNAPSHOT_ACCESS_KEY_ID_FILE": str(tmp_path / "key-id"),
+                "AENV_SNAPSHOT_SECRET_ACCESS_KEY_FILE": str(tmp_path / "secret"),
+                # No boot image (a capture committed to moto would take most of the time).
+                "AENV_IMAGE_LOADING": "lazy", "AENV_TEMPLATE_SNAPSHOTS": "false"}
+        for i in (1, 2):
+            node = Node(tmp_path / f"node{i}", f"{PREFIX[:-1]}o{i}",
+                        free_cidr(102, 18, os.getpid() + i), **repo)
+            with serving(node):
+                sbx = Sandbox.create(template=f"docker://{world['small_ref']}", timeout=60)
+                try:
+                    out = sbx.commands.run("md5sum /opt/small")
+                    assert out.stdout.split()[0] == world["md5_small"]
+                finally:
+                    sbx.kill()
+                converted = "converted for lazy loading" in node.log_path.read_text()
+                assert converted == (i == 1)  # the second node read the first's index
+    finally:
+        s3.stop()
 
 
 def test_dead_layer_server_is_replaced(world: dict) -> None:
