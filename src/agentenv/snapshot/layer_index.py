@@ -145,6 +145,8 @@ def _entry(item: dict, what: str) -> tuple[str, Entry]:
     for name, value in xattrs.items():
         if not isinstance(name, str) or not isinstance(value, str) or len(value) > 65536:
             raise ValueError("bad xattr")
+        value.encode("latin-1")  # raw bytes, one per character (UnicodeError: refused)
+        name.encode()
         # Only whiteouts make overlay xattrs (a layer must not forge redirects).
         if name.startswith("trusted.overlay.") and (name != OPAQUE_XATTR or kind != "d"):
             raise BadLayerIndex(f"{what}: layer index entry {path[:200]!r} carries {name}")
