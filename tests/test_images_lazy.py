@@ -63,9 +63,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("images-lazy")
     big = os.urandom(BIG_MIB << 20)
     other = os.urandom(3 << 20)
+    unread = os.urandom(1 << 20)  # read first after a crash of the node
     data = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
                       Entry("opt/hello", b"hello lazily\n"),
-                      Entry("opt/big", big), Entry("opt/other", other)])
+                      Entry("opt/big", big), Entry("opt/other", other),
+                      Entry("opt/unread", unread)])
     registry = RegistryServer(tmp / "registry").start()
     base = busybox_layer()
     ref = registry.push("lazy/app", "v1", build_image(
@@ -86,6 +88,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         with sdk_env(node.e2b_env()):
             yield {"node": node, "ref": ref, "bad_ref": bad_ref, "bad_top": bad_top,
                    "small_ref": small_ref, "md5_small": hashlib.md5(small).hexdigest(),
+                   "md5_unread": hashlib.md5(unread).hexdigest(),
                    "md5_big": hashlib.md5(big).hexdigest(), "image_bytes": len(base) +
                    len(data), "other": other}
     finally:
@@ -234,14 +237,24 @@ def test_dead_layer_server_is_replaced(world: dict) -> None:
     assert "died; mounting its rootfs again" in node.log_path.read_text()
 
 
-def test_restart_after_crash_unmounts_stale_layers(world: dict) -> None:
+def test_restart_after_crash_keeps_live_layers_and_unmounts_stale_ones(world: dict) -> None:
     node = world["node"]
-    before = mounted_under(lazy_root(node) / "mnt")
-    assert before
-    node.kill9()  # its layer servers outlive it, mounted
-    assert mounted_under(lazy_root(node) / "mnt") == before
+    mnt = lazy_root(node) / "mnt"
+    sbx = Sandbox.create(template=f"docker://{world['ref']}", timeout=120)
+    before = mounted_under(mnt)
+    assert len(before) == 2
+    # A crash with a sandbox running: its layers' servers outlive the node and stay.
+    node.kill9()
     node.start()
-    assert mounted_under(lazy_root(node) / "mnt") == []  # stale: no sandbox survived
+    assert mounted_under(mnt) == before
+    out = sbx.commands.run("md5sum /opt/unread")  # never read before: fetched now
+    assert out.stdout.split()[0] == world["md5_unread"]
+    sbx.kill()
+    # A crash with none running: at the restart its layer mounts are stale and go.
+    node.kill9()
+    assert mounted_under(mnt) == before
+    node.start()
+    assert mounted_under(mnt) == []
     assert "removing stale lazy layer mount" in node.log_path.read_text()
     sbx = Sandbox.create(template=f"docker://{world['ref']}", timeout=60)
     try:
