@@ -2,7 +2,9 @@
 sandbox created from a never-seen image starts once the layers' indexes exist and
 reads file contents on demand through the layers' FUSE mounts; a corrupt chunk in
 the repository is refused (and read again once repaired); an index pointing outside
-its data is rejected; no mount or server outlives the node."""
+its data is rejected; a second node on a shared (S3) repository starts the image
+without converting it; crashes and dead servers are cleaned up; no mount or server
+outlives the node."""
 
 from __future__ import annotations
 
@@ -32,14 +34,13 @@ from agentenv.testing.oci_registry import (
     digest_of,
     tar_layer,
 )
+from test_snapshot_store import S3Server  # moto's S3 server, as the oss tests use it
 
 PREFIX = f"z{os.getpid() % 4096:03x}"
 CIDR = free_cidr(102, 18, os.getpid())  # 10.102-10.119: this file's band
 BUSYBOX = Path("/bin/busybox")
 BIG_MIB = 24
 BUDGET = 16 << 20  # the node's cache budget: smaller than /opt/big
-
-from test_snapshot_store import S3Server  # noqa: E402  (moto's S3 server, as the oss tests)
 
 pytestmark = pytest.mark.skipif(not BUSYBOX.exists(), reason="needs busybox-static")
 
