@@ -2,7 +2,8 @@
 # Installs the host packages agentenv needs: runsc from bookworm-backports,
 # iptables, mmdebstrap (base template), redis (cluster tests), docker-registry
 # (image tests), chromium (the web console's browser test), haproxy (the front of two
-# gateways in the cluster tests).
+# gateways in the cluster tests), fuse3 and libfuse3-dev (lazily loaded images, the
+# pyfuse3 binding).
 # Idempotent: does nothing when everything is already present.
 set -euo pipefail
 
@@ -15,6 +16,11 @@ command -v ip >/dev/null || need+=(iproute2)
 dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
 # An OCI registry (distribution) the image tests run on loopback.
 command -v docker-registry >/dev/null || need+=(docker-registry)
+# Lazily loaded images: FUSE (fusermount3) and what the pyfuse3 binding compiles against.
+command -v fusermount3 >/dev/null || need+=(fuse3)
+for p in libfuse3-dev pkg-config gcc python3-dev; do
+  dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
 # A real browser for the web console's test (tests/test_console.py, driven by Playwright).
 command -v chromium >/dev/null || need+=(chromium)
 # An HTTP front over two gateways (tests/test_cluster_gateways.py; deploy/haproxy.cfg).

@@ -108,6 +108,12 @@ class Config:
     build_log_max_bytes: int = 8 << 20
     # Bytes of one uploaded build context archive (a COPY's files); larger is a 413.
     build_context_max_bytes: int = 2 << 30
+    # How image templates get their files: "unpack" (every layer fetched and unpacked
+    # before the first sandbox) or "lazy" (each layer converted once into the snapshot
+    # repository's chunks and an index, then served read-only by a FUSE mount per
+    # layer: a sandbox starts once the indexes are here, file contents arrive on first
+    # read into the bounded cache). docs/lazy-images.md.
+    image_loading: str = "unpack"
     # Pulled images: unpacked layers live here (default <home>/cache/images).
     image_cache_dir: Path | None = None
     # One budget for the node-local cache: image layers and materialized snapshots
@@ -285,6 +291,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         cfg.domain = f"localhost:{cfg.port}"
     if cfg.net_pool_low > cfg.net_pool_high:
         raise ConfigError("net_pool_low must not exceed net_pool_high")
+    if cfg.image_loading not in ("unpack", "lazy"):
+        raise ConfigError("image_loading must be 'unpack' or 'lazy'")
     for name, low in (("max_cpu_count", MIN_CPU_COUNT), ("max_memory_mb", MIN_MEMORY_MB),
                       ("max_disk_mb", MIN_DISK_MB)):
         value = getattr(cfg, name)

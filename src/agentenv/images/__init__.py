@@ -12,6 +12,7 @@ from .errors import (
     RegistryAuthError,
     RegistryUnavailable,
 )
+from .lazy import LazyLayers
 from .mounts import mounted_under
 from .reference import parse_reference
 from .service import ImageService
@@ -21,7 +22,7 @@ from .unpack import unpack_layer
 
 __all__ = [
     "DEFAULT_MOUNTPOINTS", "BadReference", "CacheTooSmall", "HostileInput", "ImageError",
-    "ImageInUse", "ImageNotFound", "ImageService", "LayerStore", "PullCancelled",
+    "ImageInUse", "ImageNotFound", "ImageService", "LayerStore", "LazyLayers", "PullCancelled",
     "RegistryAuthError", "RegistryUnavailable", "mounted_under", "open_source",
     "parse_reference", "unpack_layer",
 ]

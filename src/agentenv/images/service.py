@@ -22,7 +22,9 @@ from pathlib import Path
 
 from ..metrics import EVICTIONS, cache_lookup
 from ..templates import ImageInfo, Template, TemplateNotFound, TemplateRegistry
+from .convert import convert_layer
 from .errors import BadReference, CacheTooSmall, ImageError, ImageInUse, ImageNotFound
+from .lazy import LazyLayers
 from .manifest import Image, Layer
 from .mounts import mount_layers, mounted_under, unmount
 from .reference import ArchiveRef, LayoutRef, parse_reference
@@ -39,8 +41,11 @@ Progress = Callable[[dict], None]
 class ImageService:
     def __init__(self, store: LayerStore, templates: TemplateRegistry, secrets_dir: Path,
                  in_use: Callable[[], set[str]] = set, pinned: Iterable[str] = (),
-                 local_sources_dir: Path | None = None):
+                 local_sources_dir: Path | None = None, lazy: LazyLayers | None = None):
         self.store = store
+        # Set (image_loading = "lazy"): layers are converted into the repository and
+        # served by FUSE mounts, never unpacked here.
+        self.lazy = lazy
         # When set, oci-layout:/docker-archive: paths must lie below it.
         self.local_sources_dir = local_sources_dir
         self.templates = templates
@@ -66,7 +71,8 @@ class ImageService:
         templates whose sandboxes survived it."""
         self.store.open()
         self.mounts_dir.mkdir(parents=True, exist_ok=True)
-        keep = {t.rootfs for t in self._image_templates() if t.template_id in set(keep_templates)}
+        kept = [t for t in self._image_templates() if t.template_id in set(keep_templates)]
+        keep = {t.rootfs for t in kept}
         for point in mounted_under(self.mounts_dir):
             if point not in keep:
                 log.info("images: removing stale rootfs mount %s", point)
@@ -74,11 +80,15 @@ class ImageService:
         for d in self.mounts_dir.iterdir():
             if d not in keep and not os.path.ismount(d):
                 shutil.rmtree(d, ignore_errors=True)
+        if self.lazy is not None:  # after the rootfs mounts above its layers are gone
+            self.lazy.start(keep={hex_of(d) for t in kept if t.image for d, _ in t.image.layers})
 
     def close(self) -> None:
         """Unmount every rootfs (the node's sandboxes are gone)."""
         for point in mounted_under(self.mounts_dir):
             unmount(point)
+        if self.lazy is not None:
+            self.lazy.close()
 
     # -- pull -----------------------------------------------------------------------
 
@@ -106,7 +116,8 @@ class ImageService:
         try:
             image = source.resolve()
             compressed = sum(layer.size for layer in image.layers)
-            if compressed > self.store.budget:
+            # Lazily loaded, nothing of a layer must fit at once: chunks come and go.
+            if self.lazy is None and compressed > self.store.budget:
                 raise CacheTooSmall(f"image needs at least {compressed} bytes; the image cache "
                                     f"budget is {self.store.budget} (local_cache_bytes)")
             emit({"status": "resolved", "manifestDigest": image.manifest_digest,
@@ -115,7 +126,7 @@ class ImageService:
         finally:
             source.close()
         unpacked = sum(self.store.size(hex_of(x.digest)) for x in image.layers)
-        if unpacked > self.store.budget:
+        if self.lazy is None and unpacked > self.store.budget:
             raise CacheTooSmall(f"image unpacks to {unpacked} bytes; the image cache budget is "
                                 f"{self.store.budget} (local_cache_bytes)")
         record = self._write_template(name, ref, image, credentials)
@@ -137,7 +148,7 @@ class ImageService:
         hexes = [hex_of(x.digest) for x in image.layers]
         self._hold(hexes)
         try:
-            missing = [x for x in image.layers if not self.store.has(hex_of(x.digest))]
+            missing = [x for x in image.layers if not self._have(hex_of(x.digest))]
             for layer in image.layers:
                 if layer not in missing:
                     emit({"status": "cached", "digest": layer.digest, "size": layer.size})
@@ -176,11 +187,38 @@ class ImageService:
                     progress=report, cancel=cancel)
 
         t0 = time.perf_counter()
+        if self.lazy is not None:
+            self._convert_layer(source, layer, report, cancel)
+            emit({"status": "done-layer", "digest": layer.digest, "size": layer.size,
+                  "seconds": round(time.perf_counter() - t0, 3)})
+            return
         self._make_room(need=layer.size)
         fetched = self.store.add(h, unpack, ref)
         emit({"status": "done-layer" if fetched else "cached", "digest": layer.digest,
               "size": layer.size, "unpacked": self.store.size(h),
               "seconds": round(time.perf_counter() - t0, 3)})
+
+    def _have(self, h: str) -> bool:
+        return self.lazy.has_index(h) if self.lazy is not None else self.store.has(h)
+
+    def _convert_layer(self, source: Source, layer: Layer, report: Callable[[int], None],
+                       cancel: threading.Event | None) -> None:
+        """Lazy loading: the layer read once into the repository's chunks and an index
+        (unless another node did it meanwhile)."""
+        assert self.lazy is not None
+        h = hex_of(layer.digest)
+        with self.lazy.layer_lock(h):
+            if self.lazy.has_index(h):
+                return
+            with source.layer(layer) as chunks:
+                index = convert_layer(
+                    chunks, self.lazy.repo, h,
+                    digest_=layer.digest if source.blob_digests else "",
+                    diff_id=layer.diff_id, declared_size=layer.size,
+                    what=f"layer {layer.digest[:19]}", progress=report, cancel=cancel)
+            self.lazy.keep_index(h, index)
+            log.info("images: layer %s converted for lazy loading (%d files, %d bytes)",
+                     h[:12], len(index.entries), index.file_bytes())
 
     def _write_template(self, name: str, ref: str, image: Image,
                         credentials: dict | None) -> dict:
@@ -227,12 +265,19 @@ class ImageService:
         with self._template_lock(info.manifest_digest):
             self._hold(hexes)
             try:
-                missing = [(d, s) for d, s in info.layers if not self.store.has(hex_of(d))]
+                missing = [(d, s) for d, s in info.layers if not self._have(hex_of(d))]
                 cache_lookup("image", hit=not missing)
                 if missing:
                     self._refetch(template, info, missing)
+                if self.lazy is not None and os.path.ismount(template.rootfs) and \
+                        not all(self.lazy.served(h) for h in hexes):
+                    log.warning("images: a layer server of %s died; mounting its rootfs again",
+                                template.template_id)
+                    unmount(template.rootfs)
                 if not os.path.ismount(template.rootfs):
-                    mount_layers(template.rootfs, self.store.layers_dir, hexes)
+                    lowers = hexes if self.lazy is None else \
+                        [str(self.lazy.mount(h)) for h in hexes]
+                    mount_layers(template.rootfs, self.store.layers_dir, lowers)
                     log.info("images: mounted rootfs of %s (%d layers)", template.template_id,
                              len(hexes))
                 self.store.touch(hexes)
@@ -265,7 +310,7 @@ class ImageService:
         out = []
         for t in self._image_templates():
             assert t.image is not None
-            cached = [self.store.has(hex_of(d)) for d, _ in t.image.layers]
+            cached = [self._have(hex_of(d)) for d, _ in t.image.layers]
             out.append({
                 "name": t.alias, "templateID": t.template_id, "image": t.image.source,
                 "manifestDigest": t.image.manifest_digest, "createdAt": t.created_at,

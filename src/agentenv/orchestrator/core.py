@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from ..config import Config
-from ..images import DEFAULT_MOUNTPOINTS, ImageError, ImageService, LayerStore
+from ..images import DEFAULT_MOUNTPOINTS, ImageError, ImageService, LayerStore, LazyLayers
 from ..network import Slot, SlotPool
 from ..resources import CPU, DISK, MEMORY
 from ..runtime import Runtime
@@ -136,7 +136,10 @@ class ManagerCore:
                        mountpoints=(*DEFAULT_MOUNTPOINTS, BUNDLE_MOUNT)), templates,
             config.secrets_dir, in_use=self._templates_in_use,
             pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
-            local_sources_dir=config.image_imports_dir)
+            local_sources_dir=config.image_imports_dir,
+            lazy=LazyLayers(config.images_cache_dir / "lazy", snapshots.repo,
+                            config.snapshot_repository())
+            if config.image_loading == "lazy" else None)
         # One budget for the node-local cache: image layers and materialized snapshots.
         self.local_cache = LocalCache(config.cache_budget(), self.image_cache, snapshots,
                                       pinned_snapshots=self._pinned_snapshots,

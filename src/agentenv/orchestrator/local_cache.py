@@ -13,6 +13,10 @@ passes the budget the least recently used of either kind go first, but never
 - anything in the repository or in staging: every snapshot entry here is a copy of
   a committed snapshot, fetched again on its next use.
 
+Chunks of lazily loaded layers (``image_loading = "lazy"``) are a third kind, by
+chunk, and nothing protects them: a layer's FUSE server fetches an evicted chunk
+again on its next read (a file already read stays in the kernel's page cache).
+
 Called from worker threads; one eviction pass at a time.
 """
 
@@ -42,9 +46,15 @@ class LocalCache:
         self._lock = threading.Lock()
         images.room = self.make_room
         snapshots.on_grow = self.make_room
+        if images.lazy is not None:
+            images.lazy.on_grow = self.make_room
+
+    def _chunks(self) -> list[tuple[float, str, int]]:
+        lazy = self.images.lazy
+        return lazy.chunk_entries() if lazy is not None else []
 
     def usage(self) -> dict:
-        layers = self.images.store.total()
+        layers = self.images.store.total() + sum(s for _, _, s in self._chunks())
         snaps = sum(size for _, size in self.snapshots.cache_entries().values())
         return {"bytes": layers + snaps, "budget": self.budget, "imageBytes": layers,
                 "snapshotBytes": snaps}
@@ -54,22 +64,29 @@ class LocalCache:
         what is protected allows)."""
         with self._lock:
             entries = self.snapshots.cache_entries()
-            total = self.images.store.total() + sum(s for _, s in entries.values()) + need
+            chunks = self._chunks()
+            total = self.images.store.total() + sum(s for _, s in entries.values()) + need + \
+                sum(s for _, _, s in chunks)
             if total <= self.budget:
                 return
             cutoff = time.time() - self.grace_s
             pinned = self.pinned_snapshots()
             candidates: list[tuple[float, str, str, int]] = [
                 (used, "layer", h, size) for used, h, size in self.images.evictable()]
+            candidates += [(used, "chunk", d, size) for used, d, size in chunks]
             candidates += [(used, "snapshot", sid, size) for sid, (used, size) in entries.items()
                            if used <= cutoff and sid not in pinned]
             candidates.sort()
             layers: list[str] = []
+            cold: list[str] = []
             for _, kind, key, size in candidates:
                 if total <= self.budget:
                     break
                 if kind == "layer":
                     layers.append(key)
+                    total -= size
+                elif kind == "chunk":
+                    cold.append(key)
                     total -= size
                 elif self.snapshots.evict_unused(key, cutoff):
                     log.info("node cache: evicted snapshot %s (LRU, over budget)", key)
@@ -77,3 +94,8 @@ class LocalCache:
                     total -= size
             if layers:
                 self.images.evict_layers(layers)
+            if cold and self.images.lazy is not None:
+                freed = self.images.lazy.evict_chunks(cold)
+                log.info("node cache: evicted %d image chunks, %d bytes (LRU, over budget)",
+                         len(cold), freed)
+                EVICTIONS.labels("image_chunk").inc(len(cold))

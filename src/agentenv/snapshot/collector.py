@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentenv.snapshot.errors import ObjectMissing
+from agentenv.snapshot.layer_index import PREFIX, load
 from agentenv.snapshot.lease import GC_LOCK, Lease, scan_leases, take_gc_lock
 from agentenv.snapshot.manifest import Manifest
 from agentenv.snapshot.repository import Repository
@@ -92,3 +93,14 @@ def _reference(repo: Repository, cached_manifest: Callable[[str], Manifest | Non
             m = Manifest.from_json(data)
         referenced |= m.digests()
         seen.add(sid)
+    # Lazily loaded image layers reference chunks too.
+    for key in repo.list_objects(PREFIX):
+        if key in seen:
+            continue
+        try:
+            data = repo.get_object(key)
+        except ObjectMissing:
+            continue
+        # An unreadable index must stop the collector, not free its chunks.
+        referenced |= load(data, key).digests()
+        seen.add(key)

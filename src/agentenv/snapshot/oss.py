@@ -27,7 +27,8 @@ from agentenv.snapshot.errors import (
 from agentenv.snapshot.manifest import valid_digest
 from agentenv.snapshot.repository import RepositoryConfig
 
-_KEY_DIRS = ("manifests", "aliases", "leases", "locks", "templates", "template-aliases")
+_KEY_DIRS = ("manifests", "aliases", "leases", "locks", "templates", "template-aliases",
+             "image-layers")
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _UNREACHABLE = (
     botocore.exceptions.EndpointConnectionError,

@@ -30,7 +30,8 @@ from agentenv.snapshot.errors import (
 )
 from agentenv.snapshot.manifest import valid_digest
 
-_KEY_DIRS = ("manifests", "aliases", "leases", "locks", "templates", "template-aliases")
+_KEY_DIRS = ("manifests", "aliases", "leases", "locks", "templates", "template-aliases",
+             "image-layers")
 
 
 class PosixRepository:

@@ -1,0 +1,222 @@
+"""Lazily loaded layers on a node (``image_loading = "lazy"``): each layer's index in
+the shared repository (converted once, by the first node to need it), a read-only
+FUSE mount per layer served by a ``lazyfs`` subprocess, and the chunk cache those
+processes fill, which the node's one cache budget may shrink at any time (a chunk
+evicted under a running sandbox is fetched again on its next read).
+
+Layout under ``root`` (``<images cache>/lazy``): ``index/<hex>.json.zst`` (local
+copies), ``mnt/<hex>`` (mount points), ``chunks/<xx>/<digest>`` (raw chunk bytes),
+``logs/<hex>.log`` (each server's log).
+
+Everything here blocks: callers run it in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from agentenv.snapshot.errors import ObjectMissing
+from agentenv.snapshot.layer_index import BadLayerIndex, LayerIndex, key_of, load
+from agentenv.snapshot.repository import Repository
+
+from .errors import HostileInput, ImageError
+from .mounts import mounted_under, unmount
+
+log = logging.getLogger(__name__)
+MOUNT_TIMEOUT_S = 30.0
+SWEEP_S = 5.0  # how often the servers' cache growth is checked against the budget
+
+
+class LazyLayers:
+    def __init__(self, root: Path, repo: Repository, repo_config: dict[str, Any]):
+        self.root = root
+        self.repo = repo
+        self.repo_config = repo_config
+        self.index_dir = root / "index"
+        self.mnt_dir = root / "mnt"
+        self.chunks_dir = root / "chunks"
+        self.logs_dir = root / "logs"
+        self._lock = threading.Lock()
+        self._layer_locks: dict[str, threading.Lock] = {}
+        self._procs: dict[str, subprocess.Popen] = {}
+        # The node's cache budget (set by LocalCache): the servers grow the chunk cache
+        # behind the node's back, so it is checked every SWEEP_S while layers are served.
+        self.on_grow: Callable[[], None] | None = None
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self, keep: Iterable[str] = ()) -> None:
+        """Unmount what a crashed run left, except the layers of surviving sandboxes."""
+        for d in (self.index_dir, self.mnt_dir, self.chunks_dir, self.logs_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        kept = {str(self.mnt_dir / h) for h in keep}
+        for point in mounted_under(self.mnt_dir):
+            if str(point) not in kept:
+                log.info("images: removing stale lazy layer mount %s", point.name[:12])
+                unmount(point)
+        for leftover in self.chunks_dir.glob("*/.*.tmp"):
+            leftover.unlink(missing_ok=True)
+        self._stop.clear()
+        self._sweeper = threading.Thread(target=self._sweep, name="lazy-cache", daemon=True)
+        self._sweeper.start()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(SWEEP_S):
+            if self.on_grow is not None and self._procs:
+                try:
+                    self.on_grow()
+                except Exception:  # the next sweep tries again
+                    log.exception("images: chunk cache sweep failed")
+
+    def close(self) -> None:
+        """Unmount every layer (their rootfs mounts are gone); each server then ends."""
+        self._stop.set()
+        for point in mounted_under(self.mnt_dir):
+            unmount(point)
+        with self._lock:
+            procs, self._procs = dict(self._procs), {}
+        for h, proc in procs.items():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("images: lazy layer server %s did not end; killing it", h[:12])
+                proc.kill()
+                proc.wait()
+
+    # -- indexes -------------------------------------------------------------------
+
+    def has_index(self, h: str) -> bool:
+        """The layer's index is here or in the repository (then fetched and checked)."""
+        local = self.index_dir / f"{h}.json.zst"
+        if local.exists():
+            return True
+        try:
+            blob = self.repo.get_object(key_of(h))
+        except ObjectMissing:
+            return False
+        try:  # refused here, before anything mounts it
+            load(blob, f"layer {h[:12]} in the repository")
+        except BadLayerIndex as exc:
+            raise HostileInput(str(exc)) from exc
+        tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(blob)
+        os.replace(tmp, local)
+        return True
+
+    def keep_index(self, h: str, index: LayerIndex) -> None:
+        local = self.index_dir / f"{h}.json.zst"
+        tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(index.dump())
+        os.replace(tmp, local)
+
+    def layer_lock(self, h: str) -> threading.Lock:
+        with self._lock:
+            return self._layer_locks.setdefault(h, threading.Lock())
+
+    # -- mounts --------------------------------------------------------------------
+
+    def mount(self, h: str) -> Path:
+        """The layer's FUSE mount, started when it is not up."""
+        point = self.mnt_dir / h
+        with self.layer_lock(h):
+            if self.served(h):
+                return point
+            if mounted_under(point):  # its server died: the mount answers nothing
+                log.warning("images: lazy layer %s lost its server; mounting it again", h[:12])
+                unmount(point)
+            index = self.index_dir / f"{h}.json.zst"
+            if not index.exists():
+                raise ImageError(f"layer {h[:12]} has no index to serve")
+            point.mkdir(parents=True, exist_ok=True)
+            logf = open(self.logs_dir / f"{h}.log", "ab")
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "agentenv.images.lazyfs", str(index), str(point),
+                     str(self.chunks_dir)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
+                    start_new_session=True)  # a node's signals are not its servers'
+            finally:
+                logf.close()
+            assert proc.stdin is not None and proc.stdout is not None
+            # The settings go on stdin: nothing of them is in any process listing.
+            proc.stdin.write(json.dumps(self.repo_config).encode())
+            proc.stdin.close()
+            line = _read_line(proc, MOUNT_TIMEOUT_S)
+            if line != "ready" or not os.path.ismount(point):
+                proc.kill()
+                proc.wait()
+                raise ImageError(f"lazy mount of layer {h[:12]} failed: "
+                                 f"{line.removeprefix('error: ') or 'no answer'}")
+            with self._lock:
+                self._procs[h] = proc
+            log.info("images: layer %s mounted lazily (pid %d)", h[:12], proc.pid)
+            return point
+
+    def served(self, h: str) -> bool:
+        """The layer is mounted and its server answers: statfs always asks the server
+        (a stat may be answered from the kernel's cached attributes)."""
+        point = self.mnt_dir / h
+        try:
+            os.statvfs(point)
+        except OSError:
+            return False
+        return os.path.ismount(point)
+
+    # -- the chunk cache -------------------------------------------------------------
+
+    def chunk_entries(self) -> list[tuple[float, str, int]]:
+        """(last use, digest, bytes) of every cached chunk."""
+        out = []
+        for sub in self.chunks_dir.iterdir():
+            try:
+                with os.scandir(sub) as it:
+                    for e in it:
+                        if not e.name.startswith("."):
+                            st = e.stat()
+                            out.append((st.st_mtime, e.name, st.st_size))
+            except (NotADirectoryError, FileNotFoundError):
+                continue
+        return out
+
+    def chunk_bytes(self) -> int:
+        return sum(size for _, _, size in self.chunk_entries())
+
+    def evict_chunks(self, digests: Iterable[str]) -> int:
+        """Drop cached chunks (read again from the repository when needed); bytes freed."""
+        freed = 0
+        for d in digests:
+            path = self.chunks_dir / d[:2] / d
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+        return freed
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The server's first line (its mount done or its error), within ``timeout``."""
+    out: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        out.append(proc.stdout.readline().decode(errors="replace").strip())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    reader.join(timeout=max(0.0, deadline - time.monotonic()))
+    return out[0] if out else ""
+
