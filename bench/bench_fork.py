@@ -162,6 +162,8 @@ class Forked:
             f"{self.label}: each child ran a command (from the call)": summary(self.each),
             **{f"{self.label}, per child: {k} step (node log)": summary(v)
                for k, v in self.steps.items()},
+            f"{self.label}: until all {n} children ran a command, rounds after the first":
+                summary(self.alls[1:]),
             f"{self.label}: all children answer / bare fan-out (p50)": {
                 "x": round(statistics.median(self.alls) / statistics.median(bare_all), 2)},
             f"{self.label}: failed children": {"count": len(self.failures)},
@@ -172,15 +174,23 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--count", type=int, default=16)
+    ap.add_argument("--net", type=int, default=231,
+                    help="second octet of the first node's 10.x.0.0/16 (the next uses x+1)")
+    ap.add_argument("--old", default="", help="PYTHONPATH of an older tree to compare")
+    ap.add_argument("--name", default="fork", help="results file name under results/")
     args = ap.parse_args()
     n = args.count
     work = Path(tempfile.mkdtemp(prefix="bench-fork-"))
     tag = uuid.uuid4().hex[:2]
-    # The default warm slot pool (4 to 8 slots), and one that holds a fork's worth.
+    # The default warm slot pool (4 to 8 slots), and one that holds a fork's worth;
+    # with --old, the default pool of an older tree against this one's.
     variants = [("fork, 4 warm slots (default)", {}),
                 (f"fork, {n} warm slots", {"AENV_NET_POOL_LOW": str(n),
                                            "AENV_NET_POOL_HIGH": str(2 * n)})]
-    forks = [Forked(label, Node(work / f"home{i}", f"bf{tag}{i}", f"10.{231 + i}.0.0/16",
+    if args.old:
+        variants = [("old tree, default pool", {"PYTHONPATH": args.old}),
+                    ("this tree, default pool", {})]
+    forks = [Forked(label, Node(work / f"home{i}", f"bf{tag}{i}", f"10.{args.net + i}.0.0/16",
                                 AENV_LOG_LEVEL="debug", AENV_MAX_SANDBOXES=str(n + 4),
                                 AENV_WARM_POOL_SIZE="0", **env))
              for i, (label, env) in enumerate(variants)]
@@ -207,8 +217,10 @@ def main() -> int:
                 together, alone = bare.fan_out(image, n)
                 bare_all.append(together)
                 bare_one.append(alone)
-                said = [f.round(api, source, n) for f, api, source in zip(forks, apis, sources,
-                                                                          strict=True)]
+                trio = list(zip(forks, apis, sources, strict=True))
+                # Alternated: neither node always goes first, on a busy machine.
+                said = [f.round(api, source, n) for f, api, source in
+                        (trio if i % 2 == 0 else trio[::-1])]
                 time.sleep(3)  # slots released by the round are recycled
                 print(f"round {i}: bare {together:.2f}s (one {alone:.2f}s); " + "; ".join(said))
             for api, source in zip(apis, sources, strict=True):
@@ -226,9 +238,10 @@ def main() -> int:
     }
     for f in forks:
         rows.update(f.rows(n, bare_all))
-    report("fork", f"Fork of {n} against {n} bare restores at once",
+    report(args.name, f"Fork of {n} against {n} bare restores at once",
            f"`cd bench && ../.venv/bin/python bench_fork.py --rounds {args.rounds} "
-           f"--count {n}`; in each round the bare fan-out, then a fork of {n} on each node, "
+           f"--count {n}{' --old ' + args.old if args.old else ''}`; in each round the bare "
+           f"fan-out, then a fork of {n} on each node, "
            "on the same `base` rootfs.", f"fork fan-out ({args.rounds} rounds)", rows, left)
     return 1 if left or any(f.failures for f in forks) else 0
 

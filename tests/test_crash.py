@@ -5,9 +5,12 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import time
+from pathlib import Path
 
 from e2b import Sandbox
 
+from agentenv.config import Config
+from agentenv.snapshot import SnapshotStore, open_repository
 from agentenv.testing import Node, leaks
 from sandbox_helpers import COUNTER, counting
 
@@ -98,3 +101,61 @@ def test_kill9_while_paused_in_memory_loses_nothing(tmp_path, monkeypatch) -> No
 def _runsc_ids(node: Node) -> list[str]:
     return subprocess.run(["runsc", f"--root={node.home}/run/runsc", "list", "-quiet"],
                           capture_output=True, text=True).stdout.split()
+
+
+def test_resumed_before_its_pause_committed_then_kill9(tmp_path, monkeypatch) -> None:
+    """Pauses to disk (no resident tier) answer once captured; a resume right after
+    restores from hard links to the capture while its commit goes on, and a second
+    pause's commit waits for the first. A node killed -9 then commits that pause after
+    its restart (the sandbox runs on), and a kill leaves no snapshot behind."""
+    node = Node(tmp_path / "home", PREFIX, CIDR, AENV_RESIDENT_PAUSE="0")
+    node.start()
+    store = SnapshotStore(open_repository(Config(home=node.home).snapshot_repository()),
+                          cache_dir=tmp_path / "cache", staging_dir=tmp_path / "staging")
+    staging = node.home / "snapshots-staging"
+    try:
+        for k, v in node.e2b_env().items():
+            monkeypatch.setenv(k, v)
+        sbx = Sandbox.create("base", timeout=300)
+        sbx.files.write("/home/user/mark.txt", "kept")
+        sbx.commands.run(COUNTER, background=True)
+        assert counting(sbx)
+        earlier: set[str] = set()
+        for i in range(2):
+            # 64 MiB new to the repository each time: the commit goes on for a while.
+            sbx.commands.run(f"head -c 67108864 /dev/urandom > /home/user/big{i}.bin")
+            _until_committed(staging)  # the first pause is in ``earlier``
+            earlier = set(_pauses(store, sbx.sandbox_id))
+            offset = node.log_path.stat().st_size
+            sbx.pause()
+            Sandbox.connect(sbx.sandbox_id)
+            assert f"resuming {sbx.sandbox_id} from its capture while its commit goes on" \
+                in node.log_path.read_text(errors="replace")[offset:]
+            if i == 0:
+                assert counting(sbx) and sbx.files.read("/home/user/mark.txt") == "kept"
+                assert not list(staging.glob("*.restore-*"))  # its hard links are gone
+        node.kill9()  # at once: the second pause's commit is still going on
+
+        node.start()
+        assert counting(sbx) and sbx.commands.run(
+            "cat /home/user/big*.bin | wc -c").stdout.strip() == str(2 * 67108864)
+        _until_committed(staging)
+        assert set(_pauses(store, sbx.sandbox_id)) - earlier, \
+            "the pause of the resumed sandbox was not committed"
+        sbx.kill()
+        assert store.list(sbx.sandbox_id) == []  # its last pause went with it
+    finally:
+        node.stop()
+    assert leaks(PREFIX, node.home) == []
+
+
+def _pauses(store: SnapshotStore, sandbox_id: str) -> list[str]:
+    return [m.snapshot_id for m in store.list(sandbox_id) if m.metadata.get("kind") == "pause"]
+
+
+def _until_committed(staging: Path) -> None:
+    """Until no pause is pending in the node's staging (at most 60 s)."""
+    deadline = time.time() + 60
+    while list(staging.glob("*.meta.json")):
+        assert time.time() < deadline, "a pause commit did not land"
+        time.sleep(0.2)

@@ -428,3 +428,30 @@ async def test_concurrent_acquire_respects_capacity(outside: None) -> None:
     finally:
         await p.close()
     assert leftovers(PREFIX_B) == []
+
+
+async def test_a_burst_keeps_its_released_slots_warm(outside: None) -> None:
+    """After ``expect(n)`` (a fork of n) the n slots released stay warm beyond ``high``,
+    so the next burst builds none; once the hold ends the pool trims back to ``high``."""
+    p = SlotPool(PREFIX_B, CIDR_B, low=0, high=1, capacity=6)
+    await p.start()
+    try:
+        p.expect(4, hold_s=8)
+        slots = await asyncio.gather(*(p.acquire() for _ in range(4)))
+        for s in slots:
+            await p.release(s)
+        await asyncio.wait_for(p.wait_warm(4), 8)
+        assert p.stats()["warm"] == 4 and p.stats()["created"] == 4
+        again = await asyncio.gather(*(p.acquire() for _ in range(4)))
+        assert p.stats()["created"] == 4  # the next burst reused all four
+        for s in again:
+            await p.release(s)
+        for _ in range(200):  # the hold ends: what is warm beyond ``high`` is destroyed
+            st = p.stats()
+            if st["warm"] <= 1 and not st["in_flight"]:
+                break
+            await asyncio.sleep(0.1)
+        assert p.stats()["warm"] == 1 and p.stats()["destroyed"] == 3
+    finally:
+        await p.close()
+    assert leftovers(PREFIX_B) == []

@@ -8,6 +8,9 @@
 * a background task keeps at least ``low`` slots warm, never on a caller's path.
 * ``capacity`` bounds all slots that exist or are being built (acquired, warm,
   in flight).
+* ``expect(n)`` announces a burst of ``n`` acquires (a fork): for a while the pool
+  keeps up to ``n`` released slots warm, so the next burst of that size finds its
+  slots built instead of building them beside its restores.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from .slot import (
 )
 
 log = logging.getLogger(__name__)
+# How long the pool keeps a burst's worth of released slots warm after ``expect``.
+BURST_HOLD_S = 600.0
 
 
 class SlotPoolExhausted(RuntimeError):
@@ -127,6 +132,7 @@ class SlotPool:
         self._busy: set[int] = set()  # indices under construction, reset or teardown
         self._pending = 0  # background jobs that will put a slot into _free
         self._direct = 0  # slots being built by acquire() itself
+        self._burst, self._burst_until = 0, 0.0  # expect(): slots kept warm, until when
         self._changed: asyncio.Condition | None = None
         self._wake: asyncio.Event | None = None
         self._refiller: asyncio.Task[None] | None = None
@@ -226,11 +232,26 @@ class SlotPool:
             raise ValueError(f"slot {slot.index} is not held by this caller in pool {self.prefix}")
         del self._acquired[slot.index]
         self._busy.add(slot.index)
-        if self._open and len(self._free) + self._pending < self.high:
+        if self._open and len(self._free) + self._pending < self._keep():
             self._pending += 1
             self._spawn(self._recycle_job(slot))
         else:
             self._spawn(self._destroy_job(slot))
+
+    def expect(self, count: int, hold_s: float = BURST_HOLD_S) -> None:
+        """A burst of ``count`` acquires begins: for ``hold_s`` up to ``count`` released
+        slots are kept warm (reset, not destroyed) beyond ``high``; then trimmed back.
+        Nothing is built for it: a burst's own slots are what the next one reuses."""
+        self._burst = max(self._burst if self._burst_until > time.monotonic() else 0,
+                          min(count, self.capacity))
+        self._burst_until = time.monotonic() + hold_s
+        self._kick()  # the refill loop trims once the hold ends
+
+    def _keep(self) -> int:
+        """How many slots the pool keeps warm at most now."""
+        if self._burst_until > time.monotonic():
+            return max(self.high, self._burst)
+        return self.high
 
     async def reuse(self, slot: Slot) -> None:
         """Ready an acquired slot, whose sandbox is gone, for its holder's next sandbox
@@ -343,7 +364,7 @@ class SlotPool:
 
         def keep_or_drop() -> None:
             self._busy.discard(index)
-            if self._open and len(self._free) < self.high:
+            if self._open and len(self._free) < self._keep():
                 self._free.append(slot)
             else:
                 self._spawn(self._destroy_job(slot))
@@ -381,8 +402,14 @@ class SlotPool:
         assert self._wake is not None
         backoff = 0.0
         while self._open:
+            hold = self._burst_until - time.monotonic() if self._burst else 0.0
+            if self._burst and hold <= 0:
+                self._burst = 0  # the hold ended: what is warm beyond ``high`` goes
+                while len(self._free) > self.high:
+                    self._spawn(self._destroy_job(self._free.pop()))
+            wait = min((x for x in (backoff, hold) if x > 0), default=None)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), backoff or None)
+                await asyncio.wait_for(self._wake.wait(), wait)
             self._wake.clear()
             while (
                 self._open

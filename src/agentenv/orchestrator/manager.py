@@ -359,6 +359,9 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
             # (an ERROR sandbox's runtime is gone already)
             await asyncio.shield(self._teardown(record, record.state is SandboxState.RUNNING))
             if record.snapshot_id:  # its last pause snapshot is of no further use
+                pending = self._commits.get(record.snapshot_id)  # resumed before it landed
+                if pending is not None:
+                    await asyncio.gather(pending, return_exceptions=True)
                 with contextlib.suppress(SnapshotError):
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
+from pathlib import Path
 
 from ..metrics import EVICTIONS, observed
 from ..runtime import RuntimeFailure
@@ -301,32 +303,44 @@ class Pausing(Captures):
                 log.info("resumed %s in %.0f ms (thawed in place)", sandbox_id,
                          (time.perf_counter() - t0) * 1000)
                 return self._resumed(record, seconds, auto_pause)
-            image, staged = await self._pause_image(record)
-            await self._settled(sandbox_id)
-            if disk_pause.is_disk_capture(image):
-                plan = self._plan(record, self._bootable_template(record), files=image,
-                                  hostname_of=record.sandbox_id, start_command=True,
-                                  purpose="resume", new_boot=True)
-            elif not memory:
-                raise BadRequest(f"sandbox '{sandbox_id}' was paused with its memory: "
-                                 "resuming from its disk state alone is not supported")
-            else:
-                try:
-                    template = self.templates.get(record.template_id)
-                except TemplateNotFound as exc:
-                    raise NotFound(f"template of the snapshot is gone: {exc}") from exc
-                # envd keeps its token across a pause: no init.
-                plan = self._plan(record, template, image=image,
-                                  hostname_of=record.sandbox_id, init=False, purpose="resume")
-            t0 = time.perf_counter()
-            slot = await self.launcher.launch(plan)
-            self._hold(record, slot)
-            self._transition(record, SandboxState.RUNNING)
-            log.info("resumed %s in %.0f ms (%s)", sandbox_id, (time.perf_counter() - t0) * 1000,
-                     "rebooted with its files" if plan.files else "restored")
-            if staged:
-                await asyncio.to_thread(self.snapshots.discard_staging, record.snapshot_id)
-            return self._resumed(record, seconds, auto_pause)
+            image, kind = await self._pause_image(record)
+            try:
+                return await self._restore_paused(record, image, kind, memory, seconds,
+                                                  auto_pause)
+            finally:
+                if kind == "linked":  # its own hard links: not needed once restored
+                    await asyncio.shield(asyncio.to_thread(shutil.rmtree, image, True))
+
+    async def _restore_paused(self, record: SandboxRecord, image: Path, kind: str,
+                              memory: bool, seconds: int, auto_pause: bool | None
+                              ) -> SandboxRecord:
+        """The resume of a paused sandbox no longer in memory, from ``image``."""
+        sandbox_id = record.sandbox_id
+        await self._settled(sandbox_id)
+        if disk_pause.is_disk_capture(image):
+            plan = self._plan(record, self._bootable_template(record), files=image,
+                              hostname_of=record.sandbox_id, start_command=True,
+                              purpose="resume", new_boot=True)
+        elif not memory:
+            raise BadRequest(f"sandbox '{sandbox_id}' was paused with its memory: "
+                             "resuming from its disk state alone is not supported")
+        else:
+            try:
+                template = self.templates.get(record.template_id)
+            except TemplateNotFound as exc:
+                raise NotFound(f"template of the snapshot is gone: {exc}") from exc
+            # envd keeps its token across a pause: no init.
+            plan = self._plan(record, template, image=image,
+                              hostname_of=record.sandbox_id, init=False, purpose="resume")
+        t0 = time.perf_counter()
+        slot = await self.launcher.launch(plan)
+        self._hold(record, slot)
+        self._transition(record, SandboxState.RUNNING)
+        log.info("resumed %s in %.0f ms (%s)", sandbox_id, (time.perf_counter() - t0) * 1000,
+                 "rebooted with its files" if plan.files else "restored")
+        if kind == "staged":
+            await asyncio.to_thread(self.snapshots.discard_staging, record.snapshot_id)
+        return self._resumed(record, seconds, auto_pause)
 
     def _resumed(self, record: SandboxRecord, seconds: int,
                  auto_pause: bool | None) -> SandboxRecord:
@@ -393,9 +407,8 @@ class Pausing(Captures):
             record.slot_index, record.slot_address = 0, ""
             await asyncio.shield(self._free(record.sandbox_id, slot))
         await self._settled(record.sandbox_id)
-        pending = self._commits.get(record.snapshot_id)
-        if pending is not None:
-            await asyncio.gather(pending, return_exceptions=True)
+        pending = [t for t in map(self._commits.get, doomed) if t is not None]
+        await asyncio.gather(*pending, return_exceptions=True)
         for snapshot_id in doomed:
             with contextlib.suppress(SnapshotError):
                 await asyncio.to_thread(self.snapshots.delete, snapshot_id)

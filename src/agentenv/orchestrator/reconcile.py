@@ -75,6 +75,8 @@ class Reconciling(Pausing):
                 if record.sandbox_id in thawed:
                     await self._check_paused_state_kept(record)
                 self._recommit_if_staged(record)
+            elif record.state is SandboxState.RUNNING:  # resumed before its pause committed
+                self._recommit_if_staged(record)
         await self._drop_unanswering()
 
     async def _readopt_frozen(self, record: SandboxRecord) -> None:
@@ -143,7 +145,8 @@ class Reconciling(Pausing):
             for leftover in images.iterdir():
                 log.info("reconcile: removing fork image %s", leftover.name)
                 shutil.rmtree(leftover, ignore_errors=True)
+        # A running one's too: a resume does not wait for its pause's commit.
         pending = {r.snapshot_id for r in keep.values()
-                   if r.state is SandboxState.PAUSED and r.snapshot_id}
+                   if r.state in (SandboxState.PAUSED, SandboxState.RUNNING) and r.snapshot_id}
         for name in self.snapshots.staging.remove_leftovers(pending):
             log.info("reconcile: removed interrupted capture %s", name)

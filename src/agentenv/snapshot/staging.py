@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -50,6 +51,22 @@ class Staging:
                 raise storage_full(f"creating staging {path}", exc) from exc
             raise SnapshotError(f"cannot create staging {path}: {exc}") from exc
         return path
+
+    def linked(self, snapshot_id: str) -> Path:
+        """A copy of a staged capture made of hard links (no bytes copied), for a restore
+        that does not wait for its commit: the commit renames the capture into the cache,
+        the copy stays. The caller removes it (``shutil.rmtree``); a restart removes any
+        left, as it is no pending pause. SnapshotError if the capture is gone."""
+        source = self.path(snapshot_id)
+        target = self.dir / f"{source.name}.restore-{uuid.uuid4().hex[:8]}"
+        try:
+            for rel, path, _size, _mode in self.files(source):
+                (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.link(path, target / rel)
+        except (OSError, SnapshotError) as exc:
+            shutil.rmtree(target, ignore_errors=True)
+            raise SnapshotError(f"capture {snapshot_id} is not staged: {exc}") from exc
+        return target
 
     def free_bytes(self) -> int:
         try:

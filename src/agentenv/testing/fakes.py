@@ -198,6 +198,9 @@ class FakeSlots:
     async def wait_change(self, seconds: float) -> None:
         await asyncio.sleep(min(seconds, 0.02))
 
+    def expect(self, count: int) -> None:
+        """A burst is announced (a fork): no slots to keep warm here."""
+
     async def reuse(self, slot: Slot) -> None:
         await self.faults.check("reuse")
         if self.holding.get(slot.index) is not slot:
