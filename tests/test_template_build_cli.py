@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -137,6 +139,16 @@ def test_the_readmes_offline_quick_start(node: Node, env: dict[str, str],
         aenv(env, "template", "rm", pulled)
 
 
+def _keep(what: str, text: str) -> Path:
+    """What a failure of the xfail test below saw, kept where a whole run's later
+    pytest sessions do not remove it (an xfail's message is never shown)."""
+    where = Path(tempfile.gettempdir()) / "aenv-test-diagnostics" / \
+        f"ctrl-c-{what}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    where.parent.mkdir(exist_ok=True)
+    where.write_text(text)
+    return where
+
+
 @pytest.mark.xfail(reason="open bug: in the whole suite (never alone or with the build tests) "
                           "the cancel did not end the build's step; the node now ends the "
                           "build's sandbox 5 s after a cancel (its log says 'did not stop'), "
@@ -166,17 +178,18 @@ def test_ctrl_c_cancels_the_build(node: Node, env: dict[str, str], tmp_path: Pat
         # (an xfail's message is not shown).
         proc.send_signal(signal.SIGABRT)
         rest = proc.communicate(timeout=10)[1]
-        (tmp_path / "hung.txt").write_text(seen + rest + "\n--- node ---\n" + node.log_tail(300))
-        raise AssertionError(f"the CLI did not end 10 s after Ctrl-C: {tmp_path / 'hung.txt'}") \
-            from None
+        where = _keep("hung", seen + rest + "\n--- node ---\n" + node.log_tail(300))
+        raise AssertionError(f"the CLI did not end 10 s after Ctrl-C: {where}") from None
     if proc.returncode != 130:
-        (tmp_path / "exit.txt").write_text(f"{proc.returncode}\n{seen}{rest}")
+        _keep("exit", f"{proc.returncode}\n{seen}{rest}")
     assert proc.returncode == 130, seen + rest
     with node.client() as api:
         status = api.get(f"/templates/{ids[1]}/builds/{ids[2]}/status").json()
         if not (status["status"] == "error" and "cancelled" in status["reason"]["message"]):
-            (tmp_path / "not-cancelled.txt").write_text(
-                f"{status}\n{seen}{rest}\n--- node ---\n{node.log_tail(300)}")
+            _keep("not-cancelled", f"{status}\n{seen}{rest}\n--- node ---\n{node.log_tail(300)}")
         assert status["status"] == "error" and "cancelled" in status["reason"]["message"]
-        assert not [s for s in api.get("/sandboxes").json()
-                    if s.get("metadata", {}).get("aenv.build") == ids[2]]
+        left = [s for s in api.get("/sandboxes").json()
+                if s.get("metadata", {}).get("aenv.build") == ids[2]]
+        if left:
+            _keep("sandbox-left", f"{left}\n{seen}{rest}\n--- node ---\n{node.log_tail(300)}")
+        assert not left
