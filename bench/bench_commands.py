@@ -168,7 +168,7 @@ def main() -> None:
                 summary(direct(http, sid, token, args.n))
             for label, argv, user in (
                     ("round trip: /bin/true as root", ["/bin/true"], "root"),
-                    ("round trip: /bin/true as user (setpriv)", ["/bin/true"], "user"),
+                    ("round trip: /bin/true as user (credential switch)", ["/bin/true"], "user"),
                     ("round trip: bash -l -c true as user (SDK style)",
                      ["/bin/bash", "-l", "-c", "true"], "user")):
                 rows[label] = summary(round_trips(http, sid, token, argv, user, args.n))
