@@ -64,7 +64,9 @@ def spawn_process(state: State, registry: Registry, request: pb.StartRequest, us
             groups = os.getgrouplist(user.name, user.gid)
         except OSError:
             groups = [user.gid]
-        creds = {"user": user.uid, "group": user.gid, "extra_groups": groups}
+        if (user.uid, user.gid) != (os.getuid(), os.getgid()) \
+                or set(groups) != set(os.getgroups()):  # else envd's own: no switch
+            creds = {"user": user.uid, "group": user.gid, "extra_groups": groups}
     elif user.uid != os.geteuid():
         raise ConnectError(Code.PERMISSION_DENIED,
                            f"envd is not root and cannot run commands as '{user.name}'")
