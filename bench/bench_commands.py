@@ -25,6 +25,7 @@ template built before the edit.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -35,7 +36,7 @@ import httpx
 from agentenv.testing import Node, leaks, sdk_env
 from bench_node import run_native as run
 from bench_node import runsc_do_true
-from common import summary, table, write
+from common import RESULTS, summary, table, write
 
 # The edit build-base-template.sh makes (bash knows its EUID: no `id` process).
 PROFILE_FIX = r"""sed -i 's/"\$(id -u)"/"${EUID:-$(id -u)}"/' /etc/profile"""
@@ -135,6 +136,24 @@ def round_trips(http: httpx.Client, sid: str, token: str, argv: list[str], user:
     return xs
 
 
+def compare(before: list[str], after: list[str]) -> str:
+    """A table of the p50 of each row in every run named, before and after, with the
+    median of each side: runs alternated before/after on a busy machine."""
+    def load(name: str) -> dict[str, dict]:
+        return json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+
+    b, a = [load(n) for n in before], [load(n) for n in after]
+    lines = ["| step | before p50 ms (each run) | after p50 ms (each run) | before | after |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in dict.fromkeys([*b[0], *a[0]]):
+        bs = [r[row]["p50_ms"] for r in b if row in r]
+        as_ = [r[row]["p50_ms"] for r in a if row in r]
+        med = [f"{statistics.median(xs):.1f}" if xs else "" for xs in (bs, as_)]
+        lines.append(f"| {row} | {' / '.join(map(str, bs))} | {' / '.join(map(str, as_))} | "
+                     f"{med[0]} | {med[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=60, help="runs of each command")
@@ -143,7 +162,12 @@ def main() -> None:
     ap.add_argument("--name", default="commands", help="results file name")
     ap.add_argument("--cidr", default="10.17.0.0/16", help="the node's address pool")
     ap.add_argument("--prefix", default="aec", help="the node's network prefix")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE,...", "AFTER,..."),
+                    help="print a before/after table of result files already written")
     args = ap.parse_args()
+    if args.compare:
+        print(compare(*(names.split(",") for names in args.compare)), end="")
+        return
 
     prefix = args.prefix
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
