@@ -13,9 +13,8 @@
   bundle's exec-as, util-linux's setpriv through the bundle's loader;
 - the SDK itself: `Sandbox.commands.run("true")` (the e2b Python SDK, default user).
 
-Reproduce: `PYTHONPATH=src python bench/bench_commands.py -n 60 --cidr 10.112.0.0/16`
-(and the same with PYTHONPATH of a worktree of the commit before, `--name
-commands_before`, for the before figures).
+Reproduce: see bench/results/commands_exec_as.md (runs alternated before/after, then
+`--compare` for the table).
 
 `--profile-fix` also times the login shell with the base template's /etc/profile
 edited as scripts/build-base-template.sh now edits it (in that sandbox only), for a
