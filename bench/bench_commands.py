@@ -6,8 +6,8 @@
   which /etc/profile used to run);
 - from the host, the round trip through the node's proxy and envd (Process.Start
   until the end event) of `/bin/true` as root and as user (envd starts a user's
-  command through setpriv) and of the SDK's `bash -l -c true`.
-
+  command through exec-as, or setpriv in a bundle without it) and of the SDK's
+  `bash -l -c true`;
 - the credential switch envd puts in front of a user's command (spawn.py), timed
   inside by Python's Popen + wait as envd spawns it (a vfork): none (root), the
   bundle's exec-as, util-linux's setpriv through the bundle's loader;
