@@ -6,7 +6,15 @@
   which /etc/profile used to run);
 - from the host, the round trip through the node's proxy and envd (Process.Start
   until the end event) of `/bin/true` as root and as user (envd starts a user's
-  command through setpriv) and of the SDK's `bash -l -c true`.
+  command through exec-as, or setpriv in a bundle without it) and of the SDK's
+  `bash -l -c true`;
+- the credential switch envd puts in front of a user's command (spawn.py), timed
+  inside by Python's Popen + wait as envd spawns it (a vfork): none (root), the
+  bundle's exec-as, util-linux's setpriv through the bundle's loader;
+- the SDK itself: `Sandbox.commands.run("true")` (the e2b Python SDK, default user).
+
+Reproduce: see bench/results/commands_exec_as.md (runs alternated before/after, then
+`--compare` for the table).
 
 `--profile-fix` also times the login shell with the base template's /etc/profile
 edited as scripts/build-base-template.sh now edits it (in that sandbox only), for a
@@ -16,6 +24,7 @@ template built before the edit.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -23,10 +32,10 @@ from pathlib import Path
 
 import httpx
 
-from agentenv.testing import Node, leaks
+from agentenv.testing import Node, leaks, sdk_env
 from bench_node import run_native as run
 from bench_node import runsc_do_true
-from common import summary, table, write
+from common import RESULTS, summary, table, write
 
 # The edit build-base-template.sh makes (bash knows its EUID: no `id` process).
 PROFILE_FIX = r"""sed -i 's/"\$(id -u)"/"${EUID:-$(id -u)}"/' /etc/profile"""
@@ -68,6 +77,52 @@ def direct(http: httpx.Client, sid: str, token: str, n: int) -> list[float]:
     return [float(x) for x in out.split()]
 
 
+# Popen + wait of each command inside the sandbox, as envd spawns a user's command.
+SWITCH = r"""
+import os, subprocess, sys, time
+n = int(os.environ["N"])
+L = ["/.aenv/lib/ld-linux-x86-64.so.2", "--library-path", "/.aenv/lib", "/.aenv/bin/setpriv",
+     "--reuid=1000", "--regid=1000", "--groups", "1000", "--"]
+E = ["/.aenv/bin/exec-as", "1000", "1000", "1000"]
+env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/user", "USER": "user"}
+cases = {"none (root)": [], "setpriv": L}
+if os.access(E[0], os.X_OK):
+    cases["exec-as"] = E
+for cmd in (["/bin/true"], ["/bin/bash", "-l", "-c", "true"]):
+    for name, pre in cases.items():
+        for _ in range(n):
+            t0 = time.perf_counter()
+            subprocess.Popen(pre + cmd, env=env, start_new_session=True).wait()
+            print(f"{' '.join(cmd)}|{name}|{time.perf_counter() - t0}")
+"""
+
+
+def switch(http: httpx.Client, sid: str, token: str, n: int) -> dict[str, list[float]]:
+    code, out = run(http, sid, token, ["/usr/bin/python3", "-c", SWITCH], "root", {"N": str(n)})
+    if code != 0:
+        raise RuntimeError(f"credential switch timing: exit {code}")
+    xs: dict[str, list[float]] = {}
+    for line in out.splitlines():
+        cmd, name, t = line.split("|")
+        xs.setdefault(f"inside: Popen {cmd}, switch: {name}", []).append(float(t))
+    return xs
+
+
+def sdk_runs(node: Node, sid: str, n: int) -> list[float]:
+    """``commands.run("true")`` through the e2b SDK, as a user of it sees it."""
+    from e2b import Sandbox
+
+    with sdk_env(node.e2b_env()):
+        sbx = Sandbox.connect(sid)
+        sbx.commands.run("true")  # the SDK's own first-call set-up out of the figures
+        xs = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sbx.commands.run("true")
+            xs.append(time.perf_counter() - t0)
+    return xs
+
+
 def round_trips(http: httpx.Client, sid: str, token: str, argv: list[str], user: str,
                 n: int) -> list[float]:
     xs = []
@@ -80,17 +135,42 @@ def round_trips(http: httpx.Client, sid: str, token: str, argv: list[str], user:
     return xs
 
 
+def compare(before: list[str], after: list[str]) -> str:
+    """A table of the p50 of each row in every run named, before and after, with the
+    median of each side: runs alternated before/after on a busy machine."""
+    def load(name: str) -> dict[str, dict]:
+        return json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+
+    b, a = [load(n) for n in before], [load(n) for n in after]
+    lines = ["| step | before p50 ms (each run) | after p50 ms (each run) | before | after |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in dict.fromkeys([*b[0], *a[0]]):
+        bs = [r[row]["p50_ms"] for r in b if row in r]
+        as_ = [r[row]["p50_ms"] for r in a if row in r]
+        med = [f"{statistics.median(xs):.1f}" if xs else "" for xs in (bs, as_)]
+        lines.append(f"| {row} | {' / '.join(map(str, bs))} | {' / '.join(map(str, as_))} | "
+                     f"{med[0]} | {med[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=60, help="runs of each command")
     ap.add_argument("--profile-fix", action="store_true",
                     help="also time the login shell with /etc/profile edited in the sandbox")
     ap.add_argument("--name", default="commands", help="results file name")
+    ap.add_argument("--cidr", default="10.17.0.0/16", help="the node's address pool")
+    ap.add_argument("--prefix", default="aec", help="the node's network prefix")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE,...", "AFTER,..."),
+                    help="print a before/after table of result files already written")
     args = ap.parse_args()
+    if args.compare:
+        print(compare(*(names.split(",") for names in args.compare)), end="")
+        return
 
-    prefix = "aec"
+    prefix = args.prefix
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
-    node = Node(home, prefix, "10.17.0.0/16", AENV_TEMPLATE_SNAPSHOTS="false")
+    node = Node(home, prefix, args.cidr, AENV_TEMPLATE_SNAPSHOTS="false")
     node.start()
     rows: dict[str, dict] = {}
     try:
@@ -105,14 +185,18 @@ def main() -> None:
                                ("inside: bash -c true", "bash -c true"),
                                ("inside: bash -l -c true (login shell)", "bash -l -c true")):
                 rows[label] = summary(inside(http, sid, token, cmd, args.n))
+            for label, xs in switch(http, sid, token, args.n).items():
+                rows[label] = summary(xs)
             rows["inside: envd Process.Start of /bin/true as user (direct, keep-alive)"] = \
                 summary(direct(http, sid, token, args.n))
             for label, argv, user in (
                     ("round trip: /bin/true as root", ["/bin/true"], "root"),
-                    ("round trip: /bin/true as user (setpriv)", ["/bin/true"], "user"),
+                    ("round trip: /bin/true as user (credential switch)", ["/bin/true"], "user"),
                     ("round trip: bash -l -c true as user (SDK style)",
                      ["/bin/bash", "-l", "-c", "true"], "user")):
                 rows[label] = summary(round_trips(http, sid, token, argv, user, args.n))
+            rows['SDK: commands.run("true") (e2b Python SDK)'] = summary(
+                sdk_runs(node, sid, args.n))
             if args.profile_fix:
                 code, _ = run(http, sid, token, ["/bin/bash", "-c", PROFILE_FIX], "root")
                 if code != 0:

@@ -84,6 +84,12 @@ mmdebstrap --quiet --variant=minbase \
   --customize-hook='rm -rf "$1/tmp/aenv-wheels" "$1"/root/.cache/pip' \
   --customize-hook='rm -rf "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/* "$1"/usr/share/doc/* "$1"/usr/share/man/*' \
   bookworm "$tmp/rootfs"
+# Login shells cheap, as in base (build-base-template.sh): the SDK runs every command as
+# `bash -l -c`, and /etc/profile's "$(id -u)" started an `id` process for each; bash
+# knows its EUID (sh still asks id). Root's `mesg n` only on a terminal.
+sed -i 's/"\$(id -u)"/"${EUID:-$(id -u)}"/' "$tmp/rootfs/etc/profile"
+sed -i 's|^mesg n 2> /dev/null \|\| true$|if [ -t 0 ]; then mesg n 2> /dev/null \|\| true; fi|' \
+  "$tmp/rootfs/root/.profile"
 
 # The server and its kernels run as root, as E2B's, with its log in the sandbox.
 start='exec /opt/aenv-ci/supervise.sh >>/tmp/code-interpreter.log 2>&1'

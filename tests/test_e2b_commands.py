@@ -61,6 +61,19 @@ def test_cwd_and_users(sbx: Sandbox) -> None:
     assert owner == "user"
 
 
+def test_user_command_gets_its_groups_and_no_privileges(sbx: Sandbox) -> None:
+    """envd switches to the user before the command (spawn.py's exec-as): all of the
+    user's groups from /etc/group, real = effective = saved ids, no capabilities."""
+    sbx.commands.run("groupadd -f aenvgrp && usermod -aG aenvgrp user", user="root")
+    assert set(sbx.commands.run("id -Gn").stdout.split()) == {"user", "aenvgrp"}
+    status = sbx.commands.run("grep -E '^(Uid|Gid|CapEff):' /proc/self/status").stdout
+    fields = dict(line.split(":", 1) for line in status.splitlines())
+    assert fields["Uid"].split() == ["1000"] * 4 and fields["Gid"].split() == ["1000"] * 4
+    assert int(fields["CapEff"], 16) == 0
+    with pytest.raises(CommandExitException):
+        sbx.commands.run("cat /etc/shadow")
+
+
 def test_envs_per_command(sbx: Sandbox) -> None:
     out = sbx.commands.run("echo $ONE-$TWO-$FROM_CREATE", envs={"ONE": "1", "TWO": "2"})
     assert out.stdout == "1-2-yes\n"

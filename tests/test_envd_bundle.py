@@ -101,7 +101,42 @@ def test_bundle_layout_and_idempotence(bundle):
     assert argv[3:] == ["/.aenv/python/bin/python3.11", "-S", "-m", "agentenv.envd", "--port",
                         "49983"]
     assert (bundle / "bin" / "setpriv").is_file()
+    assert os.access(bundle / "bin" / "exec-as", os.X_OK)
     assert env["PYTHONHOME"] == "/.aenv/python" and env["PYTHONPATH"] == "/.aenv/site"
+
+
+def test_exec_as_sets_credentials_then_execs_like_execvp(bundle, scratch):
+    """envd's credential switch for a user's command (spawn.py): groups, gid and uid
+    all set, a PATH search, a file without #! run by /bin/sh, and 127/126 with a
+    message for a command that is missing or cannot be run."""
+    helper = str(bundle / "bin" / "exec-as")
+    d = scratch / "exec-as"
+    d.mkdir(mode=0o755)
+    (d / "noshebang").write_text('echo "by sh: $0 $1"\n')
+    (d / "noshebang").chmod(0o755)
+    (d / "noexec").write_text("echo never\n")
+    env = {"PATH": f"/nonexistent:{d}:/usr/bin:/bin"}
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([helper, *argv], env=env, capture_output=True, text=True,
+                              timeout=30)
+
+    out = run("65534", "65533", "65532,65531", "sh", "-c",
+              "grep -E '^(Uid|Gid|Groups|CapEff):' /proc/self/status")
+    assert out.returncode == 0, out.stderr
+    status = dict(line.split(":", 1) for line in out.stdout.splitlines())
+    assert status["Uid"].split() == ["65534"] * 4 and status["Gid"].split() == ["65533"] * 4
+    assert sorted(status["Groups"].split()) == ["65531", "65532"]
+    assert int(status["CapEff"], 16) == 0
+    assert run("65534", "65534", "-", "id", "-G").stdout.split() == ["65534"]
+    assert run("0", "0", "-", "noshebang", "arg").stdout == f"by sh: {d}/noshebang arg\n"
+    missing = run("0", "0", "-", "no-such-command")
+    assert missing.returncode == 127 and "no-such-command: No such file" in missing.stderr
+    denied = run("0", "0", "-", str(d / "noexec"))
+    assert denied.returncode == 126 and "Permission denied" in denied.stderr
+    for bad in (("x", "0", "-"), ("0", "0", "1,,2"), ("0", "4294967296", "-")):
+        refused = run(*bad, "touch", str(d / "ran"))
+        assert refused.returncode == 126 and not (d / "ran").exists()
 
 
 def test_bundled_python_in_busybox(bundle, rootfs):

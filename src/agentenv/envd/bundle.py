@@ -22,10 +22,12 @@ builds the bundle and prints its path.
 from __future__ import annotations
 
 import compileall
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import py_compile
 import re
@@ -37,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 from .state import DEFAULT_PATH
+
+log = logging.getLogger("agentenv.envd.bundle")
 
 BUNDLE_FORMAT = 1
 LOADER = "ld-linux-x86-64.so.2"
@@ -72,6 +76,13 @@ REQUIRED_DYNLOAD = ("_ssl", "_hashlib", "zlib", "_ctypes", "_posixsubprocess", "
 EXTRA_LIBS = ("libgcc_s.so.1",)
 
 
+EXEC_AS_SOURCE = Path(__file__).resolve().parent / "exec_as.c"
+# No libc: no start-up code or libraries to fault in under gVisor (see exec_as.c).
+EXEC_AS_CFLAGS = ("-static", "-nostdlib", "-fno-pie", "-no-pie", "-Os", "-s", "-ffreestanding",
+                  "-fno-builtin", "-fno-stack-protector", "-fno-tree-loop-distribute-patterns",
+                  "-fcf-protection=none", "-fno-asynchronous-unwind-tables", "-Wall", "-Werror")
+
+
 # -- inputs ---------------------------------------------------------------------------
 def _envd_sources() -> list[Path]:
     pkg = Path(__file__).resolve().parent
@@ -103,8 +114,9 @@ def bundle_hash() -> str:
     h.update(f"format={BUNDLE_FORMAT}\n{sys.version}\n{sys.base_prefix}\n".encode())
     for mod, dist in sorted(SITE_MODULES.items()):
         h.update(f"{mod}={dist}=={_dist_version(dist)}\n".encode())
-    for f in [*_envd_sources(), *source_files()]:
+    for f in [*_envd_sources(), EXEC_AS_SOURCE, *source_files()]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(f"cc={_compiler()}\n".encode())  # with or without exec-as
     return h.hexdigest()[:20]
 
 
@@ -164,6 +176,30 @@ def _python_binary() -> Path:
     return exe
 
 
+def _compiler() -> str | None:
+    """The C compiler exec-as is built with: x86_64 only (raw system calls)."""
+    if os.uname().machine != "x86_64":
+        return None
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _build_exec_as(dest: Path) -> None:
+    """Compile exec-as, envd's cheap credential switch (spawn.py); without a
+    compiler the bundle has only setpriv, which spawn.py then uses."""
+    cc = _compiler()
+    if cc is None:
+        return
+    try:
+        subprocess.run([cc, *EXEC_AS_CFLAGS, "-o", str(dest), str(EXEC_AS_SOURCE)],
+                       check=True, capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        log.warning("exec-as not built, commands as users go through setpriv: %s %s",
+                    e, err.decode(errors="replace")[-500:])
+        with contextlib.suppress(OSError):
+            dest.unlink()
+
+
 # -- build ----------------------------------------------------------------------------
 def _build_into(root: Path) -> dict:
     from .protos import write_package
@@ -184,6 +220,7 @@ def _build_into(root: Path) -> dict:
     if setpriv is None:
         raise RuntimeError("setpriv (util-linux) is needed to build the envd bundle")
     shutil.copy2(setpriv, root / "bin" / "setpriv")
+    _build_exec_as(root / "bin" / "exec-as")
     _write_sudo(root / "bin" / "sudo")
 
     # stdlib (trimmed) and its extension modules

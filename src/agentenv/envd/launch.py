@@ -1,7 +1,7 @@
 """Starting a command for the process service: as the user, with pipes or a PTY.
 
 The command becomes a ``running.Proc`` in the registry, whose output is then read
-in envd's event loop. Through setpriv (see spawn) when the user changes, so that
+in envd's event loop. Through a helper (see spawn) when the user changes, so that
 CPython can vfork instead of copying envd.
 """
 
@@ -64,7 +64,9 @@ def spawn_process(state: State, registry: Registry, request: pb.StartRequest, us
             groups = os.getgrouplist(user.name, user.gid)
         except OSError:
             groups = [user.gid]
-        creds = {"user": user.uid, "group": user.gid, "extra_groups": groups}
+        if (user.uid, user.gid) != (os.getuid(), os.getgid()) \
+                or set(groups) != set(os.getgroups()):  # else envd's own: no switch
+            creds = {"user": user.uid, "group": user.gid, "extra_groups": groups}
     elif user.uid != os.geteuid():
         raise ConnectError(Code.PERMISSION_DENIED,
                            f"envd is not root and cannot run commands as '{user.name}'")
@@ -84,7 +86,7 @@ def spawn_process(state: State, registry: Registry, request: pb.StartRequest, us
             proc = Proc(registry, popen, cfg, request.tag if request.has_field("tag")
                         else None, {master: "pty"}, None, master)
         else:
-            # Through setpriv when the user changes: a vfork instead of a fork.
+            # Through exec-as or setpriv when the user changes: a vfork, not a fork.
             spawn_argv = argv
             if creds:
                 via = as_user(argv, user.uid, user.gid, creds["extra_groups"],

@@ -2,9 +2,10 @@
 
 CPython cannot vfork when asked to change uid/gid, so ``Popen(user=...)`` copies
 the whole envd process: ~30 ms per command under gVisor against ~5 ms for a
-vfork. Instead envd vforks util-linux's ``setpriv`` (shipped in the runtime
-bundle with its libraries), which sets the groups, gid and uid and execs the
-command.
+vfork. Instead envd vforks a helper that sets the groups, gid and uid and execs
+the command: the bundle's ``exec-as`` (exec_as.c, no libc: ~1 ms under gVisor),
+else util-linux's ``setpriv`` (in the bundle with its libraries: ~12 ms, most of
+it the loader and libc start-up faulting pages in), else the host's setpriv.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ LOADER = "ld-linux-x86-64.so.2"
 
 
 @functools.cache
+def exec_as() -> str | None:
+    """The bundle's exec-as, when envd runs from a bundle that has one."""
+    helper = Path(sys.prefix).parent / "bin" / "exec-as"  # PYTHONHOME is <bundle>/python
+    return str(helper) if os.access(helper, os.X_OK) else None
+
+
+@functools.cache
 def setpriv_prefix() -> tuple[str, ...] | None:
     """How to run setpriv here: from the bundle inside a sandbox, else the host's."""
-    bundle = Path(sys.prefix).parent  # PYTHONHOME is <bundle>/python
+    bundle = Path(sys.prefix).parent
     setpriv, loader = bundle / "bin" / "setpriv", bundle / "lib" / LOADER
     if setpriv.is_file() and loader.is_file():
         return (str(loader), "--library-path", str(bundle / "lib"), str(setpriv))
@@ -31,15 +39,20 @@ def setpriv_prefix() -> tuple[str, ...] | None:
 
 
 def as_user(argv: list[str], uid: int, gid: int, groups: list[int], path: str) -> list[str] | None:
-    """argv that runs ``argv`` with these credentials via setpriv, or None if unavailable.
+    """argv that runs ``argv`` with these credentials via exec-as or setpriv, or None
+    if neither is here.
 
     Raises FileNotFoundError / PermissionError for a command that cannot be run,
-    as Popen would, since setpriv would only report it after the fork.
+    as Popen would, since the helper would only report it after the fork.
     """
-    prefix = setpriv_prefix()
-    if prefix is None:
+    helper = exec_as()
+    prefix = setpriv_prefix() if helper is None else None
+    if helper is None and prefix is None:
         return None
     _check_executable(argv[0], path)
+    if helper is not None:
+        return [helper, str(uid), str(gid), ",".join(str(g) for g in groups) or "-", *argv]
+    assert prefix is not None
     group_arg = ["--groups", ",".join(str(g) for g in groups)] if groups else ["--clear-groups"]
     return [*prefix, f"--reuid={uid}", f"--regid={gid}", *group_arg, "--", *argv]
 
