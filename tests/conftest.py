@@ -39,3 +39,17 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 def api(node: Node):
     with node.client() as client:
         yield client
+
+
+# The files that take longest (seconds of one worker in a CI run), started first:
+# `make test` hands whole files to two workers, and a long file left for last makes
+# the run as long as it (longest first keeps the tail short).
+SLOW_FILES = ("test_e2b_js.py", "test_cli.py", "test_template_build_cli.py",
+              "test_images_node.py", "test_cluster.py", "test_images_lazy.py",
+              "test_cluster_gateways.py", "test_crash.py", "test_rl_client.py",
+              "test_e2b_code_interpreter.py", "test_sandbox_snapshots.py", "test_fork.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
