@@ -33,7 +33,7 @@ from ..snapshot import SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound, TemplateRegistry
 from ..templates.registry import BUILDS_DIR
 from ..templates.tags import DEFAULT_TAG, InvalidTag, normalize_tags
-from .base import resolve_base
+from .base import AUTO_ID, resolve_base
 from .context_files import UPLOAD_URL_TTL, ContextFiles
 from .errors import BuildError, StepFailed
 from .runner import STEPS, BuildState, StepRunner, initial_state
@@ -180,6 +180,8 @@ class TemplateBuilder:
             if existing.image is not None and not existing.snapshot_id:
                 raise BuildError(f"'{alias}' is a pulled image; choose another name", 409)
             return existing.template_id
+        if AUTO_ID.match(alias):  # a setup of an image (users may not take these names)
+            return alias
         for build in self.store.all():  # a template whose first build is under way
             if alias in build.names:
                 return build.template_id
@@ -310,6 +312,8 @@ class TemplateBuilder:
                 self.registry.tags.drop(template_id)
             for snapshot_id in {template.snapshot_id, *(b.snapshot_id for b in kept)}:
                 await self._delete_snapshot(snapshot_id)
+            if template.image is not None:  # built from an image: its mounts, if only its
+                await asyncio.to_thread(self.manager.image_cache.release, template)
         return template_id
 
     def _kept_builds(self, template_id: str) -> list[Template]:
