@@ -230,8 +230,9 @@ class TemplateCleanup:
             self.touch(name)
             return False
         self._drop(name)
-        if template.build_id:
-            self.builder.store.delete(template.build_id)
+        build = self.builder.store.get(template.build_id)
+        if build is not None and build.template_id == name:  # a setup's one build
+            self.builder.store.delete(build.build_id)
         await asyncio.to_thread(self.registry.unpublish, template)
         await asyncio.to_thread(self.manager.image_cache.release, template, paused)
         await asyncio.to_thread(self._finish, name)
