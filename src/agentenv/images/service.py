@@ -383,10 +383,15 @@ class ImageService:
                 self.lazy.unmount_idle(hex_of(d))
 
     def _protected(self) -> set[str]:
-        used = self.in_use() | self.pinned
+        """Layers of templates in use or pinned: each looked up by its name (a scan of
+        every record is O(templates), and creates from images make thousands)."""
         out = {h for h, n in self._busy.items() if n > 0}
-        for t in self._image_templates():
-            if t.image and (t.template_id in used or t.alias in used):
+        for name in self.in_use() | self.pinned:
+            try:
+                t = self.templates.get(name)
+            except TemplateNotFound:
+                continue
+            if t.image:
                 out.update(hex_of(d) for d, _ in t.image.layers)
         return out
 
