@@ -109,10 +109,10 @@ def test_unused_image_template_removed_then_made_again(world: dict) -> None:
         assert top in lazy_mounts(node)
     finally:
         sbx.kill()
-    wait_for(lambda: not template_dir(node, name).exists())
+    wait_for(lambda: f"templates: {name} removed" in node.log_path.read_text())
+    assert not template_dir(node, name).exists()
     assert aliases(node, f"tpl.{name}.") == [] and not manifest(node, boot).exists()
     assert top not in lazy_mounts(node)
-    assert f"templates: {name} removed" in node.log_path.read_text()
     assert (template_dir(node, "mine") / "template.json").exists()  # a user's: never
     # Deleting a named image unmounts its lazy layers no other template uses.
     assert mine in lazy_mounts(node)
