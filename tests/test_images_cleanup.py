@@ -3,7 +3,8 @@ once unused for image_template_idle_s (here a few seconds), on a real lazily loa
 node through the e2b SDK: never while a sandbox or a user's snapshot needs them, nor a
 user's own named template; gone with their boot image or setup snapshot and their
 layers' FUSE mounts; a later create makes them again; a restart finishes a removal a
-crash interrupted. DELETE /images of a named image also unmounts its lazy layers."""
+crash interrupted. Deleting an image template (DELETE /templates/{id}, as DELETE
+/images/{name}) also unmounts its lazy layers."""
 
 from __future__ import annotations
 
@@ -114,10 +115,12 @@ def test_unused_image_template_removed_then_made_again(world: dict) -> None:
     assert aliases(node, f"tpl.{name}.") == [] and not manifest(node, boot).exists()
     assert top not in lazy_mounts(node)
     assert (template_dir(node, "mine") / "template.json").exists()  # a user's: never
-    # Deleting a named image unmounts its lazy layers no other template uses.
+    # Deleting an image template (E2B's route) unmounts its lazy layers no other
+    # template uses.
     assert mine in lazy_mounts(node)
-    assert api.delete("/images/mine").status_code == 204
+    assert api.delete("/templates/mine").status_code == 204
     assert mine not in lazy_mounts(node)
+    assert api.get("/templates/mine").status_code == 404
     # A later create pulls it again.
     sbx = Sandbox.create(template=f"docker://{ref}", timeout=120)
     try:
