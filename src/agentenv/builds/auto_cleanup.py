@@ -5,9 +5,10 @@ chunks then collected) and the mounts only it needed. A later create of the same
 image pulls (or converts) and sets it up again.
 
 Never while a sandbox of it exists (running, paused, starting, pooled), while a
-create or setup of it is under way, while a user's snapshot of one of its sandboxes
-exists, nor an image while a setup template of it exists. A user's own named
-templates never match the names, and are never touched.
+create or setup of it is under way, while it is pinned (``pinned_templates``), while
+a user's snapshot of one of its sandboxes exists, nor an image while a setup template
+of it exists. A user's own named templates never match the names (builds and pulls
+refuse them): they are never touched.
 
 Cost with n such templates: memory O(n) (last use per name, in a heap); the start
 lists the templates directory once (O(n) stats, no record read); a use is O(log n)
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from ..snapshot import SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound
+from ..templates.registry import SHARED_MARK
 from .base import AUTO_ID
 
 if TYPE_CHECKING:
@@ -165,7 +167,8 @@ class TemplateCleanup:
             except TemplateNotFound:  # deleted by hand meanwhile
                 self._drop(name)
                 continue
-            if name in users or await asyncio.to_thread(self._needed, template) or \
+            if name in users or name in self.manager.image_cache.pinned or \
+                    await asyncio.to_thread(self._needed, template) or \
                     not self._still_idle(name):
                 self.touch(name)  # needed now: looked at again after another idle_s
                 continue
@@ -221,6 +224,8 @@ class TemplateCleanup:
     async def _remove(self, template: Template) -> bool:
         name = template.template_id
         paused = {r.template_id for r in self.manager.list()}
+        # A copy fetched from the cluster's repository: its node of origin unpublishes.
+        shared = (self.registry.local_dir / name / SHARED_MARK).exists()
         try:
             done = await asyncio.to_thread(self._unlink, template)
         except Exception:
@@ -233,7 +238,8 @@ class TemplateCleanup:
         build = self.builder.store.get(template.build_id)
         if build is not None and build.template_id == name:  # a setup's one build
             self.builder.store.delete(build.build_id)
-        await asyncio.to_thread(self.registry.unpublish, template)
+        if not shared:
+            await asyncio.to_thread(self.registry.unpublish, template)
         await asyncio.to_thread(self.manager.image_cache.release, template, paused)
         await asyncio.to_thread(self._finish, name)
         self.manager.snapshot_gc.request()  # their chunks, unless others use them
