@@ -19,6 +19,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.builds.base import image_template_name
+from agentenv.config import ConfigError, load_config
 from agentenv.images.mounts import mounted_under
 from agentenv.testing import Node, free_cidr, leaks, sdk_env
 from agentenv.testing.oci_registry import (
@@ -160,3 +161,12 @@ def test_setup_kept_while_needed_and_a_restart_finishes_its_removal(world: dict)
     wait_for(lambda: not template_dir(node, image).exists())
     assert top not in lazy_mounts(node)
     assert api.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_bad_idle_setting_is_refused(value: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="image_template_idle_s"):
+        load_config({"home": tmp_path, "image_template_idle_s": value})
+    assert load_config({"home": tmp_path}).image_template_idle_s == 86400  # 24 h
+    assert load_config({"home": tmp_path, "image_template_idle_s": "0"}).image_template_idle_s \
+        == 0  # never

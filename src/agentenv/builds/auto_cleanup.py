@@ -287,4 +287,13 @@ class TemplateCleanup:
                     log.warning("templates: snapshot %s of %s not deleted: %s", sid, name, exc)
         self.manager.image_cache.forget_credentials(name)
         self.registry.tags.drop(name)
+        # The mark goes last: a crash in between leaves it for the restart to finish.
+        with contextlib.suppress(FileNotFoundError):
+            for child in directory.iterdir():
+                if child.name != REMOVING_MARK:
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child, ignore_errors=True)
+                    else:
+                        child.unlink(missing_ok=True)
+        (directory / REMOVING_MARK).unlink(missing_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
