@@ -126,6 +126,10 @@ class Config:
     # A snapshot's cache entry used this recently stays (a restore is reading it).
     cache_snapshot_grace_s: int = 300
     pinned_templates: str = ""
+    # Templates that creates from images make by themselves (img-..., setup-...) are
+    # removed once unused this long (seconds; 0: never), with their boot image or
+    # setup snapshot and the mounts only they need. A user's named templates never.
+    image_template_idle_s: int = 86400
     # oci-layout: and docker-archive: pulls read only below this directory
     # (default <home>/imports): the API must not open any file of the host.
     image_import_dir: Path | None = None
@@ -303,6 +307,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("max_sandboxes must be 0 (derived from the host) or 1..16000")
     if cfg.idle_freeze_s != 0 and not 1 <= cfg.idle_freeze_s <= 86400:
         raise ConfigError("idle_freeze_s must be 0 (never freeze) or 1..86400 seconds")
+    if cfg.image_template_idle_s < 0:
+        raise ConfigError("image_template_idle_s must be 0 (never remove) or more seconds")
     if not 0 <= cfg.idle_freeze_cpu_pct <= 100:
         raise ConfigError("idle_freeze_cpu_pct must be between 0 and 100")
     if cfg.memory_pressure_mb < -1:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import re
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,11 @@ from .errors import StepFailed
 
 if TYPE_CHECKING:
     from ..orchestrator import SandboxManager
+
+# The templates creates from images make (image_sources): their names are their IDs,
+# so that finding one is a directory lookup, never a scan of every template's record.
+AUTO_ID = re.compile(r"^(?:img-[0-9a-f]{16}|setup-[0-9a-f]{16}-[0-9a-f]{16})$")
+
 
 def image_template_name(ref: str, credentials: dict | None = None, key: bytes = b"") -> str:
     """``img-<hash>``: of the reference alone, or keyed (HMAC) over it and the credentials."""

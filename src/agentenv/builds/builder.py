@@ -33,7 +33,7 @@ from ..snapshot import SnapshotError, SnapshotNotFound
 from ..templates import Template, TemplateNotFound, TemplateRegistry
 from ..templates.registry import BUILDS_DIR
 from ..templates.tags import DEFAULT_TAG, InvalidTag, normalize_tags
-from .base import resolve_base
+from .base import AUTO_ID, resolve_base
 from .context_files import UPLOAD_URL_TTL, ContextFiles
 from .errors import BuildError, StepFailed
 from .runner import STEPS, BuildState, StepRunner, initial_state
@@ -180,6 +180,8 @@ class TemplateBuilder:
             if existing.image is not None and not existing.snapshot_id:
                 raise BuildError(f"'{alias}' is a pulled image; choose another name", 409)
             return existing.template_id
+        if AUTO_ID.match(alias):  # a setup of an image (users may not take these names)
+            return alias
         for build in self.store.all():  # a template whose first build is under way
             if alias in build.names:
                 return build.template_id
@@ -292,13 +294,13 @@ class TemplateBuilder:
                 raise BuildError(f"template '{name}' not found", 404) from None
         if template is not None and not self._is_local(template_id):
             raise BuildError(f"'{name}' is a built-in template and cannot be deleted", 403)
-        if template is not None and template.image is not None and not template.snapshot_id:
-            raise BuildError(f"'{name}' is a pulled image: remove it with DELETE /images/{name}",
-                             409)
         users = [r.sandbox_id for r in self.manager.list() if r.template_id == template_id]
         if users:
             raise BuildError(f"template '{name}' has {len(users)} sandbox(es) running or paused "
                              f"({', '.join(users[:3])}); kill them first", 409)
+        if template is not None and template.image is not None and not template.snapshot_id:
+            await self._delete_image(template)  # as DELETE /images/{name} does
+            return template_id
         for build in [b for b in self.store.all() if b.template_id == template_id]:
             await self.cancel(build.build_id)
             self.store.delete(build.build_id)
@@ -310,7 +312,19 @@ class TemplateBuilder:
                 self.registry.tags.drop(template_id)
             for snapshot_id in {template.snapshot_id, *(b.snapshot_id for b in kept)}:
                 await self._delete_snapshot(snapshot_id)
+            if template.image is not None:  # built from an image: its mounts, if only its
+                await asyncio.to_thread(self.manager.image_cache.release, template)
         return template_id
+
+    async def _delete_image(self, template: Template) -> None:
+        """A pulled image template: its record, credentials, unused layers and mounts."""
+        from ..images import ImageError
+
+        try:
+            await asyncio.to_thread(self.manager.image_cache.delete, template.template_id)
+        except ImageError as exc:
+            raise BuildError(str(exc), exc.status) from exc
+        await asyncio.to_thread(self.registry.unpublish, template)
 
     def _kept_builds(self, template_id: str) -> list[Template]:
         directory = self.local_dir / template_id / BUILDS_DIR

@@ -21,6 +21,7 @@ pair one setup build: each is a task of its own that a waiter's cancellation
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -73,6 +74,10 @@ class ImageSources:
         self._key: bytes | None = None
         self._flights: dict[str, asyncio.Task] = {}
         self._pulls = asyncio.Semaphore(MAX_PULLS)
+        # The clean-up of the names this makes (auto_cleanup): its removals under
+        # way, which a create of the same name waits for, and its last-use clock.
+        self.removing: dict[str, asyncio.Task] = {}
+        self.on_use: Callable[[str], None] | None = None
 
     async def template_for(self, ref: str, credentials: dict | None = None,
                            setup: str = "") -> str:
@@ -85,14 +90,33 @@ class ImageSources:
         if len(setup) > MAX_SETUP_CHARS:
             raise BadReference(f"the setup command is longer than {MAX_SETUP_CHARS} characters")
         name = image_template_name(ref, credentials, self._secret() if credentials else b"")
+        await self._settled(name)
         await self._once(name, lambda: self._pull(ref, name, credentials))
+        self._touch(name)  # used now: the clean-up leaves it alone past this create
         if not setup.strip():
             return name
         template = self.manager.templates.get(name)
         assert template.image is not None
         key = setup_template_name(template.image.manifest_digest, setup)
+        await self._settled(key)
         await self._once(key, lambda: self._setup(name, key, setup))
+        self._touch(key)
         return key
+
+    def busy(self) -> set[str]:
+        """Names a pull or setup is making right now."""
+        return set(self._flights)
+
+    async def _settled(self, name: str) -> None:
+        """A clean-up removing ``name`` ends first (the create then makes it again)."""
+        task = self.removing.get(name)
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+
+    def _touch(self, name: str) -> None:
+        if self.on_use is not None:
+            self.on_use(name)
 
     async def _once(self, key: str, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
         task = self._flights.get(key)

@@ -164,6 +164,31 @@ class LazyLayers:
             log.info("images: layer %s mounted lazily (pid %d)", h[:12], proc.pid)
             return point
 
+    def unmount_idle(self, h: str) -> bool:
+        """Unmount the layer unless something stacks on it (a rootfs overlay of another
+        template holds it busy: then it stays); its server then ends. True if gone."""
+        point = self.mnt_dir / h
+        with self.layer_lock(h):
+            if os.path.ismount(point):
+                # No lazy detach: busy means still used, and that is the kernel's answer.
+                subprocess.run(["umount", str(point)], capture_output=True)
+                if os.path.ismount(point):
+                    return False
+            with self._lock:
+                proc = self._procs.pop(h, None)
+            if proc is not None:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            try:
+                point.rmdir()
+            except OSError:
+                pass
+        log.info("images: lazy layer %s unmounted (no template uses it)", h[:12])
+        return True
+
     def served(self, h: str) -> bool:
         """The layer is mounted and its server answers: statfs always asks the server
         (a stat may be answered from the kernel's cached attributes)."""

@@ -59,6 +59,8 @@ class ImageService:
         self._busy: dict[str, int] = {}
         # Set by the node: keeps its one cache budget (layers and snapshots) instead.
         self.room: Callable[[int], None] | None = None
+        # Called with a template's ID each time its rootfs is ensured (a sandbox starts).
+        self.on_use: Callable[[str], None] | None = None
 
     @property
     def mounts_dir(self) -> Path:
@@ -261,6 +263,8 @@ class ImageService:
         info = template.image
         if info is None:
             return template.rootfs
+        if self.on_use is not None:
+            self.on_use(template.template_id)
         hexes = [hex_of(d) for d, _ in info.layers]
         with self._template_lock(info.manifest_digest):
             self._hold(hexes)
@@ -337,23 +341,57 @@ class ImageService:
             raise ImageInUse(f"template '{name}' is in use by sandboxes")
         with self._template_lock(info.manifest_digest):
             others = [t for t in self._image_templates() if t.template_id != template.template_id]
-            if os.path.ismount(template.rootfs) and not any(
-                    o.rootfs == template.rootfs for o in others):
-                unmount(template.rootfs)
             shutil.rmtree(self.templates.local_dir / template.template_id, ignore_errors=True)
             (self.secrets_dir / f"{template.template_id}.json").unlink(missing_ok=True)
             still = {hex_of(d) for o in others if o.image for d, _ in o.image.layers}
+            self._unmount_unused(template, others)
             for d, _ in info.layers:
                 h = hex_of(d)
                 if h not in still and self.store.has(h) and h not in self._busy:
                     self.store.remove(h)
         log.info("images: template %s deleted", name)
 
+    def release(self, template: Template, also_used: Iterable[str] = ()) -> None:
+        """A removed template's mounts: its rootfs and (lazily loaded) its layers'
+        FUSE mounts go unless a template in use (``in_use``, pinned, ``also_used``:
+        e.g. paused sandboxes') needs them. Another template sharing them that is not
+        in use mounts them again on its next start. Costs O(templates in use)."""
+        if template.image is None:
+            return
+        used = []
+        for name in self.in_use() | self.pinned | set(also_used):
+            try:
+                used.append(self.templates.get(name))
+            except TemplateNotFound:
+                continue
+        with self._template_lock(template.image.manifest_digest):
+            self._unmount_unused(template, used)
+
+    def _unmount_unused(self, template: Template, keep: builtins.list[Template]) -> None:
+        """(Under the image's template lock.) ``keep``: templates whose mounts stay."""
+        assert template.image is not None
+        if os.path.ismount(template.rootfs) and not any(
+                k.rootfs == template.rootfs for k in keep):
+            unmount(template.rootfs)
+        if self.lazy is None:
+            return
+        with self._lock:
+            still = {hex_of(d) for k in keep if k.image for d, _ in k.image.layers} | \
+                set(self._busy)
+        for d, _ in template.image.layers:
+            if hex_of(d) not in still:
+                self.lazy.unmount_idle(hex_of(d))
+
     def _protected(self) -> set[str]:
-        used = self.in_use() | self.pinned
+        """Layers of templates in use or pinned: each looked up by its name (a scan of
+        every record is O(templates), and creates from images make thousands)."""
         out = {h for h, n in self._busy.items() if n > 0}
-        for t in self._image_templates():
-            if t.image and (t.template_id in used or t.alias in used):
+        for name in self.in_use() | self.pinned:
+            try:
+                t = self.templates.get(name)
+            except TemplateNotFound:
+                continue
+            if t.image:
                 out.update(hex_of(d) for d, _ in t.image.layers)
         return out
 
@@ -409,9 +447,15 @@ class ImageService:
                 if self._busy[h] <= 0:
                     del self._busy[h]
 
-    def _template_lock(self, key: str) -> threading.Lock:
+    def template_lock(self, manifest_digest: str) -> threading.Lock:
+        """Held while an image's rootfs is ensured or released."""
         with self._lock:
-            return self._template_locks.setdefault(key, threading.Lock())
+            return self._template_locks.setdefault(manifest_digest, threading.Lock())
+
+    _template_lock = template_lock
+
+    def forget_credentials(self, template_id: str) -> None:
+        (self.secrets_dir / f"{template_id}.json").unlink(missing_ok=True)
 
     def _saved_creds(self, template_id: str) -> dict | None:
         try:

@@ -20,7 +20,7 @@ from ..api.routes.templates import unlimited_uploads
 from ..api.routes.templates import uploads as template_uploads
 from ..api.signed_files import SignedFileRouter
 from ..api.terminal import router as terminal_router
-from ..builds import ImageSources, TemplateBuilder
+from ..builds import ImageSources, TemplateBuilder, TemplateCleanup
 from ..config import Config
 from ..network import SlotPool
 from ..orchestrator import SandboxManager, SandboxState, SandboxStore
@@ -90,6 +90,7 @@ def create_app(config: Config) -> ASGIApp:
         metrics.FROZEN.set_function(manager.runtime.frozen_count)
         await manager.start()
         await builder.start()
+        await cleanup.start()
         load_history.start()
         log.info("node %s serving on %s:%d (home %s)", config.node_id, config.host, config.port,
                  config.home)
@@ -106,6 +107,7 @@ def create_app(config: Config) -> ASGIApp:
             if heartbeat is not None:
                 await heartbeat.close()
             await load_history.close()
+            await cleanup.close()
             await proxy_holder["proxy"].close()
             await builder.close()
             await manager.close(destroy=True)
@@ -129,6 +131,8 @@ def create_app(config: Config) -> ASGIApp:
     app.state.load_history = load_history
     # Creates straight from an image reference (and their setup builds).
     app.state.images = ImageSources(builder, config.secrets_dir)
+    # Those templates removed once unused for image_template_idle_s.
+    cleanup = TemplateCleanup(app.state.images, config.image_template_idle_s)
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(template_uploads)

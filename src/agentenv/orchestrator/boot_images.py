@@ -162,6 +162,11 @@ class BootImages:
         if not self._users[image.snapshot_id]:
             self._delete(image)
 
+    def drop(self, template: Template) -> None:
+        """The template is being removed: forget its image (its snapshot is deleted by
+        the remover, so a restore under way keeps reading the files it opened)."""
+        self._images.pop(template.snapshot_id or self.alias(template), None)
+
     @contextlib.contextmanager
     def using(self, image: BootImage) -> Iterator[None]:
         """A restore reads ``image`` within this block."""

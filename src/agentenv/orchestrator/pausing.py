@@ -65,6 +65,9 @@ class Pausing(Captures):
         except BaseException:
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
             raise
+        # An automatic clean-up of the template waits for this snapshot to go.
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self.templates.note_snapshot, record.template_id, snapshot_id)
         # bench/bench_capture.py reads this line: the capture is what the sandbox
         # is stopped for, the commit runs beside it.
         log.info("snapshot %s of %s: capture %.0f ms, commit %.0f ms, %d bytes",

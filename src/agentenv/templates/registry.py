@@ -24,6 +24,8 @@ BUILDS_DIR = "builds"  # <template dir>/builds/<buildID>.json: each kept build's
 # rebuild on another node reaches this one).
 SHARED_MARK = ".shared"
 SHARED_REFRESH_S = 10.0
+# In a template's directory: one empty file per user snapshot taken of its sandboxes.
+SNAPSHOTS_DIR = ".snapshots"
 log = logging.getLogger(__name__)
 
 
@@ -190,6 +192,29 @@ class TemplateRegistry:
                 return template
         return None
 
+    # -- users' snapshots of a template (they restore over its rootfs) ------------------
+
+    def note_snapshot(self, template_id: str, snapshot_id: str) -> None:
+        """Remember that a snapshot was taken of a sandbox of this node's template: an
+        automatic clean-up keeps the template while the snapshot exists."""
+        directory = self.local_dir / template_id
+        if not _plain(template_id) or not _plain(snapshot_id) or \
+                not (directory / "template.json").exists():
+            return
+        (directory / SNAPSHOTS_DIR).mkdir(exist_ok=True)
+        (directory / SNAPSHOTS_DIR / snapshot_id).touch()
+
+    def snapshots_of(self, template_id: str) -> builtins.list[str]:
+        """Snapshots noted for the template (some may have been deleted since)."""
+        directory = self.local_dir / template_id / SNAPSHOTS_DIR
+        if not _plain(template_id) or not directory.is_dir():
+            return []
+        return sorted(p.name for p in directory.iterdir())
+
+    def forget_snapshot(self, template_id: str, snapshot_id: str) -> None:
+        if _plain(template_id) and _plain(snapshot_id):
+            (self.local_dir / template_id / SNAPSHOTS_DIR / snapshot_id).unlink(missing_ok=True)
+
     # -- the cluster's shared templates -------------------------------------------------
 
     def publish(self, template_id: str) -> None:
@@ -298,3 +323,8 @@ class TemplateRegistry:
             default_workdir=meta.get("defaultWorkdir", ""),
             image=image,
         )
+
+
+def _plain(name: str) -> bool:
+    """A name usable as one path component."""
+    return bool(name) and "/" not in name and not name.startswith(".") and "\0" not in name
