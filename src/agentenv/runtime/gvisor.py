@@ -21,11 +21,11 @@ from pathlib import Path
 
 from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
 from .cpu_balance import CpuBalancer
-from .exits import MIB, ExitWatcher, PressureWatcher, exit_reason, memory_file_bytes, working_set
+from .exits import memory_file_bytes
 from .freezer import CgroupFreezer
-from .oci import build_spec, host_memory_limit, pressure_threshold
-from .oom_hold import OomHold
+from .oci import build_spec
 from .reaping import alive, become_subreaper, reap, reap_runsc_orphans
+from .watching import Watching
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 _MASK_PROC_SYS_NET = 'mount -t tmpfs none /proc/sys/net && exec "$0" "$@"'
 
 
-class GVisorRuntime:
+class GVisorRuntime(Watching):
     kind = "gvisor"
 
     def __init__(self, run_dir: Path, cgroup_parent: str = "aenv", platform: str = "systrap"):
@@ -53,14 +53,7 @@ class GVisorRuntime:
         # Called with (sandbox ID, why) when a sandbox's process ends without the
         # node asking (host OOM kill, crash); the orchestrator sets it.
         self.on_exit: Callable[[str, str], None] | None = None
-        self._exits = ExitWatcher(self._exited)
-        # Near the cgroup's limit envd is told to free memory (SIGUSR2) before the host
-        # OOM-kills the whole sandbox.
-        self._pressure = PressureWatcher(self._pressed)
-        # At the limit itself the sandbox waits instead of being killed whole, while
-        # envd frees memory (oom_hold.py).
-        self._hold = OomHold(self._held_at_limit, self._give_up)
-        self._signals: set[asyncio.Task] = set()
+        self._init_watching()
         for d in (self.state_dir, self.sandboxes_dir):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         become_subreaper()
@@ -269,72 +262,6 @@ class GVisorRuntime:
                 os.kill(pid, signal.SIGKILL)
         reap(pids, deadline=time.monotonic() + 5)
 
-    # -- noticing exits -------------------------------------------------------
-
-    def _state_file(self, sandbox_id: str) -> Path:
-        return self.state_dir / f"{sandbox_id}_sandbox:{sandbox_id}.state"
-
-    def _watch(self, sandbox_id: str) -> int:
-        """Watch the sandbox's process (pid from runsc's state file: no exec); 0 if
-        there is none to watch."""
-        try:
-            state = json.loads(self._state_file(sandbox_id).read_text())
-            pid = int(state["sandbox"]["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            log.warning("sandbox %s: no runsc state to watch its process by", sandbox_id)
-            return 0
-        self._exits.watch(sandbox_id, pid)
-        cgroup = self.memory_cgroup(sandbox_id)
-        limit = _read_int(cgroup / "memory.limit_in_bytes")
-        if limit and not self._pressure.watch(
-                sandbox_id, cgroup, pressure_threshold(self._memory_mb(sandbox_id), limit),
-                limit):
-            log.warning("sandbox %s: cannot watch its memory cgroup %s", sandbox_id, cgroup)
-        memory_mb = self._memory_mb(sandbox_id)
-        if limit:
-            self._hold.watch(sandbox_id, cgroup,
-                             host_memory_limit(memory_mb) if memory_mb else limit)
-        return pid
-
-    def _unwatch(self, sandbox_id: str) -> None:
-        self._exits.unwatch(sandbox_id)
-        self._pressure.unwatch(sandbox_id)
-        self._hold.unwatch(sandbox_id)
-        self._hold.given_up.discard(sandbox_id)
-
-    def _pressed(self, sandbox_id: str) -> None:
-        cgroup = self.memory_cgroup(sandbox_id)
-        log.warning("sandbox %s: %d MB of its %d MB host memory limit in use (the sandbox "
-                    "kernel's included); telling envd to free memory", sandbox_id,
-                    working_set(cgroup) // MIB,
-                    _read_int(cgroup / "memory.limit_in_bytes") // MIB)
-        self._signal_envd(sandbox_id)
-
-    def _held_at_limit(self, sandbox_id: str) -> None:
-        # A frozen sandbox would not run envd's guard, lifted or not.
-        self.freezer.thaw(sandbox_id)
-        self._signal_envd(sandbox_id)
-
-    def _signal_envd(self, sandbox_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._runsc("kill", sandbox_id, "USR2", check=False, limit=5))
-        self._signals.add(task)
-        task.add_done_callback(self._signalled)
-
-    def _signalled(self, task: asyncio.Task) -> None:
-        self._signals.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("signalling a sandbox failed: %s", task.exception())
-
-    def _give_up(self, sandbox_id: str) -> None:
-        """End a sandbox held at its memory limit that envd could not free: what the
-        host's OOM killer would have done. Its exit is reported as out of memory."""
-        self.freezer.thaw(sandbox_id)
-        task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._kill_processes, sandbox_id))
-        self._signals.add(task)
-        task.add_done_callback(self._signalled)
-
     def capture_size(self, sandbox_id: str) -> int:
         """The memory file's pages (shmem): an uncompressed capture writes each of them."""
         return memory_file_bytes(self.memory_cgroup(sandbox_id))
@@ -342,25 +269,6 @@ class GVisorRuntime:
     def memory_cgroup(self, sandbox_id: str) -> Path:
         """The sandbox's memory cgroup (v1: runsc puts the sentry, gofer and all in it)."""
         return CGROUP_ROOT / "memory" / self._cgroups_path(sandbox_id).strip("/")
-
-    def _exited(self, sandbox_id: str) -> None:
-        reason = exit_reason(self.memory_cgroup(sandbox_id), self._memory_mb(sandbox_id),
-                             held_at_limit=sandbox_id in self._hold.given_up,
-                             own_limit=self._hold.own_limit(sandbox_id))
-        log.warning("sandbox %s %s", sandbox_id, reason)
-        for line in _guard_lines(self.bundle_dir(sandbox_id) / "console.log"):
-            log.warning("sandbox %s before it ended: %s", sandbox_id, line)
-        if self.on_exit is not None:
-            self.on_exit(sandbox_id, reason)
-
-    def _memory_mb(self, sandbox_id: str) -> int:
-        """The memory size the sandbox was started with (its bundle's config.json)."""
-        try:
-            spec = json.loads((self.bundle_dir(sandbox_id) / "config.json").read_text())
-            env = dict(e.split("=", 1) for e in spec["process"]["env"])
-            return int(env.get("AENV_MEMORY_LIMIT_MB", 0))
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0
 
     def _remove_leftovers(self, sandbox_id: str) -> None:
         shutil.rmtree(self.bundle_dir(sandbox_id), ignore_errors=True)
@@ -475,23 +383,6 @@ def remove_cgroup(path: str) -> None:
             with contextlib.suppress(OSError):
                 os.rmdir(candidate)
 
-
-def _read_int(path: Path) -> int:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return 0
-
-
-def _guard_lines(console: Path, keep: int = 3) -> list[str]:
-    """envd's last memory and disk guard actions (its warnings) in a console log."""
-    try:
-        with open(console, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return []
-    return [ln for ln in text.splitlines() if ln.startswith("envd WARNING")][-keep:]
 
 
 def _last_line(err: bytes) -> str:
