@@ -21,6 +21,7 @@ from agentenv.testing import SHARED_HOME, Node
 pytestmark = pytest.mark.serial
 
 SAMPLES = 21
+SLACK_MS = 15
 HOGS = {
     "cpu": "for i in 1 2 3 4; do (while :; do :; done) & done; wait",
     "fork_bomb": "f(){ f|f& }; f",
@@ -108,7 +109,10 @@ def test_hog_stays_in_its_sandbox(node: Node, api: httpx.Client, neighbour: Sand
     busy = statistics.median(loaded)
     print(f"{hog}: neighbour exec p50 unloaded {unloaded:.1f} ms, loaded {busy:.1f} ms "
           f"({busy / unloaded:.2f}x); API {api_ms:.0f} ms; hog sandbox killed in {kill_ms:.0f} ms")
-    assert busy <= 2 * unloaded, (
+    # Twice the unloaded figure, plus scheduling slack: a command wakes several processes
+    # (node, sentry, envd, the command) and each may wait a CFS slice behind a busy hog on
+    # a 2-core host. A hog that escaped its limits shows as many times that, not 2x.
+    assert busy <= 2 * unloaded + SLACK_MS, (
         f"{hog}: neighbour exec p50 {busy:.1f} ms loaded vs {unloaded:.1f} ms unloaded")
     assert api_ms < 2000
     assert api.get(f"/sandboxes/{hogger.sandbox_id}").status_code == 404
