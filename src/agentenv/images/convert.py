@@ -9,14 +9,11 @@ bounds, names that escape the layer); nothing is written to local disk.
 
 from __future__ import annotations
 
-import io
 import tarfile
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import zstandard
 from pyfastcdc import FastCDC
 
 from agentenv.snapshot.chunking import AVG_SIZE, MAX_SIZE, MIN_SIZE, compress, digest
@@ -26,7 +23,7 @@ from agentenv.snapshot.manifest import ZERO
 from agentenv.snapshot.repository import Repository
 
 from .errors import HostileInput
-from .unpack import CHUNK, OPAQUE, WHITEOUT, _Compressed, _Pipelined, _Tar, clean_name
+from .unpack import OPAQUE, WHITEOUT, clean_name, read_layer
 
 # Chunks compressed and stored at once: zstd frees the GIL and a posix_fs write waits
 # on its fsync, so more writers than cores pay; the bound keeps memory small.
@@ -103,37 +100,12 @@ def _convert(chunks: Iterator[bytes], repo: Repository, layer_hex: str, *, diges
              diff_id: str, declared_size: int, max_bytes: int, what: str,
              progress: Callable[[int], None] | None,
              cancel: threading.Event | None) -> LayerIndex:
-    limit = declared_size if declared_size >= 0 else 1 << 62
-    source = _Compressed(chunks, limit, what, progress, cancel)
     builder = _Builder(what)
     uploader = _Uploader(repo)
-    pipe = None
-    try:
-        stream = _Tar(io.BufferedReader(source, CHUNK), max_bytes, what)
-        pipe = _Pipelined(stream)
-        with tarfile.open(fileobj=io.BufferedReader(pipe, CHUNK), mode="r|",
-                          encoding="utf-8", errors="surrogateescape") as tar:
-            for member in tar:
-                builder.add(tar, member, uploader)
-        pipe.drain()
-    except (tarfile.TarError, zlib.error, zstandard.ZstdError, EOFError) as exc:
-        raise HostileInput(f"{what}: corrupt or truncated layer ({exc})") from exc
-    finally:
-        if pipe is not None:
-            pipe.stop()
-        uploader.finish()
-    if stream.gzip is not None and not stream.gzip.eof:
-        raise HostileInput(f"{what}: gzip stream is truncated or corrupt")
-    got = "sha256:" + source.hash.hexdigest()
-    if declared_size >= 0 and source.count != declared_size:
-        raise HostileInput(f"{what}: got {source.count} bytes, its descriptor declares "
-                           f"{declared_size} (truncated?)")
-    if digest_ and got != digest_:
-        raise HostileInput(f"{what}: digest mismatch: content is {got}, expected {digest_}")
-    tar_digest = "sha256:" + stream.hash.hexdigest()
-    if diff_id and tar_digest != diff_id:
-        raise HostileInput(f"{what}: uncompressed digest {tar_digest} does not match the "
-                           f"config's diff ID {diff_id}")
+    got, tar_digest = read_layer(chunks, lambda tar, member: builder.add(tar, member, uploader),
+                                 digest=digest_, diff_id=diff_id, declared_size=declared_size,
+                                 max_bytes=max_bytes, what=what, progress=progress,
+                                 cancel=cancel, done=uploader.finish)
     for entry in builder.entries.values():  # the workers are done: digests, not futures
         entry.chunks = [(f.result(), n) for f, n in entry.chunks]  # type: ignore[attr-defined]
     index = LayerIndex(got, tar_digest, builder.entries)

@@ -219,18 +219,19 @@ class Unpacked:
     skipped: int  # device nodes and unsupported entries left out
 
 
-def unpack_layer(chunks: Iterator[bytes], dest: Path, *, digest: str = "", diff_id: str = "",
-                 declared_size: int = -1, max_bytes: int = 1 << 40, what: str = "layer",
-                 progress: Callable[[int], None] | None = None,
-                 cancel: threading.Event | None = None) -> Unpacked:
-    """Unpack into ``dest`` (a new, empty directory that the caller removes on error).
-
-    ``digest`` is checked against the bytes as read, ``diff_id`` against the tar bytes;
-    either may be empty (then it is only computed).
-    """
+def read_layer(chunks: Iterator[bytes],
+               each: Callable[[tarfile.TarFile, tarfile.TarInfo], None], *,
+               digest: str = "", diff_id: str = "", declared_size: int = -1,
+               max_bytes: int = 1 << 40, what: str = "layer",
+               progress: Callable[[int], None] | None = None,
+               cancel: threading.Event | None = None,
+               done: Callable[[], None] | None = None) -> tuple[str, str]:
+    """Walk a layer's tar stream once, ``each`` member in order, checking it as hostile
+    input: its size and digest as read, the gzip end, the tar bytes' digest against
+    ``diff_id`` (either digest may be empty: then only computed). ``done`` runs however
+    the walk ends. Returns (digest, diff ID)."""
     limit = declared_size if declared_size >= 0 else 1 << 62
     source = _Compressed(chunks, limit, what, progress, cancel)
-    writer = _Writer(dest, what)
     pipe = None
     try:
         stream = _Tar(io.BufferedReader(source, CHUNK), max_bytes, what)
@@ -238,13 +239,15 @@ def unpack_layer(chunks: Iterator[bytes], dest: Path, *, digest: str = "", diff_
         with tarfile.open(fileobj=io.BufferedReader(pipe, CHUNK), mode="r|",
                           encoding="utf-8", errors="surrogateescape") as tar:
             for member in tar:
-                writer.add(tar, member)
+                each(tar, member)
         pipe.drain()
     except (tarfile.TarError, zlib.error, zstandard.ZstdError, EOFError) as exc:
         raise HostileInput(f"{what}: corrupt or truncated layer ({exc})") from exc
     finally:
         if pipe is not None:
             pipe.stop()
+        if done is not None:
+            done()
     if stream.gzip is not None and not stream.gzip.eof:
         raise HostileInput(f"{what}: gzip stream is truncated or corrupt")
     got = "sha256:" + source.hash.hexdigest()
@@ -257,6 +260,22 @@ def unpack_layer(chunks: Iterator[bytes], dest: Path, *, digest: str = "", diff_
     if diff_id and tar_digest != diff_id:
         raise HostileInput(f"{what}: uncompressed digest {tar_digest} does not match the "
                            f"config's diff ID {diff_id}")
+    return got, tar_digest
+
+
+def unpack_layer(chunks: Iterator[bytes], dest: Path, *, digest: str = "", diff_id: str = "",
+                 declared_size: int = -1, max_bytes: int = 1 << 40, what: str = "layer",
+                 progress: Callable[[int], None] | None = None,
+                 cancel: threading.Event | None = None) -> Unpacked:
+    """Unpack into ``dest`` (a new, empty directory that the caller removes on error).
+
+    ``digest`` is checked against the bytes as read, ``diff_id`` against the tar bytes;
+    either may be empty (then it is only computed).
+    """
+    writer = _Writer(dest, what)
+    got, tar_digest = read_layer(chunks, writer.add, digest=digest, diff_id=diff_id,
+                                 declared_size=declared_size, max_bytes=max_bytes, what=what,
+                                 progress=progress, cancel=cancel)
     writer.finish()
     return Unpacked(dest, writer.size, got, tar_digest, writer.skipped)
 
