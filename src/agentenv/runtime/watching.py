@@ -68,14 +68,13 @@ class Watching:
         self._exits.watch(sandbox_id, pid)
         cgroup = self.memory_cgroup(sandbox_id)
         limit = read_int(cgroup / "memory.limit_in_bytes")
-        if limit and not self._pressure.watch(
-                sandbox_id, cgroup, pressure_threshold(self._memory_mb(sandbox_id), limit),
-                limit):
+        if not limit:
+            return pid
+        memory_mb = self._memory_mb(sandbox_id)  # (config.json parsed once per start)
+        if not self._pressure.watch(sandbox_id, cgroup, pressure_threshold(memory_mb, limit),
+                                    limit):
             log.warning("sandbox %s: cannot watch its memory cgroup %s", sandbox_id, cgroup)
-        memory_mb = self._memory_mb(sandbox_id)
-        if limit:
-            self._hold.watch(sandbox_id, cgroup,
-                             host_memory_limit(memory_mb) if memory_mb else limit)
+        self._hold.watch(sandbox_id, cgroup, host_memory_limit(memory_mb) if memory_mb else limit)
         return pid
 
     def _unwatch(self, sandbox_id: str) -> None:
