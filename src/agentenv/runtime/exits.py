@@ -76,10 +76,11 @@ class ExitWatcher:
 
 
 def exit_reason(memory_cgroup: Path, memory_mb: int = 0, held_at_limit: bool = False,
-                own_limit: int = 0) -> str:
+                own_limit: int = 0, lifted: bool = False) -> str:
     """Why a sandbox's process ended, from its memory cgroup (read before it is removed):
-    "killed: out of memory (...)" when the kernel's OOM killer acted there, or when the
-    node ended it after holding it at its limit (``oom_hold.py``)."""
+    "killed: out of memory (...)" when the kernel's OOM killer acted there, when the
+    node ended it after holding it at its limit (``oom_hold.py``: ``held_at_limit``), or
+    when it ended while held there (``lifted``: its limit was lifted just now)."""
     oom_kills = 0
     with contextlib.suppress(OSError, ValueError):
         for line in (memory_cgroup / "memory.oom_control").read_text().splitlines():
@@ -88,14 +89,20 @@ def exit_reason(memory_cgroup: Path, memory_mb: int = 0, held_at_limit: bool = F
                 oom_kills = int(value)
     peak = _read_int(memory_cgroup / "memory.max_usage_in_bytes")
     limit = _read_int(memory_cgroup / "memory.limit_in_bytes")
-    if held_at_limit and own_limit:
+    # Held at its limit (oom_hold.py), the sandbox's runtime may end on its own before
+    # the node gives up on it: a memory allocation its kernel cannot wait for fails.
+    at_limit = lifted and bool(own_limit) and peak >= own_limit
+    if own_limit and (held_at_limit or at_limit):
         limit = own_limit  # not the lift it was held with
-    if oom_kills or held_at_limit:
+    if oom_kills or held_at_limit or at_limit:
         size = f"{memory_mb} MB of memory plus {limit // MIB - memory_mb} MB for its kernel" \
             if memory_mb and limit // MIB > memory_mb else "its memory"
         if held_at_limit:
             return (f"was killed: out of memory: the sandbox reached its {limit // MIB} MB "
                     f"limit ({size}) and envd could not free memory; the node ended it")
+        if not oom_kills:
+            return (f"was killed: out of memory: the sandbox reached its {limit // MIB} MB "
+                    f"limit ({size}) and its runtime ended there")
         return (f"was killed: out of memory: the sandbox used {peak // MIB} MB of its "
                 f"{limit // MIB} MB limit ({size}); the host's OOM killer stopped it")
     return "exited: its runtime process ended" + (

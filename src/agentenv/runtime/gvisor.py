@@ -246,21 +246,29 @@ class GVisorRuntime(Watching):
             reap_runsc_orphans()
 
     def _kill_processes(self, sandbox_id: str) -> None:
-        marker = f"{self.sandboxes_dir}/{sandbox_id}/".encode()
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker in f.read():
-                        pids.append(int(entry))
-            except OSError:
-                continue
+        # The sandbox's cgroup first: its processes, found without reading their
+        # /proc/PID/cmdline, which blocks while a process waits at its memory limit.
+        pids = set(_cgroup_pids(self.memory_cgroup(sandbox_id)))
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        reap(pids, deadline=time.monotonic() + 5)
+        # Then any of its processes not (or no longer) in the cgroup.
+        marker = f"{self.sandboxes_dir}/{sandbox_id}/".encode()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            if int(entry) in pids:
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker not in f.read():
+                        continue
+            except OSError:
+                continue
+            pids.add(int(entry))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)
+        reap(list(pids), deadline=time.monotonic() + 5)
 
     def capture_size(self, sandbox_id: str) -> int:
         """The memory file's pages (shmem): an uncompressed capture writes each of them."""
@@ -404,3 +412,10 @@ def _tail(path: Path, lines: int = 3) -> str:
     except OSError:
         return ""
     return " | ".join(ln for ln in text.splitlines()[-lines:] if ln.strip())
+
+
+def _cgroup_pids(cgroup: Path) -> list[int]:
+    try:
+        return [int(line) for line in (cgroup / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []

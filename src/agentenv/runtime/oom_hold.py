@@ -133,6 +133,13 @@ class OomHold:
         held = self._held.get(sandbox_id)
         return held.limit if held else 0
 
+    def lifted_lately(self, sandbox_id: str) -> bool:
+        """Held at its limit now, or until moments ago (a dying sandbox's memory is
+        freed and its lift taken back before its exit is told)."""
+        held = self._held.get(sandbox_id)
+        return held is not None and (held.lifted > 0 or (
+            held.last_lift > 0 and time.monotonic() - held.last_lift < 2 * self.GIVE_UP_S))
+
     def _oom(self, sandbox_id: str) -> None:
         held = self._held.get(sandbox_id)
         if held is None:

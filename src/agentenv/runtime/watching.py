@@ -119,7 +119,8 @@ class Watching:
     def _exited(self, sandbox_id: str) -> None:
         reason = exit_reason(self.memory_cgroup(sandbox_id), self._memory_mb(sandbox_id),
                              held_at_limit=sandbox_id in self._hold.given_up,
-                             own_limit=self._hold.own_limit(sandbox_id))
+                             own_limit=self._hold.own_limit(sandbox_id),
+                             lifted=self._hold.lifted_lately(sandbox_id))
         log.warning("sandbox %s %s", sandbox_id, reason)
         for line in _guard_lines(self.bundle_dir(sandbox_id) / "console.log"):
             log.warning("sandbox %s before it ended: %s", sandbox_id, line)
