@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -289,6 +290,8 @@ def main() -> None:
                 ramp_s = time.monotonic() - t0
                 time.sleep(args.settle)
                 row: dict = {"sandboxes": len(ids), "ramp_s": round(ramp_s, 1)}
+                # Other users share the machine: the load beside every step's figures.
+                row["load_1m"] = round(os.getloadavg()[0], 2)
                 row["idle_cpu_pct"] = idle_cpu(PREFIX, args.window)
                 dedup, naive, count = cgroup_pss(PREFIX)
                 row["pss_MiB_per_sandbox"] = round(dedup / max(count, 1) / MIB, 1)
@@ -325,7 +328,7 @@ def report(args: argparse.Namespace, floor_out: dict | None, unloaded: dict, row
     cols = ["sandboxes", "ramp_s", "pss_MiB_per_sandbox", "pss_naive_MiB_per_sandbox",
             "memfile_MiB_per_sandbox", "runsc_anon_MiB_per_sandbox",
             "idle_cpu_pct", "frozen", "api_p50_ms", "exec_first_ms", "exec_p50_ms",
-            "mem_available_GiB", "failures"]
+            "mem_available_GiB", "load_1m", "failures"]
     text = (f"## Density: idle `base` sandboxes (step {args.step}, max {args.max}, "
             f"idle CPU over {args.window:.0f} s, idle_freeze_s "
             f"{args.idle_freeze_s if args.idle_freeze_s is not None else 'default'}, capacity "
