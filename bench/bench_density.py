@@ -196,6 +196,16 @@ def api_p50(api: httpx.Client, sid: str, n: int = 20) -> float | None:
     return p50_ms(xs)
 
 
+def bare_bundle(bundle: Path, argv: list[str], rootfs: Path, cgroups_path: str) -> None:
+    """An OCI bundle for a bare runsc sandbox running ``argv`` on a template's rootfs."""
+    subprocess.run(["runsc", "spec", "--bundle", str(bundle), "--", *argv], check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["root"] = {"path": str(rootfs), "readonly": True}
+    spec["process"]["terminal"] = False
+    spec["linux"]["cgroupsPath"] = cgroups_path
+    (bundle / "config.json").write_text(json.dumps(spec))
+
+
 def floor(window: float, rootfs: Path) -> dict:
     """A bare runsc sandbox running `sleep infinity`: idle CPU and PSS, then frozen."""
     work = Path(tempfile.mkdtemp(prefix="aenv-floor-"))
@@ -203,13 +213,7 @@ def floor(window: float, rootfs: Path) -> dict:
     root, bundle = work / "state", work / "bundle"
     bundle.mkdir(parents=True)
     flags = [f"--root={root}", "--platform=systrap", "--network=none", "--overlay2=root:memory"]
-    subprocess.run(["runsc", "spec", "--bundle", str(bundle), "--", "sleep", "infinity"],
-                   check=True)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["root"] = {"path": str(rootfs), "readonly": True}
-    spec["process"]["terminal"] = False
-    spec["linux"]["cgroupsPath"] = f"/{cgroup}/floor"
-    (bundle / "config.json").write_text(json.dumps(spec))
+    bare_bundle(bundle, ["sleep", "infinity"], rootfs, f"/{cgroup}/floor")
     try:
         subprocess.run(["runsc", *flags, "run", "--detach", "--bundle", str(bundle), "floor"],
                        check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -31,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_density import CG, MIB, _same_mm, base_rootfs, idle_cpu
+from bench_density import CG, MIB, _same_mm, bare_bundle, base_rootfs, idle_cpu
 from common import write
 
 PREFIX = "h2fl"
@@ -134,13 +133,7 @@ def run_variant(name: str, flags: list[str], env: dict[str, str], argv: list[str
         for sid in ids:
             bundle = work / sid
             bundle.mkdir(parents=True)
-            subprocess.run(["runsc", "spec", "--bundle", str(bundle), "--", *argv],
-                           check=True)
-            spec = json.loads((bundle / "config.json").read_text())
-            spec["root"] = {"path": str(rootfs), "readonly": True}
-            spec["process"]["terminal"] = False
-            spec["linux"]["cgroupsPath"] = f"/{cg}/{sid}"
-            (bundle / "config.json").write_text(json.dumps(spec))
+            bare_bundle(bundle, argv, rootfs, f"/{cg}/{sid}")
             subprocess.run(["runsc", *all_flags, "run", "--detach", "--bundle", str(bundle), sid],
                            check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, env={**os.environ, **env})
