@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -195,6 +196,16 @@ def api_p50(api: httpx.Client, sid: str, n: int = 20) -> float | None:
     return p50_ms(xs)
 
 
+def bare_bundle(bundle: Path, argv: list[str], rootfs: Path, cgroups_path: str) -> None:
+    """An OCI bundle for a bare runsc sandbox running ``argv`` on a template's rootfs."""
+    subprocess.run(["runsc", "spec", "--bundle", str(bundle), "--", *argv], check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["root"] = {"path": str(rootfs), "readonly": True}
+    spec["process"]["terminal"] = False
+    spec["linux"]["cgroupsPath"] = cgroups_path
+    (bundle / "config.json").write_text(json.dumps(spec))
+
+
 def floor(window: float, rootfs: Path) -> dict:
     """A bare runsc sandbox running `sleep infinity`: idle CPU and PSS, then frozen."""
     work = Path(tempfile.mkdtemp(prefix="aenv-floor-"))
@@ -202,13 +213,7 @@ def floor(window: float, rootfs: Path) -> dict:
     root, bundle = work / "state", work / "bundle"
     bundle.mkdir(parents=True)
     flags = [f"--root={root}", "--platform=systrap", "--network=none", "--overlay2=root:memory"]
-    subprocess.run(["runsc", "spec", "--bundle", str(bundle), "--", "sleep", "infinity"],
-                   check=True)
-    spec = json.loads((bundle / "config.json").read_text())
-    spec["root"] = {"path": str(rootfs), "readonly": True}
-    spec["process"]["terminal"] = False
-    spec["linux"]["cgroupsPath"] = f"/{cgroup}/floor"
-    (bundle / "config.json").write_text(json.dumps(spec))
+    bare_bundle(bundle, ["sleep", "infinity"], rootfs, f"/{cgroup}/floor")
     try:
         subprocess.run(["runsc", *flags, "run", "--detach", "--bundle", str(bundle), "floor"],
                        check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -289,6 +294,8 @@ def main() -> None:
                 ramp_s = time.monotonic() - t0
                 time.sleep(args.settle)
                 row: dict = {"sandboxes": len(ids), "ramp_s": round(ramp_s, 1)}
+                # Other users share the machine: the load beside every step's figures.
+                row["load_1m"] = round(os.getloadavg()[0], 2)
                 row["idle_cpu_pct"] = idle_cpu(PREFIX, args.window)
                 dedup, naive, count = cgroup_pss(PREFIX)
                 row["pss_MiB_per_sandbox"] = round(dedup / max(count, 1) / MIB, 1)
@@ -325,7 +332,7 @@ def report(args: argparse.Namespace, floor_out: dict | None, unloaded: dict, row
     cols = ["sandboxes", "ramp_s", "pss_MiB_per_sandbox", "pss_naive_MiB_per_sandbox",
             "memfile_MiB_per_sandbox", "runsc_anon_MiB_per_sandbox",
             "idle_cpu_pct", "frozen", "api_p50_ms", "exec_first_ms", "exec_p50_ms",
-            "mem_available_GiB", "failures"]
+            "mem_available_GiB", "load_1m", "failures"]
     text = (f"## Density: idle `base` sandboxes (step {args.step}, max {args.max}, "
             f"idle CPU over {args.window:.0f} s, idle_freeze_s "
             f"{args.idle_freeze_s if args.idle_freeze_s is not None else 'default'}, capacity "
