@@ -262,6 +262,7 @@ def test_a_restarted_node_adopts_its_frozen_sandboxes(fnode: Node) -> None:
 @pytest.mark.parametrize("name,value", [("idle_freeze_s", "0.5"), ("idle_freeze_s", "-1"),
                                         ("idle_freeze_s", "100000"),
                                         ("idle_freeze_cpu_pct", "101"),
+                                        ("idle_freeze_crowd", "-1"),
                                         ("idle_freeze_s", "soon")])
 def test_bad_idle_freeze_settings_are_refused(name: str, value: str,
                                               tmp_path: Path) -> None:
@@ -314,3 +315,40 @@ def test_memory_pressure_pauses_the_idle_to_disk_and_they_resume(tmp_path: Path)
     finally:
         node.stop()
     assert leaks(prefix, node.home) == []
+
+
+def test_a_crowd_of_awake_sandboxes_is_frozen_within_a_second_or_so(tmp_path: Path) -> None:
+    """Past ``idle_freeze_crowd`` awake sandboxes the quiet window is a second, not
+    idle_freeze_s (60 here): a sweep of commands over many sandboxes does not leave
+    them all awake. Each still answers at once afterwards."""
+    prefix = f"fc{os.getpid() % 4096:03x}"
+    node = Node(tmp_path / "home", prefix, "10.103.0.0/16", AENV_IDLE_FREEZE_S="60",
+                AENV_IDLE_FREEZE_CROWD="2", AENV_MAX_SANDBOXES="6")
+    node.start()
+    try:
+        with sdk_env(node.e2b_env()):
+            boxes = [Sandbox.create(template="base", timeout=120) for _ in range(5)]
+            for sbx in boxes:  # the sweep: each is awake after its command
+                assert sbx.commands.run("echo swept").stdout == "swept\n"
+
+            def awake() -> list[str]:
+                return [b.sandbox_id for b in boxes if not _frozen_in(prefix, b.sandbox_id)]
+
+            end = time.monotonic() + 20
+            while len(awake()) > 2:
+                assert time.monotonic() < end, f"still awake: {awake()}\n{node.log_tail()}"
+                time.sleep(0.2)
+            # Down to the crowd, the window is idle_freeze_s again: the rest stay awake.
+            time.sleep(3)
+            assert len(awake()) == 2, awake()
+            for sbx in boxes:
+                assert sbx.commands.run("echo back").stdout == "back\n"
+                sbx.kill()
+    finally:
+        node.stop()
+    assert leaks(prefix, node.home) == []
+
+
+def _frozen_in(prefix: str, sandbox_id: str) -> bool:
+    state = Path(f"/sys/fs/cgroup/freezer/{prefix}/{sandbox_id}/freezer.state")
+    return state.read_text().strip() == "FROZEN"

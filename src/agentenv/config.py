@@ -96,6 +96,11 @@ class Config:
     # envd, pause, snapshot, kill...) thaws them in under a millisecond. 0: never.
     idle_freeze_s: float = 10.0
     idle_freeze_cpu_pct: float = 10.0
+    # More sandboxes awake than this (0: 16 per CPU) and the quiet window shrinks to a
+    # second: a sweep of commands over hundreds of sandboxes would otherwise keep them
+    # all awake for idle_freeze_s, each idling at 1-3 % of a core (gVisor's own timers),
+    # until the node's own loop starves (seen: 140 awake saturated 2 cores).
+    idle_freeze_crowd: int = 0
     # When the host's available memory falls below memory_pressure_mb, running
     # sandboxes are paused to disk (captured, memory and slot freed; resumable),
     # least recently active first, instead of the OOM killer ending any. 0: 5 % of
@@ -309,6 +314,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("idle_freeze_s must be 0 (never freeze) or 1..86400 seconds")
     if cfg.image_template_idle_s < 0:
         raise ConfigError("image_template_idle_s must be 0 (never remove) or more seconds")
+    if not 0 <= cfg.idle_freeze_crowd <= 100_000:
+        raise ConfigError("idle_freeze_crowd must be 0 (16 per CPU) or 1..100000 sandboxes")
     if not 0 <= cfg.idle_freeze_cpu_pct <= 100:
         raise ConfigError("idle_freeze_cpu_pct must be between 0 and 100")
     if cfg.memory_pressure_mb < -1:

@@ -28,7 +28,7 @@ from typing import Any
 from ..config import Config
 from ..images import DEFAULT_MOUNTPOINTS, ImageError, ImageService, LayerStore, LazyLayers
 from ..network import Slot, SlotPool
-from ..resources import CPU, DISK, MEMORY
+from ..resources import CPU, DISK, MEMORY, host_cpus
 from ..runtime import Runtime
 from ..snapshot import SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
@@ -119,7 +119,8 @@ class ManagerCore:
         self._template_listings = TemplateListings()
         # Idle running sandboxes frozen in place, thawed by the next request (idling.py).
         self.freezer = IdleFreezer(runtime, config.idle_freeze_s, config.idle_freeze_cpu_pct,
-                                   lambda: self._records, self._held)
+                                   lambda: self._records, self._held,
+                                   crowd=config.idle_freeze_crowd or 16 * host_cpus())
         self.envd.awake_at = self.freezer.awake_at
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),

@@ -8,6 +8,10 @@ reaches the sandbox thaws it first, in well under a millisecond: the proxy (SDK
 traffic to envd and to user ports holds it awake while the request or the stream
 lasts), the node's own envd calls, and every runtime operation (pause, snapshot, fork,
 kill). The record stays ``running``: clients see no difference but the CPU saved.
+
+With more than ``crowd`` sandboxes awake the window is ``CROWDED_S`` instead: an idle
+gVisor sandbox still costs 1-3 % of a core, and a sweep over hundreds of them would
+keep them all awake for a whole window.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ log = logging.getLogger(__name__)
 # Metadata with which a sandbox is never frozen: one whose processes wait on the
 # outside at no CPU (an agent loop awaiting a model's answer, a job polling a queue).
 OPT_OUT = "aenv.idle_freeze"
+CROWDED_S = 1.0  # the quiet window while more than ``crowd`` sandboxes are awake
 
 
 @dataclass
@@ -37,9 +42,10 @@ class _Watch:
 class IdleFreezer:
     def __init__(self, runtime: Runtime, idle_s: float, cpu_pct: float,
                  records: Callable[[], Mapping[str, SandboxRecord]],
-                 busy: Callable[[str], bool]) -> None:
+                 busy: Callable[[str], bool], crowd: int = 0) -> None:
         self.runtime = runtime
         self.idle_s = idle_s
+        self.crowd = crowd  # 0: no limit
         self.cpu_pct = cpu_pct
         self._by_id = records  # (the node replaces its mapping when it adopts records)
         # slot address -> the sandbox last found there: the node's own envd calls
@@ -110,15 +116,14 @@ class IdleFreezer:
             return []
         now = time.monotonic()
         due: list[str] = []
-        running = set()
-        for record in self._by_id().values():
-            sid = record.sandbox_id
-            if record.state is not SandboxState.RUNNING or record.error or \
-                    record.metadata.get("aenv.build") or \
-                    record.metadata.get(OPT_OUT) == "off":
-                continue
-            running.add(sid)
-            if self._in_flight.get(sid) or self._busy(sid) or self.runtime.is_frozen(sid):
+        early: list[str] = []  # quiet for CROWDED_S, frozen early while crowded
+        candidates = [r.sandbox_id for r in self._by_id().values()
+                      if r.state is SandboxState.RUNNING and not r.error
+                      and not r.metadata.get("aenv.build") and r.metadata.get(OPT_OUT) != "off"]
+        frozen = {sid for sid in candidates if self.runtime.is_frozen(sid)}
+        excess = len(candidates) - len(frozen) - self.crowd if self.crowd else 0
+        for sid in candidates:
+            if self._in_flight.get(sid) or self._busy(sid) or sid in frozen:
                 # (an operation that thawed it, a snapshot say, holds its lock meanwhile)
                 self._watch.pop(sid, None)
                 continue
@@ -126,18 +131,32 @@ class IdleFreezer:
             if watch is None or watch.cpu is None:
                 self._watch[sid] = _Watch(now, self.runtime.cpu_seconds(sid))
                 continue
-            if now - watch.since < self.idle_s:
-                continue
-            cpu = self.runtime.cpu_seconds(sid)
-            used_pct = (cpu - watch.cpu) / (now - watch.since) * 100 if cpu is not None \
-                and watch.cpu is not None else None
-            if used_pct is not None and used_pct <= self.cpu_pct:
+            quiet = now - watch.since
+            if quiet >= self.idle_s:
+                if self._quiet(sid, watch, now):
+                    due.append(sid)
+            elif excess > 0 and quiet >= CROWDED_S:
+                early.append(sid)
+        # Past the crowd: the least recently active go first, down to the crowd.
+        early.sort(key=lambda sid: self._last_active.get(sid, 0.0))
+        for sid in early:
+            if len(due) >= excess:
+                break
+            if self._quiet(sid, self._watch[sid], now):
                 due.append(sid)
-            else:  # working, or no accounting: look again over the next window
-                self._watch[sid] = _Watch(now, cpu)
-        for sid in set(self._watch) - running:
+        for sid in set(self._watch) - set(candidates):
             del self._watch[sid]
         return due
+
+    def _quiet(self, sandbox_id: str, watch: _Watch, now: float) -> bool:
+        """Used at most ``cpu_pct`` of a core since its window began; if not (or no
+        accounting), a new window begins."""
+        cpu = self.runtime.cpu_seconds(sandbox_id)
+        if cpu is not None and watch.cpu is not None and \
+                (cpu - watch.cpu) / (now - watch.since) * 100 <= self.cpu_pct:
+            return True
+        self._watch[sandbox_id] = _Watch(now, cpu)
+        return False
 
     def freeze(self, sandbox_id: str) -> bool:
         """Freeze a sandbox ``due`` named, unless a request or an operation reached it
