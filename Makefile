@@ -24,11 +24,13 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 
 template: system templates
 
-# The two templates build side by side (each mostly waits on downloads and dpkg).
+# The two templates and the deployment image's base (tests/test_deploy_compose.py)
+# build side by side (each mostly waits on downloads and dpkg).
 templates:
 	@bash scripts/build-base-template.sh & base=$$!; \
+	bash scripts/build-deploy-base.sh & deploy=$$!; \
 	bash scripts/build-code-interpreter-template.sh; ci=$$?; \
-	wait $$base && exit $$ci
+	wait $$base && wait $$deploy && exit $$ci
 
 # The e2b JavaScript SDKs the suite runs (tests/js, pinned by its package-lock.json).
 js: tests/js/node_modules/.package-lock.json

@@ -3,7 +3,8 @@
 # iptables, mmdebstrap (base template), redis (cluster tests), docker-registry
 # (image tests), chromium (the web console's browser test), haproxy (the front of two
 # gateways in the cluster tests), fuse3 and libfuse3-dev (lazily loaded images, the
-# pyfuse3 binding).
+# pyfuse3 binding), docker.io (the compose deployment's test: its engine runs only in
+# that test, in a network namespace of its own, never as a system service).
 # Idempotent: does nothing when everything is already present.
 set -euo pipefail
 
@@ -25,6 +26,8 @@ done
 command -v chromium >/dev/null || need+=(chromium)
 # An HTTP front over two gateways (tests/test_cluster_gateways.py; deploy/haproxy.cfg).
 command -v haproxy >/dev/null || need+=(haproxy)
+# A Docker engine (dockerd, containerd, runc) for tests/test_deploy_compose.py.
+command -v dockerd >/dev/null || need+=(docker.io)
 [ ${#need[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -43,6 +46,12 @@ if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.
 fi
 
 export DEBIAN_FRONTEND=noninteractive
+# No package may start its service while installing: docker.io's dockerd, started in
+# the root netns, would set the FORWARD policy to DROP under everything else here.
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
+  trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 apt-get update -qq
 rest=()
 for p in "${need[@]}"; do [ "$p" = runsc ] || rest+=("$p"); done
@@ -56,6 +65,10 @@ if command -v systemctl >/dev/null && systemctl is-active -q redis-server 2>/dev
 fi
 if command -v systemctl >/dev/null && systemctl is-active -q haproxy 2>/dev/null; then
   systemctl disable --now haproxy >/dev/null 2>&1 || true
+fi
+# Nor later: its socket unit would start dockerd at the first client call.
+if [[ " ${need[*]} " == *" docker.io "* ]] && command -v systemctl >/dev/null; then
+  systemctl disable --now docker.socket docker.service >/dev/null 2>&1 || true
 fi
 if command -v systemctl >/dev/null && systemctl is-active -q docker-registry 2>/dev/null; then
   systemctl disable --now docker-registry >/dev/null 2>&1 || true

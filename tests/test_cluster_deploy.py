@@ -77,14 +77,14 @@ def test_compose_file_is_valid_and_shaped(tmp_path: Path) -> None:
     r = compose(DEPLOY / "docker-compose.yml", "--format", "json")
     assert r.returncode == 0, r.stderr
     services = json.loads(r.stdout)["services"]
-    assert set(services) == {"redis", "scheduler", "gateway", "node"}
-    assert services["node"]["privileged"] is True
-    assert services["gateway"]["ports"][0]["published"] == "8080"
-    for role in ("scheduler", "gateway", "node"):
+    assert set(services) == {"redis", "scheduler", "gateway", "gateway2", "front", "node"}
+    assert services["node"]["cgroup"] == "host" and services["node"]["cap_add"] == ["ALL"]
+    assert services["front"]["ports"][0]["published"] == "8080"
+    for role in ("scheduler", "gateway", "gateway2", "node"):
         assert services[role]["environment"]["AENV_REDIS_URL"] == "redis://redis:6379/0"
     # and the validator does reject a broken file
     bad = tmp_path / "docker-compose.yml"
     bad.write_text((DEPLOY / "docker-compose.yml").read_text()
-                   .replace("privileged: true", "privileged: sometimes"))
+                   .replace("cgroup: host", "cgroup: sometimes"))
     r = compose(bad, "--quiet")
-    assert r.returncode != 0 and "privileged" in r.stderr
+    assert r.returncode != 0 and "cgroup" in r.stderr

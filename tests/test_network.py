@@ -455,3 +455,66 @@ async def test_a_burst_keeps_its_released_slots_warm(outside: None) -> None:
     finally:
         await p.close()
     assert leftovers(PREFIX_B) == []
+
+
+# A host whose FORWARD policy is DROP (any host running dockerd in its root netns): a
+# pool's slots still reach the outside and are reached. Run in a netns standing in for
+# that host (its own FORWARD policy), never by changing this machine's.
+DROP_HOST_SCRIPT = r"""
+import asyncio, json, socket, subprocess, sys
+from agentenv.network import SlotPool
+sys.path.insert(0, sys.argv[1])
+from test_network import CLIENT, SERVER, SANDBOX_IP
+out_ns, cidr = sys.argv[2], sys.argv[3]
+def sh(*a): subprocess.run(a, check=True, capture_output=True)
+sh("iptables", "-P", "FORWARD", "DROP")
+sh("ip", "link", "add", "outh", "type", "veth", "peer", "name", "outo", "netns", out_ns)
+sh("ip", "addr", "add", "10.214.9.1/30", "dev", "outh"); sh("ip", "link", "set", "outh", "up")
+sh("ip", "-n", out_ns, "addr", "add", "10.214.9.2/30", "dev", "outo")
+sh("ip", "-n", out_ns, "link", "set", "outo", "up")
+sh("ip", "-n", out_ns, "route", "add", "default", "via", "10.214.9.1")
+async def main():
+    pool = SlotPool("aetestf", cidr, low=0, high=1, capacity=1)
+    await pool.start()
+    s = await pool.acquire(internet=True)
+    def serve(ns, host, tag):
+        p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", SERVER,
+                              host, "8123", tag], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        return p
+    servers = [serve(out_ns, "10.214.9.2", "OUT"), serve(s.netns, SANDBOX_IP, "S")]
+    probe = lambda ns, host: json.loads(subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT,
+         json.dumps([[host, 8123]])], capture_output=True, text=True).stdout)
+    result = {"egress": probe(s.netns, "10.214.9.2")}
+    with socket.create_connection((s.address, 8123), timeout=1) as c:
+        result["inbound"] = c.recv(8).decode()
+    for p in servers: p.kill()
+    await pool.release(s)
+    await pool.close()
+    result["policy"] = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True,
+                                      text=True).stdout.splitlines()
+    print(json.dumps(result))
+asyncio.run(main())
+"""
+
+
+def test_slots_work_on_a_host_whose_forward_policy_is_drop() -> None:
+    host, out = "aetoxf-host", "aetoxf-out"
+    for ns in (host, out):
+        sh("ip", "netns", "del", ns, check=False)
+        sh("ip", "netns", "add", ns)
+    try:
+        sh("ip", "-n", host, "link", "set", "lo", "up")
+        r = subprocess.run(["ip", "netns", "exec", host, sys.executable, "-c", DROP_HOST_SCRIPT,
+                            os.path.dirname(__file__), out, "10.218.0.0/16"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        result = json.loads(r.stdout.splitlines()[-1])
+        assert result["egress"] == {"10.214.9.2:8123": "OUT"}  # forwarded despite DROP
+        assert result["inbound"] == "S"
+        # the pool's rules went with it; the host's own policy stayed DROP
+        assert result["policy"] == ["-P FORWARD DROP"]
+    finally:
+        for ns in (host, out):
+            sh("ip", "netns", "del", ns, check=False)
