@@ -40,12 +40,40 @@ from agentenv.snapshot import SnapshotStore, open_repository
 from agentenv.testing import Node, leaks, sdk_env
 from agentenv.testing.checkpoints import bare_sandbox
 from bench_fork import ROOTFS, BareRunsc
+from bench_node import run_native
 from bench_pause_modes import pause_snapshot
 from common import report, summary
+from same_floor import Floor
 
 MIB = 1 << 20
 STEP = re.compile(r"resume of (\w+): slot (\d+) ms, resume (\d+) ms, envd (\d+) ms")
 WHEN = {"at once": 0.0, "settled": 4.0}  # seconds between the eviction and the resume
+
+
+def same_capture_floor(work: Path, node: Node, api: httpx.Client, size: int, net: int
+                       ) -> dict[str, float]:
+    """A running sandbox like the paused ones (``size`` MiB written, a live process),
+    captured as the node captures and restored bare with the node's flags and its own
+    spec into a warm slot: seconds until `runsc restore` returned and until it answered
+    a command straight to envd, its files in page cache and dropped from it."""
+    c = api.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()
+    sid, tok = c["sandboxID"], c["envdAccessToken"]
+    out: dict[str, float] = {}
+    try:
+        with httpx.Client(base_url=node.url, timeout=120) as http:
+            run_native(http, sid, tok, ["/bin/sh", "-c", f"head -c {size * MIB} /dev/urandom "
+                                        "> /home/user/d.bin; (sleep 4242 &)"])
+        with Floor(work, node, sid, tok, net, 1) as floor:
+            floor.capture()
+            for cache in ("warm", "dropped"):
+                if cache == "dropped":
+                    floor.drop_cache()
+                returned, each = floor.fan_out(1)
+                out[f"same capture, {cache}: returned"] = returned
+                out[f"same capture, {cache}: answered a command"] = each[0]
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    return out
 
 
 def size_matched(work: Path, mib: int) -> tuple[BareRunsc, Path, int]:
@@ -155,6 +183,7 @@ def main() -> int:
         apis = [side.node.client() for side in sides]
         for size in (int(s) for s in args.sizes.split(",")):
             bare_s: list[float] = []
+            same: dict[str, list[float]] = {}
             bare, image, bare_bytes, captured = None, Path(), 0, []
             for i in range(args.rounds):
                 order = list(zip(sides, apis, strict=True))
@@ -167,6 +196,9 @@ def main() -> int:
                 bare_s.append(bare.run("restore", "--detach", "--image-path", str(image),
                                        "--bundle", str(bare.bundle), f"be-{size}-{i}"))
                 bare.delete_all()
+                for k, v in same_capture_floor(work / f"same{size}-{i}", sides[0].node,
+                                               apis[0], size, args.net + 10).items():
+                    same.setdefault(k, []).append(v)
                 print(f"{size} MiB round {i}: bare {bare_s[-1] * 1000:.0f} ms; " + "; ".join(
                     f"{s.label} {when} {s.samples[size, when, 'resume'][-1] * 1000:.0f} ms"
                     for s in sides for when in WHEN), flush=True)
@@ -175,6 +207,8 @@ def main() -> int:
             label = (f"{size} MiB written ({statistics.median(captured) / 1e6:.0f} MB capture, "
                      f"floor {bare_bytes / 1e6:.0f} MB)")
             rows[f"{label}: bare `runsc restore` (the floor)"] = summary(bare_s)
+            rows.update({f"{label}: bare restore of the {k}": summary(v)
+                         for k, v in same.items()})
             for side in sides:
                 rows.update(side.rows(size, label, statistics.median(bare_s)))
         for api in apis:
