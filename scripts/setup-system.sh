@@ -2,9 +2,9 @@
 # Installs the host packages agentenv needs: runsc from bookworm-backports,
 # iptables, mmdebstrap (base template), redis (cluster tests), docker-registry
 # (image tests), chromium (the web console's browser test), haproxy (the front of two
-# gateways in the cluster tests), fuse3 and libfuse3-dev (lazily loaded images, the
-# pyfuse3 binding), docker.io (the compose deployment's test: its engine runs only in
-# that test, in a network namespace of its own, never as a system service).
+# gateways in the cluster tests), fuse3 (lazily loaded images), docker.io (the compose
+# deployment's test: its engine runs only in that test, in a network namespace of its
+# own, never as a system service).
 # Idempotent: does nothing when everything is already present.
 set -euo pipefail
 
@@ -17,9 +17,10 @@ command -v ip >/dev/null || need+=(iproute2)
 dpkg -s busybox-static >/dev/null 2>&1 || need+=(busybox-static)
 # An OCI registry (distribution) the image tests run on loopback.
 command -v docker-registry >/dev/null || need+=(docker-registry)
-# Lazily loaded images: FUSE (fusermount3) and what the pyfuse3 binding compiles against.
+# Lazily loaded images: FUSE (/dev/fuse; the layer servers mount it themselves, as root).
 command -v fusermount3 >/dev/null || need+=(fuse3)
-for p in libfuse3-dev pkg-config gcc python3-dev; do
+# What Python packages without a wheel for this machine compile with.
+for p in pkg-config gcc python3-dev; do
   dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 # A real browser for the web console's test (tests/test_console.py, driven by Playwright).

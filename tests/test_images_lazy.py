@@ -9,9 +9,9 @@ outlives the node."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
-import shutil
 import subprocess
 import tarfile
 import time
@@ -272,4 +272,12 @@ def test_node_stop_unmounts_layers(world: dict) -> None:
     servers = subprocess.run(["pgrep", "-f", f"agentenv.images.lazyfs {lazy_root(node)}"],
                              capture_output=True, text=True).stdout.split()
     assert servers == []
-    assert shutil.which("fusermount3")  # the set-up installs fuse3
+    # Opening is no round trip to the servers (the kernel's no-open mode): each one
+    # was asked once, and never to release, over every read of this module's sandboxes.
+    for log in (lazy_root(node) / "logs").glob("*.log"):
+        ends = re.findall(r"requests: (\{.*\})", log.read_text())
+        assert ends, log.read_text()[-2000:]
+        counts = json.loads(ends[-1])
+        assert counts.get("open", 0) <= 1 and "release" not in counts, (log.name, counts)
+        assert counts.get("opendir", 0) <= 1 and "releasedir" not in counts, (log.name, counts)
+    assert Path("/dev/fuse").exists()  # the set-up installs fuse3

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from .mounts import mounted_under, unmount
 
 log = logging.getLogger(__name__)
 MOUNT_TIMEOUT_S = 30.0
+MOUNTS_AT_ONCE = 8
 SWEEP_S = 5.0  # how often the servers' cache growth is checked against the budget
 
 
@@ -163,6 +165,14 @@ class LazyLayers:
                 self._procs[h] = proc
             log.info("images: layer %s mounted lazily (pid %d)", h[:12], proc.pid)
             return point
+
+    def mount_all(self, hexes: list[str]) -> list[Path]:
+        """Every layer's mount, in order; their servers start at once (each is a Python
+        process start, ~0.3 s here, paid in series before)."""
+        if len(hexes) <= 1:
+            return [self.mount(h) for h in hexes]
+        with ThreadPoolExecutor(min(len(hexes), MOUNTS_AT_ONCE)) as pool:
+            return list(pool.map(self.mount, hexes))
 
     def unmount_idle(self, h: str) -> bool:
         """Unmount the layer unless something stacks on it (a rootfs overlay of another

@@ -7,9 +7,12 @@ the layer's index (loaded and checked before mounting); reads fetch the chunks t
 cover, from the node's chunk cache (``CHUNKS/<digest>``, raw bytes) or else from the
 repository, verify each against its blake3 digest (a mismatch is dropped and fetched
 again once, then the read fails with EIO and a log line naming the chunk), and keep
-them in the cache. Files are opened with ``keep_cache`` and every answer carries long
-timeouts: once read, a file is served from the kernel's page cache at local-disk
-speed, with no call into this process.
+them in the cache. The kernel's protocol is spoken directly (``fuse_wire``): opening a
+file or a directory is no round trip here (the kernel's no-open mode keeps their data
+and listings cached) and every answer carries long timeouts, so once read a file is
+served from the kernel's page cache at local-disk speed, with no call into this process.
+Metadata is answered in the thread reading the device; reads in a few threads, so that
+fetches from the repository overlap.
 """
 
 from __future__ import annotations
@@ -21,12 +24,10 @@ import logging
 import os
 import stat
 import sys
+import threading
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from pathlib import Path
-
-import pyfuse3
-import trio
 
 from agentenv.snapshot.backends import open_repository
 from agentenv.snapshot.chunking import decompress_verified, verify_raw
@@ -34,143 +35,147 @@ from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.layer_index import BadLayerIndex, Entry, LayerIndex, load
 from agentenv.snapshot.manifest import ZERO
 
+from . import fuse_wire
+from .fuse_wire import (
+    READ_IN,
+    XATTR_SIZE,
+    Attr,
+    FuseError,
+    Handler,
+    Session,
+    attr_out,
+    dirents,
+    entry_out,
+    statfs_out,
+    xattr_reply,
+)
+
 log = logging.getLogger("agentenv.lazyfs")
-TIMEOUT = 86400.0  # the layer never changes: the kernel may cache every answer
+TIMEOUT = 86400  # seconds; the layer never changes: the kernel may cache every answer
 MEMORY_CHUNKS = 64  # recently read chunks kept decoded (a chunk spans a few reads)
-ROOT = pyfuse3.ROOT_INODE
+ROOT = 1  # the kernel's inode number of the mount's root
+READ_THREADS = 4  # reads that fetch chunks, at once (readahead asks for several)
+KINDS = {"d": stat.S_IFDIR, "f": stat.S_IFREG, "l": stat.S_IFLNK, "p": stat.S_IFIFO,
+         "w": stat.S_IFCHR}
 
 
 def chunk_path(chunks_dir: Path, d: str) -> Path:
     return chunks_dir / d[:2] / d
 
 
-class LazyLayerFS(pyfuse3.Operations):
+class LazyLayerFS:
     def __init__(self, index: LayerIndex, repo, chunks_dir: Path, name: str):
-        super().__init__()
         self.repo = repo
         self.chunks_dir = chunks_dir
         self.name = name
         # Inode numbers: ROOT for "", then the index's order.
         self.paths = sorted(index.entries)
         self.entries: list[Entry] = [index.entries[p] for p in self.paths]
+        self.attrs = [self._attr(ROOT + i, e) for i, e in enumerate(self.entries)]
         self.inode_of = {p: ROOT + i for i, p in enumerate(self.paths)}
         self.children: dict[int, dict[bytes, int]] = {}
         for p, ino in self.inode_of.items():
             if p:
                 parent, _, base = p.rpartition("/")
                 self.children.setdefault(self.inode_of[parent], {})[os.fsencode(base)] = ino
-        self.listing = {ino: sorted(names.items()) for ino, names in self.children.items()}
+        self.listing = {ino: [(name, i, self.attrs[i - ROOT].mode)
+                              for name, i in sorted(names.items())]
+                        for ino, names in self.children.items()}
         self._offsets: dict[int, list[int]] = {}
         self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
         self.fetched = 0  # bytes (as stored) read from the repository
-        self.calls: Counter[str] = Counter()  # requests served, logged at the end
 
-    def _entry(self, inode: int) -> Entry:
+    @staticmethod
+    def _attr(inode: int, e: Entry) -> Attr:
+        size = e.size if e.type == "f" else len(os.fsencode(e.link)) if e.link else 0
+        # A whiteout is the 0/0 character device (rdev 0).
+        return Attr(ino=inode, mode=KINDS[e.type] | e.mode, size=size, uid=e.uid, gid=e.gid,
+                    mtime=e.mtime, nlink=2 if e.type == "d" else 1)
+
+    def _index(self, inode: int) -> int:
         i = inode - ROOT
         if not 0 <= i < len(self.entries):
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return self.entries[i]
+            raise FuseError(errno.ENOENT)
+        return i
 
-    def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
-        e = self._entry(inode)
-        a = pyfuse3.EntryAttributes()
-        kind = {"d": stat.S_IFDIR, "f": stat.S_IFREG, "l": stat.S_IFLNK, "p": stat.S_IFIFO,
-                "w": stat.S_IFCHR}[e.type]
-        a.st_ino = inode
-        a.st_mode = kind | e.mode
-        a.st_nlink = 2 if e.type == "d" else 1
-        a.st_uid, a.st_gid = e.uid, e.gid
-        a.st_rdev = 0  # a whiteout is the 0/0 character device
-        a.st_size = e.size if e.type == "f" else len(os.fsencode(e.link)) if e.link else 0
-        a.st_blksize = 4096
-        a.st_blocks = (a.st_size + 511) // 512
-        a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = e.mtime * 1_000_000_000
-        a.entry_timeout = a.attr_timeout = TIMEOUT
-        return a
+    def handlers(self) -> dict[int, Handler]:
+        return {fuse_wire.LOOKUP: self.lookup, fuse_wire.GETATTR: self.getattr,
+                fuse_wire.READLINK: self.readlink, fuse_wire.READ: self.read,
+                fuse_wire.READDIR: self.readdir, fuse_wire.GETXATTR: self.getxattr,
+                fuse_wire.LISTXATTR: self.listxattr, fuse_wire.STATFS: self.statfs}
 
-    async def lookup(self, parent_inode, name, ctx=None):
-        self.calls["lookup"] += 1
-        ino = self.children.get(parent_inode, {}).get(bytes(name))
+    # Opening a file or a directory has no handler: ENOSYS puts the kernel in its
+    # no-open mode (no open or release round trips; data and listings cached).
+
+    def lookup(self, parent: int, body: bytes) -> bytes:
+        name = body[:body.index(0)] if 0 in body else body
+        ino = self.children.get(parent, {}).get(name)
         if ino is None:
             if name == b".":
-                return self._attr(parent_inode)
+                return entry_out(self.attrs[self._index(parent)], TIMEOUT)
             # A negative entry the kernel caches: overlayfs asks every lower layer.
-            a = pyfuse3.EntryAttributes()
-            a.st_ino = 0
-            a.entry_timeout = TIMEOUT
-            return a
-        return self._attr(ino)
+            return entry_out(None, TIMEOUT)
+        return entry_out(self.attrs[ino - ROOT], TIMEOUT)
 
-    async def getattr(self, inode, ctx=None):
-        self.calls["getattr"] += 1
-        return self._attr(inode)
+    def getattr(self, inode: int, body: bytes) -> bytes:
+        return attr_out(self.attrs[self._index(inode)], TIMEOUT)
 
-    async def readlink(self, inode, ctx):
-        e = self._entry(inode)
+    def readlink(self, inode: int, body: bytes) -> bytes:
+        e = self.entries[self._index(inode)]
         if e.type != "l":
-            raise pyfuse3.FUSEError(errno.EINVAL)
+            raise FuseError(errno.EINVAL)
         return os.fsencode(e.link)
 
-    async def opendir(self, inode, ctx):
-        self.calls["opendir"] += 1
-        if self._entry(inode).type != "d":
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return inode
+    def readdir(self, inode: int, body: bytes) -> bytes:
+        if self.entries[self._index(inode)].type != "d":
+            raise FuseError(errno.ENOTDIR)
+        _, off, size, _ = READ_IN.unpack_from(body)
+        return dirents(self.listing.get(inode, []), off, size)
 
-    async def readdir(self, fh, start_id, token):
-        names = self.listing.get(fh, [])
-        for i in range(start_id, len(names)):
-            name, ino = names[i]
-            if not pyfuse3.readdir_reply(token, name, self._attr(ino), i + 1):
-                return
-
-    async def open(self, inode, flags, ctx):
-        self.calls["open"] += 1
-        if self._entry(inode).type != "f":
-            raise pyfuse3.FUSEError(errno.EINVAL)
-        if flags & (os.O_WRONLY | os.O_RDWR):
-            raise pyfuse3.FUSEError(errno.EROFS)
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
-
-    async def read(self, fh, off, size):
-        self.calls["read"] += 1
-        e = self._entry(fh)
+    def read(self, inode: int, body: bytes) -> bytes:
+        e = self.entries[self._index(inode)]
+        if e.type != "f":
+            raise FuseError(errno.EISDIR if e.type == "d" else errno.EINVAL)
+        _, off, size, _ = READ_IN.unpack_from(body)
         if off >= e.size or size <= 0:
             return b""
         end = min(e.size, off + size)
-        starts = self._offsets.get(fh)
+        starts = self._offsets.get(inode)
         if starts is None:
             starts, at = [], 0
             for _, n in e.chunks:
                 starts.append(at)
                 at += n
-            self._offsets[fh] = starts
+            self._offsets[inode] = starts
         i = bisect.bisect_right(starts, off) - 1
         out = bytearray()
         while i < len(e.chunks) and starts[i] < end:
             d, n = e.chunks[i]
-            data = bytes(n) if d == ZERO else await self._chunk(d, n, fh)
+            data = bytes(n) if d == ZERO else self._chunk(d, n, inode)
             lo = max(off - starts[i], 0)
             hi = min(end - starts[i], n)
             out += data[lo:hi]
             i += 1
         return bytes(out)
 
-    async def _chunk(self, d: str, n: int, inode: int) -> bytes:
-        data = self._memory.get(d)
-        if data is not None:
-            self._memory.move_to_end(d)
-            return data
+    def _chunk(self, d: str, n: int, inode: int) -> bytes:
+        with self._lock:
+            data = self._memory.get(d)
+            if data is not None:
+                self._memory.move_to_end(d)
+                return data
         try:
-            data = await trio.to_thread.run_sync(self._load, d, n, self.paths[inode - ROOT])
-        except pyfuse3.FUSEError:
+            data = self._load(d, n, self.paths[inode - ROOT])
+        except FuseError:
             raise
         except Exception as exc:  # an error must fail this read, not end the server
             log.exception("lazyfs %s: reading chunk %s failed", self.name, d)
-            raise pyfuse3.FUSEError(errno.EIO) from exc
-        self._memory[d] = data
-        if len(self._memory) > MEMORY_CHUNKS:
-            self._memory.popitem(last=False)
+            raise FuseError(errno.EIO) from exc
+        with self._lock:
+            self._memory[d] = data
+            if len(self._memory) > MEMORY_CHUNKS:
+                self._memory.popitem(last=False)
         return data
 
     def _load(self, d: str, n: int, path: str) -> bytes:
@@ -189,14 +194,15 @@ class LazyLayerFS(pyfuse3.Operations):
         for attempt in (1, 2):
             try:
                 blob = self.repo.get_chunk(d)
-                self.fetched += len(blob)
+                with self._lock:
+                    self.fetched += len(blob)
                 data = decompress_verified(blob, d, n, f"/{path} of layer {self.name}")
                 break
             except SnapshotError as exc:
                 log.error("lazyfs %s: chunk refused (attempt %d of 2): %s", self.name, attempt,
                           exc)
         else:
-            raise pyfuse3.FUSEError(errno.EIO)
+            raise FuseError(errno.EIO)
         tmp = cached.with_name(f".{d}.{uuid.uuid4().hex[:12]}.tmp")
         try:  # a cache that cannot keep it (disk full) only costs a fetch next time
             cached.parent.mkdir(exist_ok=True)
@@ -207,21 +213,21 @@ class LazyLayerFS(pyfuse3.Operations):
             tmp.unlink(missing_ok=True)
         return data
 
-    async def getxattr(self, inode, name, ctx):
-        value = self._entry(inode).xattrs.get(os.fsdecode(name))
+    def getxattr(self, inode: int, body: bytes) -> bytes:
+        size, _ = XATTR_SIZE.unpack_from(body)
+        name = body[XATTR_SIZE.size:].split(b"\0", 1)[0]
+        value = self.entries[self._index(inode)].xattrs.get(os.fsdecode(name))
         if value is None:
-            raise pyfuse3.FUSEError(errno.ENODATA)
-        return value.encode("latin-1")
+            raise FuseError(errno.ENODATA)
+        return xattr_reply(value.encode("latin-1"), size)
 
-    async def listxattr(self, inode, ctx):
-        return [os.fsencode(k) for k in self._entry(inode).xattrs]
+    def listxattr(self, inode: int, body: bytes) -> bytes:
+        size, _ = XATTR_SIZE.unpack_from(body)
+        names = b"".join(os.fsencode(k) + b"\0" for k in self.entries[self._index(inode)].xattrs)
+        return xattr_reply(names, size)
 
-    async def statfs(self, ctx):
-        s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = 4096
-        s.f_files = len(self.entries)
-        s.f_namemax = 255
-        return s
+    def statfs(self, inode: int, body: bytes) -> bytes:
+        return statfs_out(len(self.entries))
 
 
 def main() -> None:
@@ -236,16 +242,19 @@ def main() -> None:
         sys.exit(2)
     repo = open_repository(json.loads(sys.stdin.read()))
     fs = LazyLayerFS(index, repo, Path(chunks), name)
-    options = set(pyfuse3.default_options) | {"fsname=aenv-lazy", "ro", "allow_other"}
-    pyfuse3.init(fs, mountpoint, options)
-    print("ready", flush=True)  # mounted: the node may stack it now
     try:
-        trio.run(pyfuse3.main)
+        fd = fuse_wire.mount(Path(mountpoint), "aenv-lazy")
+    except OSError as exc:
+        print(f"error: {exc}", flush=True)
+        sys.exit(2)
+    print("ready", flush=True)  # mounted: the node may stack it now
+    session = Session(fd, fs.handlers(), slow={fuse_wire.READ}, threads=READ_THREADS)
+    try:
+        session.run()
     finally:
-        pyfuse3.close(unmount=False)
         repo.close()
         log.info("lazyfs %s: unmounted; %d bytes fetched from the repository; requests: %s",
-                 name, fs.fetched, dict(fs.calls))
+                 name, fs.fetched, json.dumps(session.requests))
 
 
 if __name__ == "__main__":

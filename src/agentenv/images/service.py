@@ -280,7 +280,7 @@ class ImageService:
                     unmount(template.rootfs)
                 if not os.path.ismount(template.rootfs):
                     lowers = hexes if self.lazy is None else \
-                        [str(self.lazy.mount(h)) for h in hexes]
+                        [str(p) for p in self.lazy.mount_all(hexes)]
                     mount_layers(template.rootfs, self.store.layers_dir, lowers)
                     log.info("images: mounted rootfs of %s (%d layers)", template.template_id,
                              len(hexes))
