@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import struct
 import threading
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # Opcodes
 LOOKUP, FORGET, GETATTR, READLINK, OPEN, READ, STATFS = 1, 2, 3, 5, 14, 15, 17
@@ -184,9 +187,14 @@ class Session:
             self._reply(unique, errno.EROFS if opcode in WRITING else errno.ENOSYS)
             return
         try:
-            self._reply(unique, 0, handler(nodeid, body))
+            data = handler(nodeid, body)
         except FuseError as exc:
             self._reply(unique, exc.code)
+        except Exception:  # unanswered, the reader would wait forever: fail it instead
+            log.exception("FUSE %s request failed", NAMES.get(opcode, opcode))
+            self._reply(unique, errno.EIO)
+        else:
+            self._reply(unique, 0, data)
 
     def _init(self, body: bytes) -> bytes:
         major, minor, readahead, flags = struct.unpack_from("<IIII", body)
