@@ -187,7 +187,7 @@ def test_a_sandbox_at_its_limit_is_held_while_envd_frees_memory(
     own_limit = int((cg / "memory.limit_in_bytes").read_text())
     try:
         with pytest.raises(CommandExitException) as hog:
-            sbx.commands.run(STOP_ENVD.replace("RESUME", "2") + "python3 -c 'import time; b = "
+            sbx.commands.run(STOP_ENVD.replace("RESUME", "4") + "python3 -c 'import time; b = "
                              "[bytearray(50 << 20) for _ in range(12)]; time.sleep(30)'; exit $?",
                              user="root", timeout=90, request_timeout=90)
         assert hog.value.exit_code == 137, hog.value
