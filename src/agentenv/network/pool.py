@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +37,7 @@ from .slot import (
     apply_policy,
     create_slot,
     destroy_slot,
-    egress_connections,
+    egress_by_address,
     readdress_sandbox_side,
     reset_slot,
     set_egress,
@@ -280,12 +280,12 @@ class SlotPool:
         await nsutil.run_in_thread(apply_policy, slot, self.pool_cidr, compiled)
         self._timings["apply_policy"].append(time.perf_counter() - t0)
 
-    async def egress_connections(self, slot: Slot) -> int:
-        """Outbound TCP connections the slot's sandbox holds open (``slot.egress_connections``)."""
+    async def egress_by_address(self) -> Counter[str]:
+        """Outbound TCP connections held open, per slot address (``slot.egress_by_address``)."""
         try:
-            return await nsutil.run_in_thread(egress_connections, slot)
+            return await asyncio.to_thread(egress_by_address)
         except (OSError, NetlinkError) as exc:
-            raise SlotError(f"slot {slot.index}: reading its connections: {exc}") from exc
+            raise SlotError(f"reading the host's connections: {exc}") from exc
 
     def stats(self) -> dict[str, Any]:
         def pct(values: deque[float], q: float) -> float | None:

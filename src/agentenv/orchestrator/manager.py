@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from ..envd.protocol import ENVD_PORT
@@ -47,6 +48,7 @@ from .snapshots import SnapshotUse, resolve_snapshot
 
 log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
+FREEZE_TICK_S = 0.5  # between the idle freezer's passes
 
 
 class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, SnapshotUse, Runs):
@@ -61,6 +63,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
         await asyncio.to_thread(self.image_cache.start, {
             r.template_id for r in self._records.values() if r.state is SandboxState.RUNNING})
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
+        self._freeze_task = asyncio.create_task(self._freeze_loop(), name="idle-freeze")
 
     def _hold_home(self) -> None:
         """One node process per home: a second one would reconcile the first one's
@@ -78,11 +81,12 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
 
     async def close(self, destroy: bool = True) -> None:
         """Stop background work; with ``destroy``, kill every sandbox and free every slot."""
-        ttl_task = getattr(self, "_ttl_task", None)
-        if ttl_task is not None:
-            ttl_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ttl_task
+        for name in ("_ttl_task", "_freeze_task"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.admission.close()
         if self._relief is not None:
             self._relief.cancel()
@@ -365,21 +369,34 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
                 with contextlib.suppress(SnapshotError):
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
 
+    async def _freeze_loop(self) -> None:
+        """The idle freezer's passes, apart from the TTL loop: its pauses and runsc
+        calls take seconds under load, and a sweep over hundreds of sandboxes thaws
+        them faster than a freezer waiting behind those could catch up."""
+        while True:
+            await asyncio.sleep(FREEZE_TICK_S)
+            try:
+                await self._freeze_idle()
+            except Exception:
+                log.exception("idle freezing failed")
+
     async def _freeze_idle(self) -> None:
         """Freeze the sandboxes idle for a window, but for those holding an outbound
         connection open: waiting on a remote answer costs no CPU, and a frozen
         sandbox would never see the answer arrive."""
-        for sandbox_id in self.freezer.due():
+        due = self.freezer.due()
+        if not due:
+            return
+        try:  # one read of the host's table answers for all of them
+            held = await self.slots.egress_by_address()
+        except SlotError as exc:  # not known: frozen as if they held none
+            log.debug("idle freezing: %s", exc)
+            held = Counter()
+        for sandbox_id in due:
             slot = self._slots.get(sandbox_id)
-            if slot is not None:
-                try:
-                    held = await self.slots.egress_connections(slot)
-                except SlotError as exc:  # not known: frozen as if it held none
-                    log.debug("sandbox %s: %s", sandbox_id, exc)
-                    held = 0
-                if held:
-                    self.freezer.working(sandbox_id)
-                    continue
+            if slot is not None and held[slot.address]:
+                self.freezer.working(sandbox_id)
+                continue
             self.freezer.freeze(sandbox_id)
 
     async def _ttl_loop(self) -> None:
@@ -391,7 +408,6 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
             except Exception:
                 log.exception("runtime housekeeping failed")
             ticks += 1
-            await self._freeze_idle()
             self._tend_pressure()
             await self._tend_residents()
             await self._tend_runs()
