@@ -167,23 +167,69 @@ async def exec_times(sid: str, n: int) -> tuple[float, list[float]]:
     return times[0], times[1:]
 
 
-async def answer_all(ids: list[str], parallel: int, failures: list[str]) -> int:
+async def answer_all(ids: list[str], parallel: int, failures: list[str],
+                     sweep: dict, max_load: float) -> int:
+    """Every sandbox answers a command, ``parallel`` at a time, while a sampler
+    records how many are awake (running, not frozen) and the load; past ``max_load``
+    no further command is sent (the machine is shared: a sweep that outruns the
+    freezer would take it down)."""
     gate = asyncio.Semaphore(parallel)
     ok = 0
+    times: list[float] = []
+    stop = asyncio.Event()
 
     async def one(sid: str) -> None:
         nonlocal ok
         async with gate:
+            if stop.is_set():
+                return
+            t0 = time.perf_counter()
             try:
                 sbx = await AsyncSandbox.connect(sid)
                 out = await sbx.commands.run(f"echo {sid}")
                 if out.stdout.strip() == sid:
                     ok += 1
+                    times.append(time.perf_counter() - t0)
                 else:
                     failures.append(f"answer {sid}: {out.stdout!r}")
             except Exception as exc:
                 failures.append(f"answer {sid}: {type(exc).__name__}: {str(exc)[:160]}")
-    await asyncio.gather(*(one(s) for s in ids))
+
+    async def sample(api: httpx.AsyncClient) -> None:
+        while True:
+            load = os.getloadavg()[0]
+            with contextlib.suppress(httpx.HTTPError):
+                frozen = running = None
+                for line in (await api.get("/metrics")).text.splitlines():
+                    if line.startswith("aenv_sandboxes_frozen "):
+                        frozen = int(float(line.split()[1]))
+                    elif line.startswith('aenv_sandboxes{state="running"}'):
+                        running = int(float(line.split()[1]))
+                if frozen is not None and running is not None:
+                    sweep["awake"].append(running - frozen)
+            sweep["load"].append(round(load, 1))
+            if load > max_load:
+                sweep["stopped"] = f"load {load:.0f} > {max_load:.0f}"
+                stop.set()
+            await asyncio.sleep(1.0)
+
+    sweep.update(awake=[], load=[])
+    t0 = time.monotonic()
+    url, key = os.environ["E2B_API_URL"], os.environ["E2B_API_KEY"]
+    async with httpx.AsyncClient(base_url=url, headers={"X-API-Key": key}) as api:
+        sampler = asyncio.create_task(sample(api))
+        try:
+            await asyncio.gather(*(one(s) for s in ids))
+        finally:
+            sampler.cancel()
+    sweep.update(seconds=round(time.monotonic() - t0, 1),
+                 per_s=round(ok / max(time.monotonic() - t0, 1e-9), 1),
+                 answer_p50_ms=p50_ms(times),
+                 answer_p95_ms=round(sorted(times)[int(0.95 * (len(times) - 1))] * 1000, 1)
+                 if times else None,
+                 awake_max=max(sweep["awake"], default=None),
+                 awake_p50=statistics.median(sweep["awake"]) if sweep["awake"] else None,
+                 load_max=max(sweep["load"], default=None))
     return ok
 
 
@@ -258,6 +304,8 @@ def main() -> None:
     ap.add_argument("--host-capacity", action="store_true",
                     help="the node's default capacity (derived from the host), not max + 8")
     ap.add_argument("--no-floor", action="store_true")
+    ap.add_argument("--max-load", type=float, default=80,
+                    help="the final sweep sends no further command past this load average")
     ap.add_argument("--name", default="density")
     ap.add_argument("--cidr", default=CIDR,
                     help="the node's slot addresses (a /16 no other node on the host uses)")
@@ -279,6 +327,8 @@ def main() -> None:
     failures: list[str] = []
     ids: list[str] = []
     left: list[str] = []
+    sweep: dict = {}
+    answered = 0
     try:
         with sdk_env(node.e2b_env()), node.client() as api:
             ids += asyncio.run(create_many(node.url, node.api_key, 1, 1, failures))
@@ -315,20 +365,27 @@ def main() -> None:
                 if len(ids) < target:  # the node refused: no point ramping further
                     break
                 target += args.step
-            answered = asyncio.run(answer_all(ids, args.parallel, failures))
+            answered = asyncio.run(answer_all(ids, args.parallel, failures, sweep,
+                                              args.max_load))
             print(f"{answered}/{len(ids)} answered a command", flush=True)
+            print("sweep:", {k: v for k, v in sweep.items() if k not in ("awake", "load")},
+                  flush=True)
             for sid in ids:
                 with contextlib.suppress(httpx.HTTPError):
                     api.delete(f"/sandboxes/{sid}")
     finally:
         node.stop()
+        # What the node said of the failures (the home goes below).
+        failures += [line for line in node.log_tail(100_000).splitlines()
+                     if " failed: " in line or "ERROR" in line][:20]
         left = leaks(PREFIX, home)
         shutil.rmtree(home, ignore_errors=True)
-    report(args, floor_out, unloaded, rows, answered, len(ids), failures, left)
+    report(args, floor_out, unloaded, rows, answered, len(ids), failures, left, sweep)
 
 
 def report(args: argparse.Namespace, floor_out: dict | None, unloaded: dict, rows: list[dict],
-           answered: int, total: int, failures: list[str], left: list[str]) -> None:
+           answered: int, total: int, failures: list[str], left: list[str],
+           sweep: dict) -> None:
     cols = ["sandboxes", "ramp_s", "pss_MiB_per_sandbox", "pss_naive_MiB_per_sandbox",
             "memfile_MiB_per_sandbox", "runsc_anon_MiB_per_sandbox",
             "idle_cpu_pct", "frozen", "api_p50_ms", "exec_first_ms", "exec_p50_ms",
@@ -345,11 +402,15 @@ def report(args: argparse.Namespace, floor_out: dict | None, unloaded: dict, row
     text += (f"\nidle_cpu_pct: percent of ONE core used by all sandboxes together. PSS: each "
              f"address space once (naive: per-process sum).\n{answered}/{total} sandboxes "
              f"answered a command at the end.\n")
+    text += (f"\nThe final sweep ({args.parallel} commands at a time): "
+             f"{ {k: v for k, v in sweep.items() if k not in ('awake', 'load')} }; awake "
+             f"sandboxes each second: {sweep.get('awake')}; load: {sweep.get('load')}.\n")
     if failures:
         text += "\nFailures:\n" + "\n".join(f"- {f}" for f in failures[:30]) + "\n"
     text += f"\nLeft behind: {left}\n"
     write(args.name, {"floor": floor_out, "unloaded": unloaded, "rows": rows,
                       "answered": answered, "sandboxes": total, "failures": failures,
+                      "sweep": sweep,
                       "leaks": left}, text)
 
 

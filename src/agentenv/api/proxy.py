@@ -249,7 +249,7 @@ class SandboxProxy:
             # Rare and worth seeing: the cause is in the exception's type.
             log.warning("proxy to port %s of %s failed: %r", url.port, sandbox_id, exc)
             await send_error(scope, send, 502, f"The sandbox {sandbox_id} did not answer: "
-                                               f"{exc or type(exc).__name__}")
+                                               f"{type(exc).__name__} {exc}".rstrip())
         finally:
             left = self._in_flight.pop(client) - 1
             if left:
