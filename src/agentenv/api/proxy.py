@@ -47,6 +47,7 @@ _DROP_REQUEST = DROP_REQUEST | {"x-api-key", "e2b-traffic-access-token"}
 
 TRAFFIC_HEADER = "e2b-traffic-access-token"
 ENVD_TOKEN_HEADER = "x-access-token"
+SANDBOX_CONNECT_S = 20.0  # connecting to a sandbox port (the relay's default is 5 s)
 
 
 class Sandboxes(Protocol):
@@ -230,7 +231,9 @@ class SandboxProxy:
     def _client(self, sandbox_id: str) -> httpx.AsyncClient:
         client = self._clients.get(sandbox_id)
         if client is None:
-            client = relay_client()
+            # A closed port answers at once (a reset); a sandbox just thawed on a
+            # saturated host may take seconds to answer its first SYN.
+            client = relay_client(connect_s=SANDBOX_CONNECT_S)
             self._clients[sandbox_id] = client
         return client
 

@@ -86,12 +86,13 @@ def shared_tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def relay_client(limits: httpx.Limits | None = None) -> httpx.AsyncClient:
+def relay_client(limits: httpx.Limits | None = None, connect_s: float = 5.0
+                 ) -> httpx.AsyncClient:
     """A client for relaying: no proxy from the environment, no redirects followed, and
     none of httpx's own default headers (User-Agent, Accept, ...): the upstream sees
     the client's headers only."""
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=10.0),
+        timeout=httpx.Timeout(connect=connect_s, read=None, write=None, pool=10.0),
         limits=limits or httpx.Limits(), trust_env=False, follow_redirects=False,
         verify=shared_tls(),
     )
