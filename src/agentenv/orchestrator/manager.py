@@ -48,7 +48,7 @@ from .snapshots import SnapshotUse, resolve_snapshot
 
 log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
-FREEZE_TICK_S = 0.5  # between the idle freezer's passes
+QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
 class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, SnapshotUse, Runs):
@@ -63,7 +63,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
         await asyncio.to_thread(self.image_cache.start, {
             r.template_id for r in self._records.values() if r.state is SandboxState.RUNNING})
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
-        self._freeze_task = asyncio.create_task(self._freeze_loop(), name="idle-freeze")
+        self._quick_task = asyncio.create_task(self._quick_loop(), name="quick")
 
     def _hold_home(self) -> None:
         """One node process per home: a second one would reconcile the first one's
@@ -81,7 +81,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
 
     async def close(self, destroy: bool = True) -> None:
         """Stop background work; with ``destroy``, kill every sandbox and free every slot."""
-        for name in ("_ttl_task", "_freeze_task"):
+        for name in ("_ttl_task", "_quick_task"):
             task = getattr(self, name, None)
             if task is not None:
                 task.cancel()
@@ -369,16 +369,17 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
                 with contextlib.suppress(SnapshotError):
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
 
-    async def _freeze_loop(self) -> None:
-        """The idle freezer's passes, apart from the TTL loop: its pauses and runsc
-        calls take seconds under load, and a sweep over hundreds of sandboxes thaws
-        them faster than a freezer waiting behind those could catch up."""
+    async def _quick_loop(self) -> None:
+        """Idle freezing and the memory-pressure watch, apart from the TTL loop: its
+        pauses and runsc calls take seconds under load, while a sweep over hundreds
+        of sandboxes thaws them, or growing ones fill the host, far faster."""
         while True:
-            await asyncio.sleep(FREEZE_TICK_S)
+            await asyncio.sleep(QUICK_TICK_S)
             try:
                 await self._freeze_idle()
             except Exception:
                 log.exception("idle freezing failed")
+            self._tend_pressure()
 
     async def _freeze_idle(self) -> None:
         """Freeze the sandboxes idle for a window, but for those holding an outbound
@@ -408,7 +409,6 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
             except Exception:
                 log.exception("runtime housekeeping failed")
             ticks += 1
-            self._tend_pressure()
             await self._tend_residents()
             await self._tend_runs()
             if ticks % COMMIT_RETRY_TICKS == 0:

@@ -3,11 +3,12 @@
 Sandboxes may together promise more memory than the host has (each ``memoryMB`` is a
 ceiling, idle ones hold far less). When the host's available memory falls below
 ``memory_pressure_mb``, the node pauses running sandboxes, least recently active
-first, and evicts them at once (their full state captured to disk, memory and slot
-freed): they are listed ``paused`` and resume on request (or on traffic with
-auto-resume) with every file and process, instead of the host's OOM killer ending
-any of them. A sandbox with a request in flight, one an operation holds and one
-active in the last ``MIN_IDLE_S`` seconds are left alone.
+first (a round of as many as hold the memory missing, frozen at once), and evicts
+them (their full state captured to disk, memory and slot freed): they are listed
+``paused`` and resume on request (or on traffic with auto-resume) with every file and process,
+instead of the host's OOM killer ending any of them. A sandbox with a request in
+flight, one an operation holds and one active in the last ``MIN_IDLE_S`` seconds are
+left alone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .pausing import Pausing
 
 log = logging.getLogger(__name__)
 MIN_IDLE_S = 2.0
-PER_ROUND = 4  # pauses per round before memory is looked at again
+MAX_ROUND = 16  # pauses per round at most, before memory is looked at again
 
 
 def available_mb() -> int:
@@ -72,18 +73,36 @@ class PressureRelief(Pausing):
         return [sid for _, sid in sorted(found, reverse=True)]
 
     async def _relieve(self, watermark: int) -> None:
-        for sandbox_id in self._pressure_candidates()[:PER_ROUND]:
-            available = available_mb()
-            if available >= watermark:
-                return
+        """One round: the round's sandboxes paused first (with resident pauses a
+        freeze: their memory stops growing at once), then evicted one by one (each
+        capture takes seconds on a busy host, while the others would go on growing)."""
+        paused: list[str] = []
+        # As many as hold the memory missing (at least one): a host far short of its
+        # watermark while sandboxes grow would not be caught up with one at a time.
+        deficit = (watermark - available_mb()) << 20
+        for sandbox_id in self._pressure_candidates()[:MAX_ROUND]:
+            if deficit <= 0 or available_mb() >= watermark:
+                break
+            held = self.runtime.capture_size(sandbox_id)
             try:
                 await self.pause(sandbox_id)
-                await self.evict(sandbox_id)
             except OrchestratorError as exc:  # gone meanwhile, or its capture failed
                 log.warning("memory pressure: pausing %s failed: %s", sandbox_id, exc)
                 continue
             except Exception:
                 log.exception("memory pressure: pausing %s failed", sandbox_id)
+                continue
+            paused.append(sandbox_id)
+            deficit -= max(held, 1)
+        for sandbox_id in paused:
+            available = available_mb()
+            try:
+                await self.evict(sandbox_id)
+            except OrchestratorError as exc:  # resumed or killed meanwhile
+                log.warning("memory pressure: evicting %s failed: %s", sandbox_id, exc)
+                continue
+            except Exception:
+                log.exception("memory pressure: evicting %s failed", sandbox_id)
                 continue
             metrics.PRESSURE_PAUSES.inc()
             log.warning("host memory low (%d MiB available, watermark %d MiB): paused "
