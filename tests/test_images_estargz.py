@@ -15,6 +15,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import tarfile
 import zlib
 from collections.abc import Iterator
@@ -275,3 +276,32 @@ def test_converter_output_is_a_plain_gzip_tar(tmp_path: Path) -> None:
         del esgz[name]
     assert esgz == tree(tmp_path / "plain")
     assert esgz["opt/attr"][4] == b"kept"
+
+
+def test_cli_converts_an_image_a_node_then_starts_lazily(world: dict) -> None:
+    """``aenv image convert --estargz``: a plain gzip/zstd image in, an eStargz image
+    out; a node starts it from the registry without converting it."""
+    registry, node = world["registry"], world["node"]
+    note = os.urandom(6 << 20)
+    plain = registry.push("esgz/plain", "v1", build_image(
+        [busybox_layer(), tar_layer([Entry("srv/", type=tarfile.DIRTYPE, mode=0o755),
+                                     Entry("srv/note", note, mode=0o600)])],
+        ["gzip", "zstd"], env=[f"PATH={DEFAULT_PATH}"]))
+    dst = f"{registry.host}/esgz/converted:v1"
+    out = subprocess.run([sys.executable, "-m", "agentenv.cli.main", "image", "convert",
+                          "--estargz", "--chunk-mib", "2", plain, dst],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(f"{dst}@sha256:"), out.stdout
+    assert "layer 2/2" in out.stderr
+    before = registry.blob_bytes_sent("esgz/converted")
+    sbx = Sandbox.create(template=f"docker://{dst}", timeout=120)
+    try:
+        got = sbx.commands.run("stat -c %a /srv/note; md5sum /srv/note").stdout.split()
+        assert got[:2] == ["600", hashlib.md5(note).hexdigest()]
+        log = node.log_path.read_text()
+        assert log.count("is eStargz: served from its registry") >= 4, log[-3000:]
+        # Busybox and the 6 MiB file in three chunks; nothing read twice.
+        assert registry.blob_bytes_sent("esgz/converted") - before < 9 << 20
+    finally:
+        sbx.kill()

@@ -17,7 +17,7 @@ import stat
 import tarfile
 import zlib
 from dataclasses import dataclass
-from typing import IO, BinaryIO
+from typing import IO
 
 from .estargz import HIDDEN, TOC_NAME, footer
 
@@ -42,7 +42,7 @@ class _Members:
     """Gzip members written one after another; the position, the blob's digest and the
     uncompressed stream's digest as they go."""
 
-    def __init__(self, out: BinaryIO, level: int):
+    def __init__(self, out: IO[bytes], level: int):
         self.out = out
         self.level = level
         self.pos = 0
@@ -72,7 +72,7 @@ class _Members:
         self._emit(data)
 
 
-def build_estargz(src: BinaryIO, out: BinaryIO, *, chunk_size: int = CHUNK_SIZE,
+def build_estargz(src: IO[bytes], out: IO[bytes], *, chunk_size: int = CHUNK_SIZE,
                   level: int = 6) -> EstargzLayer:
     """Read the tar ``src`` (plain, or compressed as tarfile detects), write the eStargz
     blob to ``out``."""

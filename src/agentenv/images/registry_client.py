@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urljoin
 
 import httpx
 
@@ -159,6 +161,58 @@ class RegistryClient:
     def blob(self, digest: str) -> Iterator[Iterator[bytes]]:
         with self._get(f"{self.base}/blobs/{digest}") as resp:
             yield _guarded(resp.iter_raw(CHUNK), self.ref.registry)
+
+
+    # -- pushing (``aenv image convert``) ------------------------------------------------
+
+    def _send(self, method: str, url: str, headers: dict[str, str] | None = None,
+              body: Callable[[], Iterator[bytes] | bytes] | None = None) -> httpx.Response:
+        """One request that writes, logging in on the registry's challenge (the token
+        for a push has the push scope the challenge names)."""
+        for attempt in range(2):
+            sent = dict(headers or {})
+            if self._token:
+                sent["Authorization"] = f"Bearer {self._token}"
+            try:
+                resp = self._client.request(method, url, headers=sent,
+                                            content=body() if body else None)
+            except httpx.HTTPError as exc:
+                raise RegistryUnavailable(f"{self.ref.registry} unreachable: {exc}") from exc
+            if resp.status_code == 401 and attempt == 0:
+                self._login(resp.headers.get("www-authenticate", ""))
+                continue
+            if resp.status_code in (401, 403):
+                raise RegistryAuthError(f"{self.ref.registry}: push to {self.ref.repository} "
+                                        f"denied ({resp.status_code})")
+            if resp.status_code >= 400:
+                raise RegistryUnavailable(f"{self.ref.registry} answered {resp.status_code} to "
+                                          f"{method} {url.split('?')[0]}: {resp.text[:200]}")
+            return resp
+        raise RegistryAuthError(f"{self.ref.registry}: push to {self.ref.repository} denied")
+
+    def push_blob(self, path: Path, digest: str) -> None:
+        """The file as blob ``digest`` (one monolithic upload), unless it is there."""
+        try:
+            if self._send("HEAD", f"{self.base}/blobs/{digest}").status_code == 200:
+                return
+        except RegistryUnavailable:
+            pass  # 404: not there
+        start = self._send("POST", f"{self.base}/blobs/uploads/")
+        location = urljoin(f"{self.base}/", start.headers.get("location", ""))
+        sep = "&" if "?" in location else "?"
+
+        def content() -> Iterator[bytes]:
+            with open(path, "rb") as f:
+                while piece := f.read(CHUNK):
+                    yield piece
+
+        self._send("PUT", f"{location}{sep}digest={digest}", body=content,
+                   headers={"Content-Type": "application/octet-stream",
+                            "Content-Length": str(path.stat().st_size)})
+
+    def push_manifest(self, reference: str, data: bytes, media_type: str) -> None:
+        self._send("PUT", f"{self.base}/manifests/{reference}", body=lambda: data,
+                   headers={"Content-Type": media_type})
 
 
 def _guarded(chunks: Iterator[bytes], registry: str) -> Iterator[bytes]:
