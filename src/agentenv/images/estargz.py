@@ -26,6 +26,7 @@ import functools
 import hashlib
 import io
 import json
+import re
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ LANDMARKS = frozenset((".prefetch.landmark", ".no.prefetch.landmark"))
 HIDDEN = LANDMARKS | {TOC_NAME}
 MAX_TOC_BLOB = 64 << 20  # the TOC's gzip member as stored
 MAX_TOC_BYTES = 256 << 20  # decompressed
+_SHA256 = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TYPES = {"dir": tarfile.DIRTYPE, "reg": tarfile.REGTYPE, "symlink": tarfile.SYMTYPE,
           "hardlink": tarfile.LNKTYPE, "char": tarfile.CHRTYPE, "block": tarfile.BLKTYPE,
           "fifo": tarfile.FIFOTYPE}
@@ -232,8 +234,7 @@ def _add_chunk(f: _File, item: dict, what: str) -> None:
     chunk_offset = int(item.get("chunkOffset", 0))
     n = int(item.get("chunkSize", 0)) or size - chunk_offset  # 0: the rest of the file
     digest = str(item.get("chunkDigest", ""))
-    if not digest.startswith("sha256:") or len(digest) != 71 or \
-            any(c not in "0123456789abcdef" for c in digest[7:]):
+    if not _SHA256.match(digest):
         raise HostileInput(f"{what}: TOC entry {f.member.name[:200]!r} has no sha256 "
                            "chunkDigest: its contents cannot be verified")
     if not 0 < n <= MAX_SPAN_CHUNK or not 0 <= chunk_offset < size:

@@ -11,14 +11,15 @@ import hashlib
 import zlib
 from typing import Any, Protocol
 
-from agentenv.snapshot.backends import open_repository
 from agentenv.snapshot.chunking import decompress_verified, verify_raw
 from agentenv.snapshot.errors import CorruptSnapshot
 from agentenv.snapshot.layer_index import RegistryBlob
 
 from .errors import ImageError
 from .reference import RegistryRef
-from .registry_client import RegistryClient
+
+# A layer's server needs one of the two clients: each is imported when used (httpx and
+# the repository backends cost a few hundred ms of a loaded machine's start).
 
 
 class ChunkSource(Protocol):
@@ -34,6 +35,7 @@ class ChunkSource(Protocol):
 
 class RepositoryChunks:
     def __init__(self, config: dict[str, Any]):
+        from agentenv.snapshot.backends import open_repository
         self.repo = open_repository(config)
         self.fetched = 0
 
@@ -52,6 +54,7 @@ class RepositoryChunks:
 
 class RegistryChunks:
     def __init__(self, blob: RegistryBlob, username: str = "", password: str = ""):
+        from .registry_client import RegistryClient
         self.blob = blob
         self.client = RegistryClient(RegistryRef(blob.registry, blob.repository), username,
                                      password)

@@ -111,13 +111,13 @@ class LayerIndex:
     def file_bytes(self) -> int:
         return sum(e.size for e in self.entries.values() if e.type == "f")
 
-    def dump(self) -> bytes:
+    def dump(self, level: int = 9) -> bytes:
         doc = {"version": FORMAT, "layer": self.layer, "diffID": self.diff_id,
                "entries": [e.to_doc(p) for p, e in sorted(self.entries.items())]}
         if self.blob is not None:
             doc["blob"] = self.blob.to_doc()
         raw = json.dumps(doc, separators=(",", ":")).encode()
-        return zstandard.ZstdCompressor(level=9).compress(raw)
+        return zstandard.ZstdCompressor(level=level).compress(raw)
 
 
 def load(blob: bytes, what: str) -> LayerIndex:
