@@ -254,7 +254,7 @@ def _member(item: dict, name: str, kind: str) -> tarfile.TarInfo:
     if not 0 <= m.size < 1 << 40:
         raise ValueError(f"size {m.size}")
     m.linkname = str(item.get("linkName", ""))
-    m.mtime = _mtime(item.get("modtime"))
+    m.mtime = _mtime(str(item.get("modtime") or ""))
     xattrs = item.get("xattrs") or {}
     if not isinstance(xattrs, dict) or len(xattrs) > 64:
         raise ValueError("bad xattrs")
@@ -264,10 +264,11 @@ def _member(item: dict, name: str, kind: str) -> tarfile.TarInfo:
     return m
 
 
-def _mtime(value: object) -> int:
+@functools.lru_cache(maxsize=4096)  # a layer's files share a few times
+def _mtime(value: str) -> int:
     if not value:
         return 0
     try:
-        return int(datetime.datetime.fromisoformat(str(value)).timestamp())
+        return int(datetime.datetime.fromisoformat(value).timestamp())
     except ValueError:
         return 0
