@@ -402,19 +402,20 @@ class RegistryServer:
         return httpx.Client(base_url=f"{self.url}/v2/{repo}", headers=headers, timeout=120)
 
     def push_blob(self, repo: str, blob: Blob) -> None:
-        with self._client(repo) as c:
-            if c.head(f"/blobs/{blob.digest}").status_code == 200:
-                return
-            start = c.post("/blobs/uploads/")
-            start.raise_for_status()
-            location = start.headers["location"]
-            sep = "&" if "?" in location else "?"
-            done = c.put(f"{location}{sep}digest={blob.digest}", content=blob.data,
-                         headers={"Content-Type": "application/octet-stream"})
-            done.raise_for_status()
+        self._upload(repo, blob.digest, blob.data, len(blob.data))
 
     def push_file(self, repo: str, path: Path, digest: str) -> None:
         """A blob too large to hold in memory, streamed from ``path``."""
+        def body() -> Iterator[bytes]:
+            with open(path, "rb") as f:
+                while piece := f.read(1 << 20):
+                    yield piece
+
+        self._upload(repo, digest, body(), path.stat().st_size)
+
+    def _upload(self, repo: str, digest: str, content: bytes | Iterator[bytes],
+                size: int) -> None:
+        """One monolithic upload, unless the registry has the blob."""
         with self._client(repo) as c:
             if c.head(f"/blobs/{digest}").status_code == 200:
                 return
@@ -422,15 +423,9 @@ class RegistryServer:
             start.raise_for_status()
             location = start.headers["location"]
             sep = "&" if "?" in location else "?"
-
-            def body() -> Iterator[bytes]:
-                with open(path, "rb") as f:
-                    while piece := f.read(1 << 20):
-                        yield piece
-
-            done = c.put(f"{location}{sep}digest={digest}", content=body(),
+            done = c.put(f"{location}{sep}digest={digest}", content=content,
                          headers={"Content-Type": "application/octet-stream",
-                                  "Content-Length": str(path.stat().st_size)})
+                                  "Content-Length": str(size)})
             done.raise_for_status()
 
     def push_manifest(self, repo: str, reference: str, manifest: Blob) -> None:
