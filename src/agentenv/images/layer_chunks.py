@@ -68,6 +68,10 @@ class RegistryChunks:
         if span is None:
             raise CorruptSnapshot(f"chunk sha256:{digest} ({where}) has no range of the blob")
         offset, length, inner = span
+        # A span runs to the next member the TOC names: a TOC naming few could make it
+        # the whole blob. A gzip member of k bytes is at most a little over k (stored
+        # deflate blocks), so no more than twice what is needed is read.
+        length = min(length, 2 * (inner + size) + (128 << 10))
         try:
             raw = self.client.blob_range(self.blob.digest, offset, length)
         except ImageError as exc:  # the registry: unreachable, refused, short
