@@ -176,5 +176,9 @@ from .pull import pull as _pull  # noqa: E402
 
 app.command("pull")(_pull)
 
+from .image import image_app  # noqa: E402
+
+app.add_typer(image_app, name="image")
+
 if __name__ == "__main__":
     app(prog_name="aenv")

@@ -100,9 +100,13 @@ def _convert(chunks: Iterator[bytes], repo: Repository, layer_hex: str, *, diges
              diff_id: str, declared_size: int, max_bytes: int, what: str,
              progress: Callable[[int], None] | None,
              cancel: threading.Event | None) -> LayerIndex:
-    builder = _Builder(what)
+    builder = TreeBuilder(what)
     uploader = _Uploader(repo)
-    got, tar_digest = read_layer(chunks, lambda tar, member: builder.add(tar, member, uploader),
+
+    def add(tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        builder.add(member, lambda entry: _cut(tar, member, entry, uploader))
+
+    got, tar_digest = read_layer(chunks, add,
                                  digest=digest_, diff_id=diff_id, declared_size=declared_size,
                                  max_bytes=max_bytes, what=what, progress=progress,
                                  cancel=cancel, done=uploader.finish)
@@ -117,8 +121,23 @@ def _convert(chunks: Iterator[bytes], repo: Repository, layer_hex: str, *, diges
     return index
 
 
-class _Builder:
-    """Tar entries in order, with tar's rule that a later entry replaces an earlier one."""
+def _cut(tar: tarfile.TarFile, member: tarfile.TarInfo, entry: Entry, up: _Uploader) -> None:
+    """A regular file's chunks (futures until the uploader is done)."""
+    data = tar.extractfile(member)
+    if data is not None and 0 < member.size <= MAX_SIZE:
+        whole = data.read()  # one chunk (most files): no cutting
+        entry.chunks.append((up.add(whole), len(whole)))  # type: ignore[arg-type]
+    elif data is not None and member.size:
+        cdc = FastCDC(AVG_SIZE, min_size=MIN_SIZE, max_size=MAX_SIZE)
+        for piece in cdc.cut_stream(data):
+            chunk = bytes(piece.data)
+            entry.chunks.append((up.add(chunk), len(chunk)))  # type: ignore[arg-type]
+
+
+class TreeBuilder:
+    """Tar entries in order, with tar's rule that a later entry replaces an earlier one
+    (whiteouts, opaque directories, hard links). A regular file's chunks come from
+    ``fill``: cut from the tar stream (a conversion) or read from an eStargz TOC."""
 
     def __init__(self, what: str):
         self.what = what
@@ -143,7 +162,7 @@ class _Builder:
             for p in [p for p in self.entries if p.startswith(prefix)]:
                 del self.entries[p]
 
-    def add(self, tar: tarfile.TarFile, member: tarfile.TarInfo, up: _Uploader) -> None:
+    def add(self, member: tarfile.TarInfo, fill: Callable[[Entry], None]) -> None:
         rel = clean_name(member.name, self.what)
         def new(kind: str, **kw) -> Entry:
             return Entry(kind, mode=member.mode & 0o7777, uid=member.uid, gid=member.gid,
@@ -182,15 +201,7 @@ class _Builder:
             return  # a sandbox never gets a host device from an image
         if member.isreg():
             entry = new("f", size=member.size, xattrs=_xattrs(member))
-            data = tar.extractfile(member)
-            if data is not None and 0 < member.size <= MAX_SIZE:
-                whole = data.read()  # one chunk (most files): no cutting
-                entry.chunks.append((up.add(whole), len(whole)))  # type: ignore[arg-type]
-            elif data is not None and member.size:
-                cdc = FastCDC(AVG_SIZE, min_size=MIN_SIZE, max_size=MAX_SIZE)
-                for piece in cdc.cut_stream(data):
-                    chunk = bytes(piece.data)
-                    entry.chunks.append((up.add(chunk), len(chunk)))  # type: ignore[arg-type]
+            fill(entry)
             if sum(n for _, n in entry.chunks) != member.size:
                 raise HostileInput(f"{self.what}: entry {member.name[:200]!r} is truncated")
         elif member.issym():
@@ -206,7 +217,7 @@ class _Builder:
             # Its own inode here: the same content and metadata, chunks shared.
             entry = Entry("f", mode=source.mode, uid=source.uid, gid=source.gid,
                           mtime=source.mtime, size=source.size, chunks=list(source.chunks),
-                          xattrs=dict(source.xattrs))
+                          xattrs=dict(source.xattrs), spans=list(source.spans))
         elif member.isfifo():
             entry = new("p")
         else:

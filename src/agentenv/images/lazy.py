@@ -100,7 +100,8 @@ class LazyLayers:
     # -- indexes -------------------------------------------------------------------
 
     def has_index(self, h: str) -> bool:
-        """The layer's index is here or in the repository (then fetched and checked)."""
+        """The layer's index is here or in the repository (then fetched and checked).
+        An eStargz layer's index is only here: each node reads it from the registry."""
         local = self.index_dir / f"{h}.json.zst"
         if local.exists():
             return True
@@ -120,7 +121,7 @@ class LazyLayers:
     def keep_index(self, h: str, index: LayerIndex) -> None:
         local = self.index_dir / f"{h}.json.zst"
         tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(index.dump())
+        tmp.write_bytes(index.dump(level=3))  # a local copy: fast beats small
         os.replace(tmp, local)
 
     def layer_lock(self, h: str) -> threading.Lock:
@@ -129,8 +130,9 @@ class LazyLayers:
 
     # -- mounts --------------------------------------------------------------------
 
-    def mount(self, h: str) -> Path:
-        """The layer's FUSE mount, started when it is not up."""
+    def mount(self, h: str, registry_creds: dict | None = None) -> Path:
+        """The layer's FUSE mount, started when it is not up. ``registry_creds``: for a
+        layer served from its registry (eStargz), the image's credentials."""
         point = self.mnt_dir / h
         with self.layer_lock(h):
             if self.served(h):
@@ -153,7 +155,8 @@ class LazyLayers:
                 logf.close()
             assert proc.stdin is not None and proc.stdout is not None
             # The settings go on stdin: nothing of them is in any process listing.
-            proc.stdin.write(json.dumps(self.repo_config).encode())
+            proc.stdin.write(json.dumps({"repository": self.repo_config,
+                                         "registry": registry_creds or {}}).encode())
             proc.stdin.close()
             line = _read_line(proc, MOUNT_TIMEOUT_S)
             if line != "ready" or not os.path.ismount(point):
@@ -166,13 +169,13 @@ class LazyLayers:
             log.info("images: layer %s mounted lazily (pid %d)", h[:12], proc.pid)
             return point
 
-    def mount_all(self, hexes: list[str]) -> list[Path]:
+    def mount_all(self, hexes: list[str], registry_creds: dict | None = None) -> list[Path]:
         """Every layer's mount, in order; their servers start at once (each is a Python
         process start, ~0.3 s here, paid in series before)."""
         if len(hexes) <= 1:
-            return [self.mount(h) for h in hexes]
+            return [self.mount(h, registry_creds) for h in hexes]
         with ThreadPoolExecutor(min(len(hexes), MOUNTS_AT_ONCE)) as pool:
-            return list(pool.map(self.mount, hexes))
+            return list(pool.map(lambda h: self.mount(h, registry_creds), hexes))
 
     def unmount_idle(self, h: str) -> bool:
         """Unmount the layer unless something stacks on it (a rootfs overlay of another

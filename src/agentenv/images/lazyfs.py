@@ -1,11 +1,13 @@
 """The FUSE server of one lazily loaded layer: a subprocess per layer mount, started by
-``lazy.LazyLayers`` (``python -m agentenv.images.lazyfs INDEX MOUNTPOINT CHUNKS``, the
-repository settings as JSON on stdin), ended by unmounting its mount point.
+``lazy.LazyLayers`` (``python -m agentenv.images.lazyfs INDEX MOUNTPOINT CHUNKS``, its
+settings as JSON on stdin: the repository's, and the registry credentials of an
+eStargz layer), ended by unmounting its mount point.
 
 Read-only. Lookups, ``getattr``, ``readdir``, ``readlink`` and xattrs answer from
 the layer's index (loaded and checked before mounting); reads fetch the chunks they
 cover, from the node's chunk cache (``CHUNKS/<digest>``, raw bytes) or else from the
-repository, verify each against its blake3 digest (a mismatch is dropped and fetched
+layer's source (``layer_chunks``: the repository, or ranges of the registry blob for
+an eStargz layer), verify each against its digest (a mismatch is dropped and fetched
 again once, then the read fails with EIO and a log line naming the chunk), and keep
 them in the cache. The kernel's protocol is spoken directly (``fuse_wire``): opening a
 file or a directory is no round trip here (the kernel's no-open mode keeps their data
@@ -29,8 +31,6 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
-from agentenv.snapshot.backends import open_repository
-from agentenv.snapshot.chunking import decompress_verified, verify_raw
 from agentenv.snapshot.errors import SnapshotError
 from agentenv.snapshot.layer_index import BadLayerIndex, Entry, LayerIndex, load
 from agentenv.snapshot.manifest import ZERO
@@ -49,10 +49,12 @@ from .fuse_wire import (
     statfs_out,
     xattr_reply,
 )
+from .layer_chunks import ChunkSource, RegistryChunks, RepositoryChunks
 
 log = logging.getLogger("agentenv.lazyfs")
 TIMEOUT = 86400  # seconds; the layer never changes: the kernel may cache every answer
 MEMORY_CHUNKS = 64  # recently read chunks kept decoded (a chunk spans a few reads)
+MEMORY_BYTES = 32 << 20  # and at most this much of them (eStargz chunks are 4 MiB)
 ROOT = 1  # the kernel's inode number of the mount's root
 READ_THREADS = 4  # reads that fetch chunks, at once (readahead asks for several)
 KINDS = {"d": stat.S_IFDIR, "f": stat.S_IFREG, "l": stat.S_IFLNK, "p": stat.S_IFIFO,
@@ -64,8 +66,8 @@ def chunk_path(chunks_dir: Path, d: str) -> Path:
 
 
 class LazyLayerFS:
-    def __init__(self, index: LayerIndex, repo, chunks_dir: Path, name: str):
-        self.repo = repo
+    def __init__(self, index: LayerIndex, source: ChunkSource, chunks_dir: Path, name: str):
+        self.source = source
         self.chunks_dir = chunks_dir
         self.name = name
         # Inode numbers: ROOT for "", then the index's order.
@@ -83,8 +85,9 @@ class LazyLayerFS:
                         for ino, names in self.children.items()}
         self._offsets: dict[int, list[int]] = {}
         self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self._memory_bytes = 0
+        self._flights: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
-        self.fetched = 0  # bytes (as stored) read from the repository
 
     @staticmethod
     def _attr(inode: int, e: Entry) -> Attr:
@@ -152,38 +155,56 @@ class LazyLayerFS:
         out = bytearray()
         while i < len(e.chunks) and starts[i] < end:
             d, n = e.chunks[i]
-            data = bytes(n) if d == ZERO else self._chunk(d, n, inode)
+            data = bytes(n) if d == ZERO else \
+                self._chunk(d, n, e.spans[i] if e.spans else None, inode)
             lo = max(off - starts[i], 0)
             hi = min(end - starts[i], n)
             out += data[lo:hi]
             i += 1
         return bytes(out)
 
-    def _chunk(self, d: str, n: int, inode: int) -> bytes:
+    def _chunk(self, d: str, n: int, span: tuple[int, int, int] | None, inode: int) -> bytes:
         with self._lock:
-            data = self._memory.get(d)
+            data = self._cached(d)
             if data is not None:
-                self._memory.move_to_end(d)
                 return data
-        try:
-            data = self._load(d, n, self.paths[inode - ROOT])
-        except FuseError:
-            raise
-        except Exception as exc:  # an error must fail this read, not end the server
-            log.exception("lazyfs %s: reading chunk %s failed", self.name, d)
-            raise FuseError(errno.EIO) from exc
-        with self._lock:
-            self._memory[d] = data
-            if len(self._memory) > MEMORY_CHUNKS:
-                self._memory.popitem(last=False)
+            # One fetch per chunk: readahead asks for several parts of one chunk at once.
+            flight = self._flights.setdefault(d, threading.Lock())
+        with flight:
+            with self._lock:
+                data = self._cached(d)
+            if data is not None:
+                return data
+            try:
+                data = self._load(d, n, span, self.paths[inode - ROOT])
+            except FuseError:
+                raise
+            except Exception as exc:  # an error must fail this read, not end the server
+                log.exception("lazyfs %s: reading chunk %s failed", self.name, d)
+                raise FuseError(errno.EIO) from exc
+            finally:
+                with self._lock:
+                    self._flights.pop(d, None)
+            with self._lock:
+                self._memory[d] = data
+                self._memory_bytes += len(data)
+                while len(self._memory) > MEMORY_CHUNKS or self._memory_bytes > MEMORY_BYTES:
+                    self._memory_bytes -= len(self._memory.popitem(last=False)[1])
         return data
 
-    def _load(self, d: str, n: int, path: str) -> bytes:
-        """A chunk from the cache, else from the repository; verified either way."""
+    def _cached(self, d: str) -> bytes | None:
+        """(Under the lock.) A chunk kept decoded in memory."""
+        data = self._memory.get(d)
+        if data is not None:
+            self._memory.move_to_end(d)
+        return data
+
+    def _load(self, d: str, n: int, span: tuple[int, int, int] | None, path: str) -> bytes:
+        """A chunk from the cache, else from the layer's source; verified either way."""
         cached = chunk_path(self.chunks_dir, d)
         try:
             data = cached.read_bytes()
-            if verify_raw(data, d, n):
+            if self.source.verify(data, d, n):
                 os.utime(cached)  # its last use, for the cache's LRU
                 return data
             log.warning("lazyfs %s: cached chunk %s is corrupt; fetching it again",
@@ -193,10 +214,7 @@ class LazyLayerFS:
             pass
         for attempt in (1, 2):
             try:
-                blob = self.repo.get_chunk(d)
-                with self._lock:
-                    self.fetched += len(blob)
-                data = decompress_verified(blob, d, n, f"/{path} of layer {self.name}")
+                data = self.source.fetch(d, n, span, f"/{path} of layer {self.name}")
                 break
             except SnapshotError as exc:
                 log.error("lazyfs %s: chunk refused (attempt %d of 2): %s", self.name, attempt,
@@ -240,8 +258,17 @@ def main() -> None:
     except (OSError, BadLayerIndex) as exc:
         print(f"error: {exc}", flush=True)
         sys.exit(2)
-    repo = open_repository(json.loads(sys.stdin.read()))
-    fs = LazyLayerFS(index, repo, Path(chunks), name)
+    settings = json.loads(sys.stdin.read())
+    if "repository" not in settings:  # the repository's settings alone (older callers)
+        settings = {"repository": settings}
+    source: ChunkSource
+    if index.blob is not None:
+        creds = settings.get("registry") or {}
+        source = RegistryChunks(index.blob, str(creds.get("username", "")),
+                                str(creds.get("password", "")))
+    else:
+        source = RepositoryChunks(settings["repository"])
+    fs = LazyLayerFS(index, source, Path(chunks), name)
     try:
         fd = fuse_wire.mount(Path(mountpoint), "aenv-lazy")
     except OSError as exc:
@@ -252,9 +279,10 @@ def main() -> None:
     try:
         session.run()
     finally:
-        repo.close()
-        log.info("lazyfs %s: unmounted; %d bytes fetched from the repository; requests: %s",
-                 name, fs.fetched, json.dumps(session.requests))
+        source.close()
+        log.info("lazyfs %s: unmounted; %d bytes fetched from the %s; requests: %s", name,
+                 source.fetched, "registry" if index.blob else "repository",
+                 json.dumps(session.requests))
 
 
 if __name__ == "__main__":

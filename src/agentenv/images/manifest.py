@@ -31,6 +31,7 @@ LAYER_TYPES = (
     "application/vnd.docker.image.rootfs.diff.tar",
 )
 PLATFORM = ("linux", "amd64")
+TOC_DIGEST_ANNOTATION = "containerd.io/snapshot/stargz/toc.digest"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class Layer:
     size: int
     media_type: str = ""
     diff_id: str = ""  # of the uncompressed tar, from the config
+    # eStargz: the digest of the layer's TOC (its descriptor's annotation), if given.
+    toc_digest: str = ""
 
 
 @dataclass
@@ -129,5 +132,8 @@ def parse_manifest(doc: dict, digest: str, config: dict, what: str) -> Image:
         if kind and kind not in LAYER_TYPES:
             raise HostileInput(f"{what}: unsupported layer media type {kind[:100]!r}")
         diff_id = check_digest(str(diff_ids[i])) if diff_ids else ""
-        layers.append(Layer(ldigest, size, kind, diff_id))
+        annotations = entry.get("annotations") or {}
+        toc = annotations.get(TOC_DIGEST_ANNOTATION, "") if isinstance(annotations, dict) else ""
+        toc_digest = check_digest(str(toc)) if toc else ""
+        layers.append(Layer(ldigest, size, kind, diff_id, toc_digest))
     return Image(digest, layers, config)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urljoin
 
 import httpx
 
@@ -26,6 +28,10 @@ _PARAM = re.compile(r'(\w+)="([^"]*)"')
 def _is_local(host: str) -> bool:
     name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0][1:]
     return name in ("localhost", "::1") or name.startswith("127.")
+
+
+class RangeUnsupported(RegistryUnavailable):
+    """The registry does not serve byte ranges of blobs."""
 
 
 class RegistryClient:
@@ -82,9 +88,11 @@ class RegistryClient:
             raise RegistryUnavailable(f"token server of {self.ref.registry}: no token") from exc
 
     @contextlib.contextmanager
-    def _get(self, url: str, accept: str = "") -> Iterator[httpx.Response]:
+    def _get(self, url: str, accept: str = "",
+             extra: dict[str, str] | None = None) -> Iterator[httpx.Response]:
         for attempt in range(2):
             headers = {"Accept": accept} if accept else {}
+            headers.update(extra or {})
             if self._token:
                 headers["Authorization"] = f"Bearer {self._token}"
             try:
@@ -101,7 +109,7 @@ class RegistryClient:
 
     def _check(self, resp: httpx.Response, url: str) -> None:
         code = resp.status_code
-        if code == 200:
+        if code in (200, 206):
             return
         if code in (401, 403):
             raise RegistryAuthError(f"{self.ref.registry}: access to {self.ref.repository} "
@@ -128,10 +136,83 @@ class RegistryClient:
         with self._get(f"{self.base}/blobs/{digest}") as resp:
             return _read_capped(resp, limit, f"blob {digest}")
 
+    def blob_range(self, digest: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the blob from ``offset`` (an HTTP Range request); a
+        registry that answers with the whole blob instead is refused, not read."""
+        if offset < 0 or length <= 0:
+            raise ValueError(f"bad range {offset}+{length}")
+        last = offset + length - 1
+        with self._get(f"{self.base}/blobs/{digest}",
+                       extra={"Range": f"bytes={offset}-{last}"}) as resp:
+            if resp.status_code != 206:
+                raise RangeUnsupported(f"{self.ref.registry} answered {resp.status_code} to a "
+                                       f"range request for blob {digest}")
+            got = resp.headers.get("content-range", "")
+            if not got.startswith(f"bytes {offset}-{last}/"):
+                raise HostileInput(f"{self.ref.registry}: blob {digest}: asked for bytes "
+                                   f"{offset}-{last}, got {got[:100]!r}")
+            data = _read_capped(resp, length, f"range of blob {digest}")
+        if len(data) != length:
+            raise RegistryUnavailable(f"{self.ref.registry}: blob {digest}: {len(data)} of "
+                                      f"{length} bytes from {offset}")
+        return data
+
     @contextlib.contextmanager
     def blob(self, digest: str) -> Iterator[Iterator[bytes]]:
         with self._get(f"{self.base}/blobs/{digest}") as resp:
             yield _guarded(resp.iter_raw(CHUNK), self.ref.registry)
+
+
+    # -- pushing (``aenv image convert``) ------------------------------------------------
+
+    def _send(self, method: str, url: str, headers: dict[str, str] | None = None,
+              body: Callable[[], Iterator[bytes] | bytes] | None = None) -> httpx.Response:
+        """One request that writes, logging in on the registry's challenge (the token
+        for a push has the push scope the challenge names)."""
+        for attempt in range(2):
+            sent = dict(headers or {})
+            if self._token:
+                sent["Authorization"] = f"Bearer {self._token}"
+            try:
+                resp = self._client.request(method, url, headers=sent,
+                                            content=body() if body else None)
+            except httpx.HTTPError as exc:
+                raise RegistryUnavailable(f"{self.ref.registry} unreachable: {exc}") from exc
+            if resp.status_code == 401 and attempt == 0:
+                self._login(resp.headers.get("www-authenticate", ""))
+                continue
+            if resp.status_code in (401, 403):
+                raise RegistryAuthError(f"{self.ref.registry}: push to {self.ref.repository} "
+                                        f"denied ({resp.status_code})")
+            if resp.status_code >= 400:
+                raise RegistryUnavailable(f"{self.ref.registry} answered {resp.status_code} to "
+                                          f"{method} {url.split('?')[0]}: {resp.text[:200]}")
+            return resp
+        raise RegistryAuthError(f"{self.ref.registry}: push to {self.ref.repository} denied")
+
+    def push_blob(self, path: Path, digest: str) -> None:
+        """The file as blob ``digest`` (one monolithic upload), unless it is there."""
+        try:
+            if self._send("HEAD", f"{self.base}/blobs/{digest}").status_code == 200:
+                return
+        except RegistryUnavailable:
+            pass  # 404: not there
+        start = self._send("POST", f"{self.base}/blobs/uploads/")
+        location = urljoin(f"{self.base}/", start.headers.get("location", ""))
+        sep = "&" if "?" in location else "?"
+
+        def content() -> Iterator[bytes]:
+            with open(path, "rb") as f:
+                while piece := f.read(CHUNK):
+                    yield piece
+
+        self._send("PUT", f"{location}{sep}digest={digest}", body=content,
+                   headers={"Content-Type": "application/octet-stream",
+                            "Content-Length": str(path.stat().st_size)})
+
+    def push_manifest(self, reference: str, data: bytes, media_type: str) -> None:
+        self._send("PUT", f"{self.base}/manifests/{reference}", body=lambda: data,
+                   headers={"Content-Type": media_type})
 
 
 def _guarded(chunks: Iterator[bytes], registry: str) -> Iterator[bytes]:
@@ -150,4 +231,4 @@ def _read_capped(resp: httpx.Response, limit: int, what: str) -> bytes:
     return bytes(out)
 
 
-__all__ = ["DOCKER_HUB", "RegistryClient"]
+__all__ = ["DOCKER_HUB", "RangeUnsupported", "RegistryClient"]

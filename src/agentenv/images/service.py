@@ -24,17 +24,21 @@ from ..metrics import EVICTIONS, cache_lookup
 from ..templates import ImageInfo, Template, TemplateNotFound, TemplateRegistry
 from .convert import convert_layer
 from .errors import BadReference, CacheTooSmall, ImageError, ImageInUse, ImageNotFound
+from .estargz import read_layer_toc
 from .lazy import LazyLayers
 from .manifest import Image, Layer
 from .mounts import mount_layers, mounted_under, unmount
 from .reference import ArchiveRef, LayoutRef, parse_reference
-from .sources import Source, open_source
+from .registry_client import RangeUnsupported
+from .sources import RegistrySource, Source, open_source
 from .store import LayerStore, hex_of
 from .unpack import unpack_layer
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 PARALLEL_LAYERS = 3
+GZIP_TYPES = ("", "application/vnd.oci.image.layer.v1.tar+gzip",
+              "application/vnd.docker.image.rootfs.diff.tar.gzip")
 Progress = Callable[[dict], None]
 
 
@@ -212,6 +216,8 @@ class ImageService:
         with self.lazy.layer_lock(h):
             if self.lazy.has_index(h):
                 return
+            if self._index_from_registry(source, layer):
+                return
             with source.layer(layer) as chunks:
                 index = convert_layer(
                     chunks, self.lazy.repo, h,
@@ -221,6 +227,28 @@ class ImageService:
             self.lazy.keep_index(h, index)
             log.info("images: layer %s converted for lazy loading (%d files, %d bytes)",
                      h[:12], len(index.entries), index.file_bytes())
+
+    def _index_from_registry(self, source: Source, layer: Layer) -> bool:
+        """An eStargz layer in a registry: its index from the footer and TOC (read by
+        range), kept on this node only; the layer is then served from the registry
+        blob, never converted. False for any other layer."""
+        assert self.lazy is not None
+        if not isinstance(source, RegistrySource) or layer.media_type not in GZIP_TYPES:
+            return False
+        what = f"layer {layer.digest[:19]}"
+        t0 = time.perf_counter()
+        try:
+            read = read_layer_toc(source.client, layer, what)
+        except RangeUnsupported as exc:
+            log.info("images: %s: %s; converting it instead", what, exc)
+            return False
+        if read is None:
+            return False
+        self.lazy.keep_index(hex_of(layer.digest), read.index)
+        log.info("images: layer %s is eStargz: served from its registry (%d entries; TOC %d "
+                 "bytes, %d read in %.2f s)", layer.digest[7:19], len(read.index.entries),
+                 read.toc_bytes, read.fetched, time.perf_counter() - t0)
+        return True
 
     def _write_template(self, name: str, ref: str, image: Image,
                         credentials: dict | None) -> dict:
@@ -279,8 +307,8 @@ class ImageService:
                                 template.template_id)
                     unmount(template.rootfs)
                 if not os.path.ismount(template.rootfs):
-                    lowers = hexes if self.lazy is None else \
-                        [str(p) for p in self.lazy.mount_all(hexes)]
+                    lowers = hexes if self.lazy is None else [str(p) for p in self.lazy.mount_all(
+                        hexes, self._saved_creds(template.template_id))]
                     mount_layers(template.rootfs, self.store.layers_dir, lowers)
                     log.info("images: mounted rootfs of %s (%d layers)", template.template_id,
                              len(hexes))

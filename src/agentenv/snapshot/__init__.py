@@ -16,21 +16,37 @@ Metadata keys the store itself reads: ``source_sandbox_id`` and ``template_id``
 re-checked or re-downloaded). Everything else is carried as given.
 """
 
-from agentenv.snapshot.backends import open_repository
-from agentenv.snapshot.chunking import Chunking
-from agentenv.snapshot.errors import (
-    CorruptSnapshot,
-    RepositoryUnavailable,
-    SnapshotConfigError,
-    SnapshotError,
-    SnapshotExists,
-    SnapshotNotFound,
-    StorageFull,
-)
-from agentenv.snapshot.manifest import FileEntry, Manifest
-from agentenv.snapshot.repository import ChunkSource, Repository, RepositoryConfig
-from agentenv.snapshot.store import SnapshotStore
+from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from agentenv.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from agentenv.snapshot.backends import open_repository
+    from agentenv.snapshot.chunking import Chunking
+    from agentenv.snapshot.errors import (
+        CorruptSnapshot,
+        RepositoryUnavailable,
+        SnapshotConfigError,
+        SnapshotError,
+        SnapshotExists,
+        SnapshotNotFound,
+        StorageFull,
+    )
+    from agentenv.snapshot.manifest import FileEntry, Manifest
+    from agentenv.snapshot.repository import ChunkSource, Repository, RepositoryConfig
+    from agentenv.snapshot.store import SnapshotStore
+
+# Imported on first use: a lazy layer's server needs the chunking and index modules only.
+_WHERE = {
+    "open_repository": "backends", "Chunking": "chunking", "CorruptSnapshot": "errors",
+    "RepositoryUnavailable": "errors", "SnapshotConfigError": "errors", "SnapshotError": "errors",
+    "SnapshotExists": "errors", "SnapshotNotFound": "errors", "StorageFull": "errors",
+    "FileEntry": "manifest", "Manifest": "manifest", "ChunkSource": "repository",
+    "Repository": "repository", "RepositoryConfig": "repository", "SnapshotStore": "store",
+}
+__getattr__ = lazy_exports(__name__, _WHERE)
 __all__ = [
     "ChunkSource",
     "Chunking",

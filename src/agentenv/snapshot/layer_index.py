@@ -34,6 +34,9 @@ MAX_ENTRIES = 2_000_000
 MAX_INDEX_BYTES = 512 << 20  # decompressed
 MAX_FILE = 1 << 40
 MAX_LINK = 4096
+# A layer served from its registry blob (eStargz): chunks are the blob's gzip members,
+# read by range; their digests are sha256 of the raw chunk (the TOC's chunkDigest).
+MAX_SPAN_CHUNK = 64 << 20
 # d: directory, f: regular file, l: symlink, p: fifo, w: whiteout (an overlayfs
 # 0/0 character device hiding the path in lower layers).
 TYPES = frozenset("dflpw")
@@ -58,6 +61,9 @@ class Entry:
     link: str = ""
     chunks: list[tuple[str, int]] = field(default_factory=list)
     xattrs: dict[str, str] = field(default_factory=dict)  # values latin-1 (raw bytes)
+    # Registry-served layers only, one per chunk: (offset of its gzip member in the
+    # blob, bytes to read from there, offset of the chunk in the member's output).
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     def to_doc(self, path: str) -> dict:
         doc: dict = {"p": path, "t": self.type, "m": self.mode, "u": self.uid, "g": self.gid,
@@ -65,11 +71,29 @@ class Entry:
         if self.type == "f":
             doc["s"] = self.size
             doc["c"] = [list(c) for c in self.chunks]
+            if self.spans:
+                doc["r"] = [list(r) for r in self.spans]
         if self.link:
             doc["l"] = self.link
         if self.xattrs:
             doc["x"] = self.xattrs
         return doc
+
+
+@dataclass(frozen=True)
+class RegistryBlob:
+    """Where a registry-served layer's chunks are read: the blob and the end of its
+    file data (the TOC's offset; no chunk may reach past it)."""
+
+    registry: str
+    repository: str
+    digest: str
+    size: int
+    data_end: int
+
+    def to_doc(self) -> dict:
+        return {"registry": self.registry, "repository": self.repository,
+                "digest": self.digest, "size": self.size, "dataEnd": self.data_end}
 
 
 @dataclass
@@ -78,6 +102,8 @@ class LayerIndex:
     diff_id: str
     # Sorted by path: a parent always comes before its children ("" is the root).
     entries: dict[str, Entry]
+    # Set when the chunks are ranges of the registry blob, not repository chunks.
+    blob: RegistryBlob | None = None
 
     def digests(self) -> set[str]:
         return {d for e in self.entries.values() for d, _ in e.chunks if d != ZERO}
@@ -85,11 +111,13 @@ class LayerIndex:
     def file_bytes(self) -> int:
         return sum(e.size for e in self.entries.values() if e.type == "f")
 
-    def dump(self) -> bytes:
+    def dump(self, level: int = 9) -> bytes:
         doc = {"version": FORMAT, "layer": self.layer, "diffID": self.diff_id,
                "entries": [e.to_doc(p) for p, e in sorted(self.entries.items())]}
+        if self.blob is not None:
+            doc["blob"] = self.blob.to_doc()
         raw = json.dumps(doc, separators=(",", ":")).encode()
-        return zstandard.ZstdCompressor(level=9).compress(raw)
+        return zstandard.ZstdCompressor(level=level).compress(raw)
 
 
 def load(blob: bytes, what: str) -> LayerIndex:
@@ -104,10 +132,11 @@ def load(blob: bytes, what: str) -> LayerIndex:
     items = doc.get("entries")
     if not isinstance(items, list) or len(items) > MAX_ENTRIES:
         raise BadLayerIndex(f"{what}: layer index has no entry list or too many entries")
+    location = _blob(doc.get("blob"), what)
     entries: dict[str, Entry] = {}
     for item in items:
         try:
-            path, entry = _entry(item, what)
+            path, entry = _entry(item, what, location)
         except (KeyError, TypeError, ValueError) as exc:
             raise BadLayerIndex(f"{what}: malformed layer index entry ({exc})") from exc
         if path in entries:
@@ -122,10 +151,39 @@ def load(blob: bytes, what: str) -> LayerIndex:
         entries[path] = entry
     if "" not in entries:
         entries[""] = Entry("d")
-    return LayerIndex(str(doc.get("layer", "")), str(doc.get("diffID", "")), entries)
+    return LayerIndex(str(doc.get("layer", "")), str(doc.get("diffID", "")), entries,
+                      location)
 
 
-def _entry(item: dict, what: str) -> tuple[str, Entry]:
+def _blob(doc: object, what: str) -> RegistryBlob | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise BadLayerIndex(f"{what}: malformed blob location in the layer index")
+    try:
+        blob = RegistryBlob(str(doc["registry"]), str(doc["repository"]), str(doc["digest"]),
+                            int(doc["size"]), int(doc["dataEnd"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadLayerIndex(f"{what}: malformed blob location in the layer index") from exc
+    if not re.match(r"^sha256:[0-9a-f]{64}$", blob.digest) or \
+            not 0 <= blob.data_end <= blob.size or not blob.registry or not blob.repository:
+        raise BadLayerIndex(f"{what}: bad blob location in the layer index")
+    return blob
+
+
+def check_span(span: tuple[int, int, int], n: int, blob: RegistryBlob, path: str,
+               what: str) -> None:
+    """A chunk read from the blob must lie in its file data: before the TOC."""
+    offset, length, inner = span
+    if not (0 <= offset and 0 < length and offset + length <= blob.data_end and
+            0 <= inner <= MAX_SPAN_CHUNK and 0 < n <= MAX_SPAN_CHUNK):
+        raise BadLayerIndex(
+            f"{what}: file {path[:200]!r} has a chunk at bytes {offset}..{offset + length} "
+            f"of the blob (+{inner}, {n} bytes), outside its file data (bytes 0..{blob.data_end}"
+            f" of {blob.size}): the index points outside the blob")
+
+
+def _entry(item: dict, what: str, blob: RegistryBlob | None = None) -> tuple[str, Entry]:
     path = item["p"]
     if not isinstance(path, str) or path.startswith("/") or len(path) > 4096 or \
             (path and any(p in ("", ".", "..") for p in path.split("/"))) or "\0" in path:
@@ -156,13 +214,23 @@ def _entry(item: dict, what: str) -> tuple[str, Entry]:
         if not 0 <= entry.size <= MAX_FILE:
             raise BadLayerIndex(f"{what}: file {path[:200]!r} has size {entry.size}")
         covered = 0
+        largest = MAX_SIZE if blob is None else MAX_SPAN_CHUNK
         for digest, n in item["c"]:
             n = int(n)
-            if not (digest == ZERO or valid_digest(str(digest))) or not 0 < n <= MAX_SIZE:
+            if not (digest == ZERO or valid_digest(str(digest))) or not 0 < n <= largest:
                 raise BadLayerIndex(f"{what}: file {path[:200]!r} names a bad chunk "
                                    f"({str(digest)[:70]!r}, {n} bytes)")
             entry.chunks.append((str(digest), n))
             covered += n
+        if blob is not None:
+            spans = item.get("r") or []
+            if len(spans) != len(entry.chunks):
+                raise BadLayerIndex(f"{what}: file {path[:200]!r} has {len(spans)} blob ranges "
+                                   f"for {len(entry.chunks)} chunks")
+            for (_, n), r in zip(entry.chunks, spans, strict=True):
+                span = (int(r[0]), int(r[1]), int(r[2]))
+                check_span(span, n, blob, path, what)
+                entry.spans.append(span)
         if covered != entry.size:
             raise BadLayerIndex(f"{what}: file {path[:200]!r}: its chunks cover {covered} bytes, "
                                f"its size is {entry.size} (the index points outside its data)")

@@ -23,7 +23,7 @@ import tarfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from ..images.estargz_build import build_estargz
+from ..images.manifest import TOC_DIGEST_ANNOTATION
 from .nodes import free_port
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -113,14 +115,18 @@ def compress(data: bytes, how: str) -> bytes:
 class Blob:
     data: bytes
     media_type: str = ""
+    annotations: dict[str, str] = field(default_factory=dict)
 
     @property
     def digest(self) -> str:
         return digest_of(self.data)
 
     def descriptor(self, **extra: object) -> dict:
-        return {"mediaType": self.media_type, "digest": self.digest, "size": len(self.data),
-                **extra}
+        out = {"mediaType": self.media_type, "digest": self.digest, "size": len(self.data),
+               **extra}
+        if self.annotations:
+            out["annotations"] = self.annotations
+        return out
 
 
 @dataclass
@@ -141,11 +147,30 @@ def build_image(tars: list[bytes], compression: list[str] | None = None,
                 workdir: str = "/", user: str = "") -> TestImage:
     """An image of the given layer tars (bottom first), each compressed as asked."""
     compression = compression or ["gzip"] * len(tars)
-    layers = [Blob(compress(t, c), LAYER_TYPES[c]) for t, c in zip(tars, compression, strict=True)]
+    layers, diff_ids = [], []
+    for t, c in zip(tars, compression, strict=True):
+        if c == "estargz":  # a new tar (TOC and landmark added): its own diff ID
+            out = io.BytesIO()
+            built = build_estargz(io.BytesIO(t), out, level=1)
+            layers.append(Blob(out.getvalue(), LAYER_TYPES["gzip"],
+                               {TOC_DIGEST_ANNOTATION: built.toc_digest}))
+            diff_ids.append(built.diff_id)
+        else:
+            layers.append(Blob(compress(t, c), LAYER_TYPES[c]))
+            diff_ids.append(digest_of(t))
     if docker_types:
         for layer in layers:
             layer.media_type = "application/vnd.docker.image.rootfs.diff.tar.gzip"
-    diff_ids = [digest_of(t) for t in tars]
+    config, manifest = manifest_for([layer.descriptor() for layer in layers], diff_ids, env=env,
+                                    cmd=cmd, arch=arch, docker_types=docker_types,
+                                    workdir=workdir, user=user)
+    return TestImage(layers, config, manifest, diff_ids)
+
+
+def manifest_for(layers: list[dict], diff_ids: list[str], env: list[str] | None = None,
+                 cmd: list[str] | None = None, arch: str = "amd64", docker_types: bool = False,
+                 workdir: str = "/", user: str = "") -> tuple[Blob, Blob]:
+    """The config and manifest of an image of these layer descriptors (bottom first)."""
     config = Blob(json.dumps({
         "architecture": arch, "os": "linux",
         "config": {"Env": env or [f"PATH={DEFAULT_PATH}"],
@@ -157,9 +182,9 @@ def build_image(tars: list[bytes], compression: list[str] | None = None,
                      else OCI_MANIFEST)
     manifest = Blob(json.dumps({
         "schemaVersion": 2, "mediaType": manifest_type, "config": config.descriptor(),
-        "layers": [layer.descriptor() for layer in layers],
+        "layers": layers,
     }).encode(), manifest_type)
-    return TestImage(layers, config, manifest, diff_ids)
+    return config, manifest
 
 
 def build_index(images: dict[str, TestImage]) -> Blob:
@@ -288,8 +313,10 @@ class RegistryServer:
     """``docker-registry`` on 127.0.0.1:<free port>, storage under ``directory``."""
 
     def __init__(self, directory: Path, auth: bool = False, username: str = "tester",
-                 password: str = "s3cret-pass"):
+                 password: str = "s3cret-pass", access_log: bool = False):
         self.directory = directory
+        # Log every response (``blob_bytes_sent`` counts what clients read of blobs).
+        self.access_log = access_log
         directory.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.username, self.password = username, password
@@ -315,7 +342,8 @@ class RegistryServer:
                     f"    rootcertbundle: {self.tokens.bundle}\n")
         config = self.directory / "config.yml"
         config.write_text(
-            "version: 0.1\nlog:\n  level: warn\n"
+            f"version: 0.1\nlog:\n  level: {'info' if self.access_log else 'warn'}\n"
+            "  formatter: json\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.directory / 'data'}\n"
             "  delete:\n    enabled: true\n"
             f"http:\n  addr: 127.0.0.1:{self.port}\n{auth}")
@@ -334,6 +362,20 @@ class RegistryServer:
             except httpx.HTTPError:
                 time.sleep(0.1)
         raise RuntimeError("registry did not start")
+
+    def blob_bytes_sent(self, repo: str = "") -> int:
+        """Bytes of blobs (of ``repo``, or any) the registry has sent so far, from its
+        access log (``access_log=True``)."""
+        sent = 0
+        for line in (self.directory / "registry.log").read_text(errors="replace").splitlines():
+            if not line.startswith("{") or '"response completed"' not in line:
+                continue
+            doc = json.loads(line)
+            uri = str(doc.get("http.request.uri", ""))
+            if doc.get("http.request.method") == "GET" and "/blobs/" in uri and \
+                    uri.startswith(f"/v2/{repo}"):
+                sent += int(doc.get("http.response.written", 0))
+        return sent
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -360,15 +402,30 @@ class RegistryServer:
         return httpx.Client(base_url=f"{self.url}/v2/{repo}", headers=headers, timeout=120)
 
     def push_blob(self, repo: str, blob: Blob) -> None:
+        self._upload(repo, blob.digest, blob.data, len(blob.data))
+
+    def push_file(self, repo: str, path: Path, digest: str) -> None:
+        """A blob too large to hold in memory, streamed from ``path``."""
+        def body() -> Iterator[bytes]:
+            with open(path, "rb") as f:
+                while piece := f.read(1 << 20):
+                    yield piece
+
+        self._upload(repo, digest, body(), path.stat().st_size)
+
+    def _upload(self, repo: str, digest: str, content: bytes | Iterator[bytes],
+                size: int) -> None:
+        """One monolithic upload, unless the registry has the blob."""
         with self._client(repo) as c:
-            if c.head(f"/blobs/{blob.digest}").status_code == 200:
+            if c.head(f"/blobs/{digest}").status_code == 200:
                 return
             start = c.post("/blobs/uploads/")
             start.raise_for_status()
             location = start.headers["location"]
             sep = "&" if "?" in location else "?"
-            done = c.put(f"{location}{sep}digest={blob.digest}", content=blob.data,
-                         headers={"Content-Type": "application/octet-stream"})
+            done = c.put(f"{location}{sep}digest={digest}", content=content,
+                         headers={"Content-Type": "application/octet-stream",
+                                  "Content-Length": str(size)})
             done.raise_for_status()
 
     def push_manifest(self, repo: str, reference: str, manifest: Blob) -> None:

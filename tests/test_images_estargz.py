@@ -1,0 +1,307 @@
+"""eStargz layers read lazily straight from their registry (image_loading = "lazy"),
+on a real node with real runsc and docker-registry on loopback: a never-seen image
+starts with no conversion, reading the footer, the TOC and the chunks it needs by
+HTTP range (the registry's own access log counts the bytes); a chunk the registry
+serves modified is refused while the node goes on serving; a TOC entry pointing
+outside the blob, or a TOC that does not match its digest annotation, fails the
+create with a clear error; the converter's output is a plain gzip tar of the same
+tree (eStargz's compatibility promise)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2b import CommandExitException, Sandbox
+
+from agentenv.images.estargz import FOOTER_SIZE, TOC_NAME, footer, toc_json, toc_offset_of
+from agentenv.images.estargz_build import build_estargz
+from agentenv.images.manifest import TOC_DIGEST_ANNOTATION
+from agentenv.testing import Node, free_cidr, leaks, sdk_env
+from agentenv.testing.oci_registry import (
+    DEFAULT_PATH,
+    Blob,
+    Entry,
+    RegistryServer,
+    build_image,
+    digest_of,
+    manifest_for,
+    tar_layer,
+)
+from agentenv.testing.oci_registry import (
+    TestImage as PushedImage,
+)
+from test_images_lazy import busybox_layer
+
+PREFIX = f"e{os.getpid() % 4096:03x}"
+CIDR = free_cidr(200, 10, os.getpid())  # 10.200-10.209: this file's band
+BIG_MIB = 32
+
+pytestmark = pytest.mark.skipif(not Path("/bin/busybox").exists(),
+                                reason="needs busybox-static")
+
+
+def data_layer(big: bytes, victim: bytes) -> bytes:
+    return tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
+                      Entry("opt/hello", b"hello from estargz\n"),
+                      Entry("opt/big", big), Entry("opt/victim", victim),
+                      Entry("opt/link", type=tarfile.SYMTYPE, link="hello"),
+                      Entry("opt/attr", b"x", xattrs={"user.note": b"kept"})])
+
+
+def blob_path(registry: RegistryServer, digest: str) -> Path:
+    h = digest.split(":", 1)[1]
+    return registry.directory / "data" / "docker" / "registry" / "v2" / "blobs" / "sha256" / \
+        h[:2] / h / "data"
+
+
+def read_toc(blob: bytes) -> tuple[int, dict]:
+    at = toc_offset_of(blob[-FOOTER_SIZE:])
+    assert at is not None
+    member = zlib.decompressobj(wbits=31).decompress(blob[at:-FOOTER_SIZE])
+    return at, json.loads(toc_json(member, "test"))
+
+
+def with_toc(blob: bytes, toc: dict) -> tuple[bytes, str]:
+    """The blob with its TOC replaced (and a footer pointing at it); the TOC's digest."""
+    at, _ = read_toc(blob)
+    raw = json.dumps(toc).encode()
+    info = tarfile.TarInfo(TOC_NAME)
+    info.size = len(raw)
+    tar = info.tobuf(tarfile.PAX_FORMAT) + raw + bytes(-len(raw) % 512) + bytes(1024)
+    member = gzip.compress(tar, mtime=0)
+    return blob[:at] + member + footer(at), "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def image_with_top(base: Blob, top: bytes, annotation: str | None) -> PushedImage:
+    """An image of ``base`` and an eStargz blob ``top`` (annotated as asked)."""
+    layers = [base, Blob(top, base.media_type,
+                         {TOC_DIGEST_ANNOTATION: annotation} if annotation else {})]
+    diff_ids = [digest_of(gzip.decompress(b.data)) for b in layers]
+    config, manifest = manifest_for([b.descriptor() for b in layers], diff_ids,
+                                    env=[f"PATH={DEFAULT_PATH}"])
+    return PushedImage(layers, config, manifest, diff_ids)
+
+
+def stored_member(data: bytes, length: int) -> bytes:
+    """A gzip member of exactly ``length`` bytes holding a prefix of ``data`` in stored
+    deflate blocks (5 bytes of header each): well-formed, other bytes."""
+    blocks = -(-length // 65535) + 1
+    body = data[:length - 18 - 5 * blocks]
+    out = bytearray(b"\x1f\x8b\x08\x00" + bytes(4) + b"\x00\xff")
+    pieces = [body[i * len(body) // blocks:(i + 1) * len(body) // blocks] for i in range(blocks)]
+    for i, piece in enumerate(pieces):
+        out += bytes([1 if i == blocks - 1 else 0]) + len(piece).to_bytes(2, "little") + \
+            (0xFFFF ^ len(piece)).to_bytes(2, "little") + piece
+    out += zlib.crc32(body).to_bytes(4, "little") + len(body).to_bytes(4, "little")
+    assert len(out) == length and zlib.decompress(bytes(out), wbits=31) == body
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("images-estargz")
+    big, victim = os.urandom(BIG_MIB << 20), os.urandom(1 << 20)
+    registry = RegistryServer(tmp / "registry", access_log=True).start()
+    image = build_image([busybox_layer(), data_layer(big, victim)], ["estargz", "estargz"],
+                        env=[f"PATH={DEFAULT_PATH}"])
+    ref = registry.push("esgz/app", "v1", image)
+    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy")
+    node.start()
+    try:
+        with sdk_env(node.e2b_env()):
+            yield {"node": node, "registry": registry, "ref": ref, "image": image,
+                   "md5_big": hashlib.md5(big).hexdigest(), "victim": victim}
+    finally:
+        node.stop()
+        registry.stop()
+    assert "node stopped cleanly" in node.log_tail(), node.log_tail()
+    assert leaks(PREFIX, node.home) == []
+
+
+def lazy_logs(node: Node) -> str:
+    return "".join(p.read_text() for p in (node.home / "cache" / "images" / "lazy" / "logs")
+                   .glob("*.log"))
+
+
+def test_never_seen_estargz_starts_from_a_small_part_of_the_blob(world: dict) -> None:
+    node, registry = world["node"], world["registry"]
+    image_bytes = sum(len(b.data) for b in world["image"].layers)
+    before = registry.blob_bytes_sent("esgz/app")
+    sbx = Sandbox.create(template=f"docker://{world['ref']}", timeout=120)
+    try:
+        out = sbx.commands.run("cat /opt/hello; head -c 5 /opt/big | wc -c; cat /opt/link")
+        assert out.stdout.split() == ["hello", "from", "estargz", "5", "hello", "from",
+                                      "estargz"]
+        fetched = registry.blob_bytes_sent("esgz/app") - before
+        # Busybox (~1 MB), two TOCs and the first 4 MiB chunk of /opt/big: not the
+        # 33 MiB of /opt.
+        assert fetched < 0.25 * image_bytes, (fetched, image_bytes)
+        log = node.log_path.read_text()
+        assert "is eStargz: served from its registry" in log, log[-3000:]
+        assert "converted for lazy loading" not in log
+        # Metadata from the TOC: modes, links, xattrs; no TOC or landmark in the tree.
+        out = sbx.commands.run("ls -a / /opt; stat -c '%a %s' /opt/big")
+        assert "stargz.index.json" not in out.stdout and "landmark" not in out.stdout
+        assert out.stdout.strip().endswith(f"644 {BIG_MIB << 20}")
+        # The whole file, chunk by chunk from the registry, verified.
+        assert sbx.commands.run("md5sum /opt/big").stdout.split()[0] == world["md5_big"]
+        assert registry.blob_bytes_sent("esgz/app") - before < image_bytes * 1.1
+    finally:
+        sbx.kill()
+
+
+def test_modified_chunk_in_the_registry_refused(world: dict) -> None:
+    node, registry = world["node"], world["registry"]
+    top = world["image"].layers[1]
+    _, toc = read_toc(top.data)
+    entry = next(e for e in toc["entries"] if e["name"] == "opt/victim")
+    path = blob_path(registry, top.digest)
+    good = path.read_bytes()
+    z = zlib.compressobj(1, zlib.DEFLATED, 31)  # as the image was built
+    original = z.compress(world["victim"]) + z.flush()
+    start = entry["offset"]
+    assert good[start:start + len(original)] == original
+    # A well-formed gzip member of other bytes, exactly as long: only the chunk's
+    # digest can tell.
+    forged = stored_member(os.urandom(len(original)), len(original))
+    sbx = Sandbox.create(template=f"docker://{world['ref']}", timeout=120)
+    try:
+        path.write_bytes(good[:start] + forged + good[start + len(original):])
+        with pytest.raises(CommandExitException) as exc:
+            sbx.commands.run("cat /opt/victim > /dev/null")
+        assert "Input/output error" in (exc.value.stderr or ""), exc.value.stderr
+        log = lazy_logs(node)
+        assert "chunk refused (attempt 2 of 2)" in log and "does not match its chunkDigest" \
+            in log, log[-3000:]
+        # The node goes on serving: this sandbox and a new one.
+        assert sbx.commands.run("cat /opt/hello").stdout == "hello from estargz\n"
+        path.write_bytes(good)
+        out = sbx.commands.run("md5sum /opt/victim")
+        assert out.stdout.split()[0] == hashlib.md5(world["victim"]).hexdigest()
+    finally:
+        path.write_bytes(good)
+        sbx.kill()
+
+
+def _hostile(world: dict, repo: str, change) -> Exception:
+    """Push an image whose top layer's TOC ``change`` edits; the create's error."""
+    registry = world["registry"]
+    base, top = world["image"].layers
+    blob, toc_digest = change(top.data)
+    ref = registry.push(repo, "v1", image_with_top(base, blob, toc_digest))
+    with pytest.raises(Exception) as exc:
+        Sandbox.create(template=f"docker://{ref}", timeout=60)
+    return exc.value
+
+
+def test_toc_entry_outside_the_blob_rejected(world: dict) -> None:
+    def outside(blob: bytes) -> tuple[bytes, str]:
+        at, toc = read_toc(blob)
+        for e in toc["entries"]:
+            if e["name"] == "opt/hello":
+                e["offset"] = at + 10_000_000  # past the TOC, past the blob
+        return with_toc(blob, toc)
+
+    err = _hostile(world, "esgz/outside", outside)
+    assert "points outside the blob" in str(err) and "opt/hello" in str(err), err
+    # The node goes on serving.
+    sbx = Sandbox.create(template=f"docker://{world['ref']}", timeout=60)
+    try:
+        assert sbx.commands.run("cat /opt/hello").stdout == "hello from estargz\n"
+    finally:
+        sbx.kill()
+
+
+def test_toc_not_matching_its_annotation_rejected(world: dict) -> None:
+    def other_mode(blob: bytes) -> tuple[bytes, str]:
+        _, toc = read_toc(blob)
+        _, digest = with_toc(blob, toc)  # the TOC as annotated
+        for e in toc["entries"]:
+            if e["name"] == "opt/hello":
+                e["mode"] = 0o104755  # setuid: the TOC edited after the manifest named it
+        forged, _ = with_toc(blob, toc)
+        return forged, digest
+
+    err = _hostile(world, "esgz/forged", other_mode)
+    assert "does not match the layer's TOC digest" in str(err), err
+
+
+def test_converter_output_is_a_plain_gzip_tar(tmp_path: Path) -> None:
+    """``tar -xzf`` of an eStargz layer gives the tree of the tar it was made from
+    (plus the TOC and the landmark)."""
+    big = os.urandom(9 << 20)  # three chunks
+    src = data_layer(big, os.urandom(1000))
+    out = io.BytesIO()
+    built = build_estargz(io.BytesIO(src), out, chunk_size=4 << 20)
+    blob = out.getvalue()
+    assert built.digest == "sha256:" + hashlib.sha256(blob).hexdigest()
+    assert built.diff_id == "sha256:" + hashlib.sha256(gzip.decompress(blob)).hexdigest()
+    _, toc = read_toc(blob)
+    assert [e["type"] for e in toc["entries"] if e["name"] == "opt/big"] == \
+        ["reg", "chunk", "chunk"]
+    (tmp_path / "layer.tar.gz").write_bytes(blob)
+    (tmp_path / "layer.tar").write_bytes(src)
+    for name, archive, flag in (("esgz", "layer.tar.gz", "-xzf"), ("plain", "layer.tar", "-xf")):
+        (tmp_path / name).mkdir()
+        subprocess.run(["tar", "--xattrs", "--xattrs-include=user.*", "-C", str(tmp_path / name),
+                        flag, str(tmp_path / archive)], check=True, capture_output=True)
+
+    def tree(root: Path) -> dict:
+        out = {}
+        for p in sorted(root.rglob("*")):
+            st = p.lstat()
+            rel = str(p.relative_to(root))
+            body = os.readlink(p) if p.is_symlink() else \
+                hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+            xattr = os.getxattr(p, "user.note", follow_symlinks=False) \
+                if rel == "opt/attr" else b""
+            out[rel] = (st.st_mode, st.st_size if p.is_file() else 0, int(st.st_mtime), body,
+                        xattr)
+        return out
+
+    esgz = tree(tmp_path / "esgz")
+    assert set(esgz) - set(tree(tmp_path / "plain")) == {TOC_NAME, ".no.prefetch.landmark"}
+    for name in (TOC_NAME, ".no.prefetch.landmark"):
+        del esgz[name]
+    assert esgz == tree(tmp_path / "plain")
+    assert esgz["opt/attr"][4] == b"kept"
+
+
+def test_cli_converts_an_image_a_node_then_starts_lazily(world: dict) -> None:
+    """``aenv image convert --estargz``: a plain gzip/zstd image in, an eStargz image
+    out; a node starts it from the registry without converting it."""
+    registry, node = world["registry"], world["node"]
+    note = os.urandom(6 << 20)
+    plain = registry.push("esgz/plain", "v1", build_image(
+        [busybox_layer(), tar_layer([Entry("srv/", type=tarfile.DIRTYPE, mode=0o755),
+                                     Entry("srv/note", note, mode=0o600)])],
+        ["gzip", "zstd"], env=[f"PATH={DEFAULT_PATH}"]))
+    dst = f"{registry.host}/esgz/converted:v1"
+    out = subprocess.run([sys.executable, "-m", "agentenv.cli.main", "image", "convert",
+                          "--estargz", "--chunk-mib", "2", plain, dst],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(f"{dst}@sha256:"), out.stdout
+    assert "layer 2/2" in out.stderr
+    before = registry.blob_bytes_sent("esgz/converted")
+    sbx = Sandbox.create(template=f"docker://{dst}", timeout=120)
+    try:
+        got = sbx.commands.run("stat -c %a /srv/note; md5sum /srv/note").stdout.split()
+        assert got[:2] == ["600", hashlib.md5(note).hexdigest()]
+        log = node.log_path.read_text()
+        assert log.count("is eStargz: served from its registry") >= 4, log[-3000:]
+        # Busybox and the 6 MiB file in three chunks; nothing read twice.
+        assert registry.blob_bytes_sent("esgz/converted") - before < 9 << 20
+    finally:
+        sbx.kill()
