@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -39,25 +38,12 @@ import httpx
 from e2b import AsyncSandbox
 
 from agentenv.testing import Node, leaks, sdk_env
+from agentenv.testing.hostmem import procs_pss
 from common import write
 
 MIB = 1 << 20
 CG = Path("/sys/fs/cgroup")
 PREFIX, CIDR = "bdn", "10.102.0.0/16"  # this benchmark's own names and addresses
-_libc = ctypes.CDLL(None, use_errno=True)
-SYS_KCMP, KCMP_VM = 312, 1  # x86_64
-
-
-def _same_mm(a: int, b: int) -> bool:
-    return _libc.syscall(SYS_KCMP, a, b, KCMP_VM, 0, 0) == 0
-
-
-def _pss(pid: int) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def cgroup_pss(cgroup: str) -> tuple[int, int, int]:
@@ -70,13 +56,9 @@ def cgroup_pss(cgroup: str) -> tuple[int, int, int]:
         if not procs.is_file():
             continue
         count += 1
-        firsts: list[int] = []
-        for pid in (int(p) for p in procs.read_text().split()):
-            size = _pss(pid)
-            naive += size
-            if not any(_same_mm(pid, other) for other in firsts):
-                firsts.append(pid)
-                dedup += size
+        one, one_naive = procs_pss(int(p) for p in procs.read_text().split())
+        dedup += one
+        naive += one_naive
     return dedup, naive, count
 
 

@@ -157,6 +157,21 @@ def _others(exclude: set[int]) -> bool:
     return any(n.isdigit() and int(n) not in exclude for n in names)
 
 
+def _close_gracefully(fds: list[int]) -> None:
+    """Idle keep-alive connections end with a FIN, as at a keep-alive timeout: left to
+    the exec, gVisor resets them, and a client that reuses one (the node's proxy pools
+    them) fails its request instead of opening a new connection."""
+    import socket
+
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            finally:
+                sock.detach()
+
+
 class Dormancy:
     """Counts envd's requests, and once envd has been idle ``after_s`` seconds (see
     the module's doc for what idle means) executes the stub in its place."""
@@ -222,6 +237,7 @@ class Dormancy:
             self._arm(self._loop.time() + self.after_s)
             return
         self._before_exec()
+        _close_gracefully(self._connections())
         print(f"envd dormant after {self.after_s:g} s idle", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             logging.shutdown()
