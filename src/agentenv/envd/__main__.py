@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     state = State(access_token=os.environ.pop(TOKEN_ENV, None) or None)
     state.restore(saved)
     app = build_app(state)
+    app.registry.durable.restore(saved.get("durable"))
     app.wakes = int(saved.get("wakes") or 0) + (1 if args.woken else 0)
     app.dormant_s = float(saved.get("dormant_s") or 0.0)
     if args.woken and isinstance(saved.get("dormant_at"), (int, float)):
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             from .sudo import start as start_sudo_broker
 
             start_sudo_broker(registry.children)
-        print(("envd woken, ms: " if args.woken else "envd start-up ms: ")
+        print((f"{dormancy.WOKEN_LINE}, ms: " if args.woken else f"{dormancy.START_LINE} ms: ")
               + ", ".join(f"{k} {v:.0f}" for k, v in marks), file=sys.stderr, flush=True)
         from .userfs_fork import prepare_forks
 
@@ -138,8 +139,8 @@ def _dormancy(dormancy, app, server, listener, args):
     def busy() -> str | None:
         if registry.by_pid or registry.children.waiting:
             return "processes started by envd"
-        if registry.durable.commands:
-            return "durable commands kept"
+        if registry.durable.saved() is None:
+            return "durable commands running, or too much of their output kept"
         if files.watchers or files.streams:
             return "watchers"
         if userfs.total > sum(len(ws) for ws in userfs.idle.values()):
@@ -157,7 +158,8 @@ def _dormancy(dormancy, app, server, listener, args):
         return fds
 
     def saved() -> dict:
-        return {**app.state.saved(), "wakes": app.wakes, "dormant_s": app.dormant_s}
+        return {**app.state.saved(), "durable": registry.durable.saved(), "wakes": app.wakes,
+                "dormant_s": app.dormant_s}
 
     return dormancy.Dormancy(
         after, app, busy, lambda: [w.pid for ws in userfs.idle.values() for w in ws],

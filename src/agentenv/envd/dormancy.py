@@ -1,18 +1,23 @@
 """envd goes dormant when idle: pid 1 becomes a tiny native stub until the next connection.
 
-An idle envd is a ~20 MiB Python process in every sandbox (issue 17). After
-``AENV_ENVD_DORMANT_AFTER_S`` seconds (0: never) with no request in flight, no process
-in the sandbox but envd's own idle file workers, no process envd tracks (running or
-durable), no watcher and no open stream, envd writes what a user can observe of it
-(the /init state: env vars, default user and workdir, access token) to a root-only
-file, and executes the bundle's ``envd-stub`` (envd_stub.c) in its own place: pid 1
-stays pid 1, the listening socket stays open, gVisor frees the Python process's
-memory. The first connection that arrives wakes the stub, which executes envd again
-with the same socket (``--listen-fd``, ``--woken``): the waiting connection is
-accepted by envd itself, which loads the saved state (and deletes the file) first.
+An idle envd is a Python process of 20-37 MiB of host memory in every sandbox
+(issue 17). After ``AENV_ENVD_DORMANT_AFTER_S`` seconds (0: never) with no request in
+flight, no process in the sandbox but envd's own idle file workers, no durable command
+running, no watcher and no open stream, envd writes what a user can observe of it (the
+/init state: env vars, default user and workdir, access token; ended durable commands
+with their output, up to durable.MAX_CARRIED_BYTES) to a root-only file, and executes
+the bundle's ``envd-stub`` (envd_stub.c) in its own place: pid 1 stays pid 1, the
+listening socket stays open, gVisor frees the Python process's memory at once. The
+first connection that arrives wakes the stub, which executes envd again with the same
+socket (``--listen-fd``, ``--woken``): the waiting connection is accepted by envd
+itself, which loads the saved state (and deletes the file) first.
 
 Nothing else runs while envd is dormant (that is the condition), so nothing needs
-its memory guard meanwhile; the stub still reaps whatever exits (it is init).
+its memory guard meanwhile; the stub still reaps whatever exits (it is init) and
+ignores signals (the node's memory-pressure SIGUSR2 would otherwise end the sandbox).
+A metrics request does not keep envd awake, and the node answers a dormant sandbox's
+metrics from its last sample; the console log says when envd is dormant (the node
+reads it: ``runtime.envd_dormant``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,15 @@ STATE_DIR = "/run/aenv-envd"
 STATE_FILE = STATE_DIR + "/dormant.json"
 STUB = "envd-stub"
 LOADER = "ld-linux-x86-64.so.2"
-MAX_STATE_BYTES = 4 << 20  # /init's env vars are bounded by the node far below this
+MAX_STATE_BYTES = 4 << 20
+# A timer this late means envd was stopped meanwhile (frozen, paused, snapshotted).
+LATE_S = 1.0
+# Requests that do not keep envd awake.
+PASSIVE = frozenset({"/metrics"})
+# What envd and envd-stub say on the console (the host reads them: runtime.envd_dormant).
+DORMANT_LINE = "envd dormant"  # the stub's, once it runs (envd_stub.c)
+WOKEN_LINE = "envd woken"
+START_LINE = "envd start-up"  # /init's env vars are bounded by the node far below this
 
 
 def after_from_env() -> float:
@@ -198,13 +211,16 @@ class Dormancy:
         self._arm(self._last + after_s)
 
     async def __call__(self, scope, receive, send) -> None:
-        """The ASGI app, counted: a request in flight keeps envd awake."""
+        """The ASGI app, counted: a request in flight keeps envd awake, and its end
+        starts the idle delay again, but for a metrics sample's (a dashboard polling
+        them must not keep envd up; the node answers them itself while envd sleeps)."""
         self.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
-            self._last = self._loop.time()
+            if scope.get("path") not in PASSIVE:
+                self._last = self._loop.time()
             self._arm(self._last + self.after_s)
 
     def _arm(self, when: float) -> None:
@@ -214,8 +230,13 @@ class Dormancy:
             self._timer = self._loop.call_at(when, self._check)
 
     def _check(self) -> None:
+        late = self._loop.time() - self._timer.when() if self._timer else 0.0
         self._timer = None
         now = self._loop.time()
+        if late > LATE_S:
+            # The sandbox was frozen, paused or restored from a snapshot meanwhile:
+            # whoever thawed it is about to ask something (a restore's /init).
+            self._last = now
         if self.in_flight or now - self._last < self.after_s:
             self._arm(self._last + self.after_s)
             return
@@ -238,7 +259,7 @@ class Dormancy:
             return
         self._before_exec()
         _close_gracefully(self._connections())
-        print(f"envd dormant after {self.after_s:g} s idle", file=sys.stderr, flush=True)
+        print(f"envd idle {self.after_s:g} s: executing {STUB}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             logging.shutdown()
         os.set_inheritable(self._listener, True)

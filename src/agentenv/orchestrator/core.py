@@ -182,6 +182,10 @@ class ManagerCore:
         """Whether the running sandbox is frozen idle now (asking does not thaw it)."""
         return self.freezer.enabled and self.runtime.is_frozen(sandbox_id)
 
+    def envd_dormant(self, sandbox_id: str) -> bool:
+        """Whether the running sandbox's envd is dormant now (asking does not wake it)."""
+        return self.runtime.envd_dormant(sandbox_id)
+
     def awake(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
         """Kept thawed while a request to the sandbox is in flight (the proxy)."""
         return self.freezer.awake(sandbox_id)
