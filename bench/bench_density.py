@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -188,26 +189,20 @@ def bare_bundle(bundle: Path, argv: list[str], rootfs: Path, cgroups_path: str) 
     (bundle / "config.json").write_text(json.dumps(spec))
 
 
-def floor(window: float, rootfs: Path) -> dict:
-    """A bare runsc sandbox running `sleep infinity`: idle CPU and PSS, then frozen."""
+@contextlib.contextmanager
+def bare_sandbox(cgroup: str, rootfs: Path, argv: list[str]) -> Iterator[None]:
+    """A bare runsc sandbox (``cgroup``/floor) running ``argv`` on ``rootfs``: the same
+    platform and overlay flags as the node's, no network."""
     work = Path(tempfile.mkdtemp(prefix="aenv-floor-"))
-    cgroup = f"{PREFIX}floor"
     root, bundle = work / "state", work / "bundle"
     bundle.mkdir(parents=True)
     flags = [f"--root={root}", "--platform=systrap", "--network=none", "--overlay2=root:memory"]
-    bare_bundle(bundle, ["sleep", "infinity"], rootfs, f"/{cgroup}/floor")
+    bare_bundle(bundle, argv, rootfs, f"/{cgroup}/floor")
     try:
         subprocess.run(["runsc", *flags, "run", "--detach", "--bundle", str(bundle), "floor"],
                        check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
-        time.sleep(3)
-        out = {"idle_cpu_pct": idle_cpu(cgroup, window),
-               "pss_MiB": round(cgroup_pss(cgroup)[0] / MIB, 1)}
-        state = CG / "freezer" / cgroup / "floor" / "freezer.state"
-        state.write_text("FROZEN")
-        out["frozen_idle_cpu_pct"] = idle_cpu(cgroup, window)
-        state.write_text("THAWED")
-        return out
+        yield
     finally:
         subprocess.run(["runsc", *flags, "delete", "--force", "floor"], check=False,
                        capture_output=True)
@@ -217,6 +212,20 @@ def floor(window: float, rootfs: Path) -> dict:
                 with contextlib.suppress(OSError):
                     d.rmdir()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def floor(window: float, rootfs: Path) -> dict:
+    """A bare runsc sandbox running `sleep infinity`: idle CPU and PSS, then frozen."""
+    cgroup = f"{PREFIX}floor"
+    with bare_sandbox(cgroup, rootfs, ["sleep", "infinity"]):
+        time.sleep(3)
+        out = {"idle_cpu_pct": idle_cpu(cgroup, window),
+               "pss_MiB": round(cgroup_pss(cgroup)[0] / MIB, 1)}
+        state = CG / "freezer" / cgroup / "floor" / "freezer.state"
+        state.write_text("FROZEN")
+        out["frozen_idle_cpu_pct"] = idle_cpu(cgroup, window)
+        state.write_text("THAWED")
+        return out
 
 
 def base_rootfs() -> Path:

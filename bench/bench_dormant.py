@@ -14,8 +14,11 @@ sandboxes, ramped) after every sandbox ran one command and then sat idle:
   then a second one at once (envd awake): medians;
 - how many sandboxes' envd is dormant (their console logs' last envd line).
 
-The floor beside them: a bare runsc sandbox (same platform and overlay flags) running
-``sleep infinity`` (bench_density.floor).
+The floor beside them, measured at every step in the same window: a bare runsc
+sandbox (same platform and overlay flags, base rootfs) running ``sleep infinity``,
+started before the nodes and running throughout (PSS splits the pages every runsc
+process shares, the runsc binary's, among all of them: a floor measured alone on the
+host is tens of MiB higher than beside 50 sandboxes).
 
     PYTHONPATH=src:bench python bench/bench_dormant.py --steps 20,50
 """
@@ -35,24 +38,35 @@ from pathlib import Path
 import httpx
 from e2b import AsyncSandbox
 
+from agentenv.runtime.gvisor import console_says_dormant
 from agentenv.testing import Node, free_cidr, leaks, sdk_env
-from bench_density import MIB, base_rootfs, cgroup_memory, cgroup_pss, create_many, floor, idle_cpu
+from bench_density import (
+    MIB,
+    bare_sandbox,
+    base_rootfs,
+    cgroup_memory,
+    cgroup_pss,
+    cpu_ns,
+    create_many,
+)
 from common import write
 
 PREFIX = "bdm"  # this benchmark's own netns/cgroup names
 
 
 def dormant_ids(home: Path, ids: list[str]) -> list[str]:
-    """The sandboxes whose envd is dormant now: its last word in the console log."""
-    out = []
-    for sid in ids:
-        with contextlib.suppress(OSError):
-            text = (home / "run" / "sandboxes" / sid / "console.log").read_text(errors="replace")
-            last = max(text.rfind("envd dormant"), text.rfind("envd woken"),
-                       text.rfind("envd start-up"))
-            if last >= 0 and text.startswith("envd dormant", last):
-                out.append(sid)
-    return out
+    """The sandboxes whose envd is dormant now (as the node reads their console logs)."""
+    return [sid for sid in ids
+            if console_says_dormant(home / "run" / "sandboxes" / sid / "console.log")]
+
+
+def idle_cpu_both(cgroups: tuple[str, str], window: float) -> tuple[float, float]:
+    """Percent of one core each cgroup used over the same ``window`` seconds."""
+    a, t = [cpu_ns(c) for c in cgroups], time.monotonic()
+    time.sleep(window)
+    dt = time.monotonic() - t
+    b = [cpu_ns(c) for c in cgroups]
+    return round((b[0] - a[0]) / 1e9 / dt * 100, 2), round((b[1] - a[1]) / 1e9 / dt * 100, 2)
 
 
 async def run_each(ids: list[str], parallel: int, failures: list[str]) -> None:
@@ -102,7 +116,8 @@ def wait_idle(home: Path, ids: list[str], after: float, settle: float) -> float:
     return round(time.monotonic() - t0, 1)
 
 
-def one_node(after: float, steps: list[int], args: argparse.Namespace) -> list[dict]:
+def one_node(after: float, steps: list[int], args: argparse.Namespace, floor: str
+             ) -> list[dict]:
     home = Path(tempfile.mkdtemp(prefix="aenv-dormant-"))
     env = {"AENV_NET_POOL_LOW": "8", "AENV_NET_POOL_HIGH": "16",
            "AENV_MAX_SANDBOXES": str(max(steps) + 8), "AENV_IDLE_FREEZE_S": "0",
@@ -128,7 +143,9 @@ def one_node(after: float, steps: list[int], args: argparse.Namespace) -> list[d
                 shmem, rss, count = cgroup_memory(PREFIX)
                 row["memfile_MiB_per_sandbox"] = round(shmem / max(count, 1) / MIB, 1)
                 row["runsc_anon_MiB_per_sandbox"] = round(rss / max(count, 1) / MIB, 1)
-                row["idle_cpu_pct"] = idle_cpu(PREFIX, args.window)
+                row["floor_pss_MiB"] = round(cgroup_pss(floor)[0] / MIB, 1)
+                row["idle_cpu_pct"], row["floor_idle_cpu_pct"] = idle_cpu_both(
+                    (PREFIX, floor), args.window)
                 row["idle_cpu_pct_per_sandbox"] = round(row["idle_cpu_pct"] / len(ids), 3)
                 first, second = asyncio.run(first_and_second(ids[:args.probes]))
                 row["first_cmd_p50_ms"] = ms(first)
@@ -160,25 +177,25 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=10, help="sandboxes timed for latency")
     ap.add_argument("--parallel", type=int, default=4, help="creates and commands at once")
     ap.add_argument("--cidr", default=None, help="the nodes' slot addresses (a free /16)")
-    ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--name", default="dormant")
     args = ap.parse_args()
     args.cidr = args.cidr or free_cidr(160, 20, os.getpid())
     steps = sorted(int(s) for s in args.steps.split(","))
-    floor_out = None if args.no_floor else floor(args.window, base_rootfs())
-    print("floor:", floor_out, flush=True)
-    rows = one_node(0, steps, args) + one_node(args.after, steps, args)
-    report(args, steps, floor_out, rows)
+    floor = f"{PREFIX}floor"
+    with bare_sandbox(floor, base_rootfs(), ["sleep", "infinity"]):
+        rows = one_node(0, steps, args, floor) + one_node(args.after, steps, args, floor)
+    report(args, steps, rows)
 
 
-def report(args: argparse.Namespace, steps: list[int], floor_out: dict | None,
-           rows: list[dict]) -> None:
-    cols = ["envd", "sandboxes", "dormant", "pss_MiB_per_sandbox", "memfile_MiB_per_sandbox",
-            "runsc_anon_MiB_per_sandbox", "idle_cpu_pct", "idle_cpu_pct_per_sandbox",
-            "first_cmd_p50_ms", "second_cmd_p50_ms", "waited_s", "load_1m", "failures"]
+def report(args: argparse.Namespace, steps: list[int], rows: list[dict]) -> None:
+    cols = ["envd", "sandboxes", "dormant", "pss_MiB_per_sandbox", "floor_pss_MiB",
+            "memfile_MiB_per_sandbox", "runsc_anon_MiB_per_sandbox", "idle_cpu_pct",
+            "idle_cpu_pct_per_sandbox", "floor_idle_cpu_pct", "first_cmd_p50_ms",
+            "second_cmd_p50_ms", "waited_s", "load_1m", "failures"]
     text = (f"## envd dormancy: idle `base` sandboxes, envd awake vs dormant "
             f"(envd_dormant_after_s {args.after:g}; idle freezer off; steps {steps})\n\n"
-            f"Floor (bare runsc `sleep infinity`, same flags): {floor_out}.\n\n| "
+            "floor: a bare runsc sandbox (same flags, base rootfs) running `sleep infinity` "
+            "beside them, measured in the same step and window.\n\n| "
             + " | ".join(cols) + " |\n|" + " --- |" * len(cols) + "\n")
     for row in rows:
         if "sandboxes" in row:
@@ -192,7 +209,7 @@ def report(args: argparse.Namespace, steps: list[int], floor_out: dict | None,
     extra = [r for r in rows if "sandboxes" not in r]
     if extra:
         text += "\nFailures / left behind:\n" + "\n".join(f"- {r}" for r in extra) + "\n"
-    write(args.name, {"floor": floor_out, "rows": rows, "after_s": args.after,
+    write(args.name, {"rows": rows, "after_s": args.after,
                       "window_s": args.window}, text)
 
 
