@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 from e2b import AsyncSandbox
 
+from agentenv.envd.dormancy import WOKEN_LINE
 from agentenv.runtime.gvisor import console_says_dormant
 from agentenv.testing import Node, free_cidr, leaks, sdk_env
 from bench_density import (
@@ -99,6 +100,17 @@ async def first_and_second(ids: list[str]) -> tuple[list[float], list[float]]:
     return first, second
 
 
+def envd_wake_ms(home: Path, ids: list[str]) -> list[float]:
+    """envd's own start when woken (its console: imports and app), each sandbox's last."""
+    out = []
+    for sid in ids:
+        with contextlib.suppress(OSError, ValueError):
+            text = (home / "run" / "sandboxes" / sid / "console.log").read_text(errors="replace")
+            line = text[text.rindex(WOKEN_LINE):].splitlines()[0]
+            out.append(float(line.rsplit("imports and app", 1)[1].strip()) / 1000)
+    return out
+
+
 def ms(xs: list[float]) -> float | None:
     return round(statistics.median(xs) * 1000, 1) if xs else None
 
@@ -150,6 +162,7 @@ def one_node(after: float, steps: list[int], args: argparse.Namespace, floor: st
                 first, second = asyncio.run(first_and_second(ids[:args.probes]))
                 row["first_cmd_p50_ms"] = ms(first)
                 row["second_cmd_p50_ms"] = ms(second)
+                row["envd_wake_p50_ms"] = ms(envd_wake_ms(home, ids[:args.probes]))
                 row["failures"] = len(failures)
                 rows.append(row)
                 print(row, flush=True)
@@ -191,7 +204,7 @@ def report(args: argparse.Namespace, steps: list[int], rows: list[dict]) -> None
     cols = ["envd", "sandboxes", "dormant", "pss_MiB_per_sandbox", "floor_pss_MiB",
             "memfile_MiB_per_sandbox", "runsc_anon_MiB_per_sandbox", "idle_cpu_pct",
             "idle_cpu_pct_per_sandbox", "floor_idle_cpu_pct", "first_cmd_p50_ms",
-            "second_cmd_p50_ms", "waited_s", "load_1m", "failures"]
+            "second_cmd_p50_ms", "envd_wake_p50_ms", "waited_s", "load_1m", "failures"]
     text = (f"## envd dormancy: idle `base` sandboxes, envd awake vs dormant "
             f"(envd_dormant_after_s {args.after:g}; idle freezer off; steps {steps})\n\n"
             "floor: a bare runsc sandbox (same flags, base rootfs) running `sleep infinity` "
@@ -205,7 +218,8 @@ def report(args: argparse.Namespace, steps: list[int], rows: list[dict]) -> None
              "idle_cpu_pct: percent of ONE core used by all sandboxes together over "
              f"{args.window:g} s. first_cmd: the first `commands.run` after the idle wait "
              f"(a wake when dormant), second_cmd: the next one at once; medians over "
-             f"{args.probes} sandboxes, one at a time.\n")
+             f"{args.probes} sandboxes, one at a time. envd_wake: envd's own start when "
+             "woken (its console's `imports and app`, from the exec of Python on).\n")
     extra = [r for r in rows if "sandboxes" not in r]
     if extra:
         text += "\nFailures / left behind:\n" + "\n".join(f"- {r}" for r in extra) + "\n"

@@ -91,11 +91,13 @@ def pss_of(sandbox_id: str) -> int:
 
 def test_a_dormant_sandbox_wakes_with_its_state(dnode: Node, sbx: Sandbox) -> None:
     sbx.files.write("/home/user/kept.txt", "written before dormancy\n")
+    boot_id = sbx.files.read("/proc/sys/kernel/random/boot_id")
     sid = sbx.sandbox_id
     wait_dormant(dnode, sid, 1)
     # The first command after dormancy: env vars from create, the default user.
     out = sbx.commands.run("echo \"$DORMANT_FOO\"; whoami; pwd")
     assert out.stdout == "bar baz\nuser\n/home/user\n"
+    assert sbx.files.read("/proc/sys/kernel/random/boot_id") == boot_id  # the same boot
     wait_dormant(dnode, sid, 2)
     assert sbx.files.read("/home/user/kept.txt") == "written before dormancy\n"
     wait_dormant(dnode, sid, 3)
