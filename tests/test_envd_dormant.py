@@ -14,11 +14,13 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from e2b import Sandbox
 
+from agentenv.config import ConfigError, load_config
 from agentenv.runtime.gvisor import console_says_dormant
 from agentenv.testing import Node, serving
 from agentenv.testing.hostmem import sandbox_pss
@@ -217,3 +219,10 @@ def test_an_ended_durable_command_is_kept_across_dormancy(dnode: Node, sbx: Sand
     assert out.content == b"durable-out\n"
     err = envd(dnode, sbx, f"/aenv/commands/{job.pid}/output?stream=stderr")
     assert err.content == b"durable-err\n"
+
+
+@pytest.mark.parametrize("value", ["0.5", "-1", "100000", "soon"])
+def test_bad_dormancy_settings_are_refused(value: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="envd_dormant_after_s"):
+        load_config({"home": tmp_path, "envd_dormant_after_s": value})
+    assert load_config({"home": tmp_path, "envd_dormant_after_s": "0"}).envd_dormant_after_s == 0

@@ -103,7 +103,7 @@ class Config:
     idle_freeze_crowd: int = 0
     # envd in an idle sandbox goes dormant after this many seconds with no request in
     # flight and nothing running in the sandbox: pid 1 becomes a tiny native stub that
-    # keeps envd's port and starts envd again on the next connection (~20 MiB less
+    # keeps envd's port and starts envd again on the next connection (~22 MiB less
     # per idle sandbox; the next request waits for envd's start). Shorter than
     # idle_freeze_s, or a frozen envd never gets to sleep. 0: never.
     envd_dormant_after_s: float = 5.0

@@ -1,6 +1,6 @@
 """envd goes dormant when idle: pid 1 becomes a tiny native stub until the next connection.
 
-An idle envd is a Python process of 20-37 MiB of host memory in every sandbox
+An idle envd is a Python process of ~22 MiB of host memory in every sandbox
 (issue 17). After ``AENV_ENVD_DORMANT_AFTER_S`` seconds (0: never) with no request in
 flight, no process in the sandbox but envd's own idle file workers, no durable command
 running, no watcher and no open stream, envd writes what a user can observe of it (the

@@ -13,7 +13,7 @@ With more than ``crowd`` sandboxes awake the window is ``CROWDED_S`` instead: an
 gVisor sandbox still costs 1-3 % of a core, and a sweep over hundreds of them would
 keep them all awake for a whole window. Never shorter than ``early_s`` though: envd
 goes dormant after ``envd_dormant_after_s`` idle (envd/dormancy.py), and a sandbox
-frozen before that keeps its ~20 MiB envd for as long as it stays frozen.
+frozen before that keeps its ~22 MiB envd for as long as it stays frozen.
 """
 
 from __future__ import annotations
