@@ -22,7 +22,7 @@ from e2b import Sandbox
 
 from agentenv.config import ConfigError, load_config
 from agentenv.runtime.gvisor import console_says_dormant
-from agentenv.testing import Node, serving
+from agentenv.testing import Node, sdk_env, serving
 from agentenv.testing.hostmem import sandbox_pss
 from agentenv.testing.nodes import free_cidr
 
@@ -219,6 +219,19 @@ def test_an_ended_durable_command_is_kept_across_dormancy(dnode: Node, sbx: Sand
     assert out.content == b"durable-out\n"
     err = envd(dnode, sbx, f"/aenv/commands/{job.pid}/output?stream=stderr")
     assert err.content == b"durable-err\n"
+
+
+def test_a_restarted_node_adopts_a_dormant_sandbox_without_waking_it(dnode: Node,
+                                                                    sbx: Sandbox) -> None:
+    sid = sbx.sandbox_id
+    wait_dormant_now(dnode, sid)
+    woken = console(dnode, sid).count("envd woken")
+    dnode.kill9()
+    dnode.start()
+    with sdk_env(dnode.e2b_env()):
+        again = Sandbox.connect(sid)
+        assert console(dnode, sid).count("envd woken") == woken  # adopted asleep
+        assert again.commands.run("echo adopted $DORMANT_FOO").stdout == "adopted bar baz\n"
 
 
 @pytest.mark.parametrize("value", ["0.5", "-1", "100000", "soon"])
