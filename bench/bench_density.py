@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -33,31 +32,19 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 from e2b import AsyncSandbox
 
 from agentenv.testing import Node, leaks, sdk_env
+from agentenv.testing.hostmem import procs_pss
 from common import write
 
 MIB = 1 << 20
 CG = Path("/sys/fs/cgroup")
 PREFIX, CIDR = "bdn", "10.102.0.0/16"  # this benchmark's own names and addresses
-_libc = ctypes.CDLL(None, use_errno=True)
-SYS_KCMP, KCMP_VM = 312, 1  # x86_64
-
-
-def _same_mm(a: int, b: int) -> bool:
-    return _libc.syscall(SYS_KCMP, a, b, KCMP_VM, 0, 0) == 0
-
-
-def _pss(pid: int) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def cgroup_pss(cgroup: str) -> tuple[int, int, int]:
@@ -70,13 +57,9 @@ def cgroup_pss(cgroup: str) -> tuple[int, int, int]:
         if not procs.is_file():
             continue
         count += 1
-        firsts: list[int] = []
-        for pid in (int(p) for p in procs.read_text().split()):
-            size = _pss(pid)
-            naive += size
-            if not any(_same_mm(pid, other) for other in firsts):
-                firsts.append(pid)
-                dedup += size
+        one, one_naive = procs_pss(int(p) for p in procs.read_text().split())
+        dedup += one
+        naive += one_naive
     return dedup, naive, count
 
 
@@ -252,26 +235,20 @@ def bare_bundle(bundle: Path, argv: list[str], rootfs: Path, cgroups_path: str) 
     (bundle / "config.json").write_text(json.dumps(spec))
 
 
-def floor(window: float, rootfs: Path) -> dict:
-    """A bare runsc sandbox running `sleep infinity`: idle CPU and PSS, then frozen."""
+@contextlib.contextmanager
+def bare_sandbox(cgroup: str, rootfs: Path, argv: list[str]) -> Iterator[None]:
+    """A bare runsc sandbox (``cgroup``/floor) running ``argv`` on ``rootfs``: the same
+    platform and overlay flags as the node's, no network."""
     work = Path(tempfile.mkdtemp(prefix="aenv-floor-"))
-    cgroup = f"{PREFIX}floor"
     root, bundle = work / "state", work / "bundle"
     bundle.mkdir(parents=True)
     flags = [f"--root={root}", "--platform=systrap", "--network=none", "--overlay2=root:memory"]
-    bare_bundle(bundle, ["sleep", "infinity"], rootfs, f"/{cgroup}/floor")
+    bare_bundle(bundle, argv, rootfs, f"/{cgroup}/floor")
     try:
         subprocess.run(["runsc", *flags, "run", "--detach", "--bundle", str(bundle), "floor"],
                        check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
-        time.sleep(3)
-        out = {"idle_cpu_pct": idle_cpu(cgroup, window),
-               "pss_MiB": round(cgroup_pss(cgroup)[0] / MIB, 1)}
-        state = CG / "freezer" / cgroup / "floor" / "freezer.state"
-        state.write_text("FROZEN")
-        out["frozen_idle_cpu_pct"] = idle_cpu(cgroup, window)
-        state.write_text("THAWED")
-        return out
+        yield
     finally:
         subprocess.run(["runsc", *flags, "delete", "--force", "floor"], check=False,
                        capture_output=True)
@@ -281,6 +258,20 @@ def floor(window: float, rootfs: Path) -> dict:
                 with contextlib.suppress(OSError):
                     d.rmdir()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def floor(window: float, rootfs: Path) -> dict:
+    """A bare runsc sandbox running `sleep infinity`: idle CPU and PSS, then frozen."""
+    cgroup = f"{PREFIX}floor"
+    with bare_sandbox(cgroup, rootfs, ["sleep", "infinity"]):
+        time.sleep(3)
+        out = {"idle_cpu_pct": idle_cpu(cgroup, window),
+               "pss_MiB": round(cgroup_pss(cgroup)[0] / MIB, 1)}
+        state = CG / "freezer" / cgroup / "floor" / "freezer.state"
+        state.write_text("FROZEN")
+        out["frozen_idle_cpu_pct"] = idle_cpu(cgroup, window)
+        state.write_text("THAWED")
+        return out
 
 
 def base_rootfs() -> Path:

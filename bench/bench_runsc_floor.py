@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_density import CG, MIB, _same_mm, bare_bundle, base_rootfs, idle_cpu
+from agentenv.testing.hostmem import same_mm
+from bench_density import CG, MIB, bare_bundle, base_rootfs, idle_cpu
 from common import write
 
 PREFIX = "h2fl"
@@ -86,7 +87,7 @@ def split(cgroup: Path) -> dict[str, float]:
     firsts: list[int] = []
     pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
     for pid in pids:
-        if any(_same_mm(pid, other) for other in firsts):
+        if any(same_mm(pid, other) for other in firsts):
             continue
         firsts.append(pid)
         maps = smaps(pid)

@@ -140,7 +140,8 @@ def test_snapshot_while_running_then_create_from_it(target) -> None:
 
 def test_second_snapshot_after_small_change_is_incremental(target) -> None:
     """As in the benchmark: a sandbox holding real data, then a 1 MiB change. The
-    second snapshot stores its change plus the sandbox's own churn, not the data."""
+    second snapshot stores its change plus the sandbox's own churn (envd's included),
+    not the data."""
     _, api = target
     r = api.post("/sandboxes", json={"templateID": "base", "timeout": 300})
     sbx = Sandbox.connect(r.json()["sandboxID"])
@@ -153,7 +154,9 @@ def test_second_snapshot_after_small_change_is_incremental(target) -> None:
         second = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots").json()
         snaps.append(second["snapshotID"])
         assert first["totalBytes"] > 96 << 20
-        assert second["storedBytes"] <= 0.05 * first["totalBytes"], (first, second)
+        # (+2 MiB: envd goes dormant while the first snapshot is taken, and the woken
+        # envd's new heap is stored again: ~1.5 MB measured, envd/dormancy.py)
+        assert second["storedBytes"] <= 0.05 * first["totalBytes"] + (2 << 20), (first, second)
     finally:
         for s in snaps:
             api.delete(f"/snapshots/{s}")

@@ -101,6 +101,12 @@ class Config:
     # all awake for idle_freeze_s, each idling at 1-3 % of a core (gVisor's own timers),
     # until the node's own loop starves (seen: 140 awake saturated 2 cores).
     idle_freeze_crowd: int = 0
+    # envd in an idle sandbox goes dormant after this many seconds with no request in
+    # flight and nothing running in the sandbox: pid 1 becomes a tiny native stub that
+    # keeps envd's port and starts envd again on the next connection (~22 MiB less
+    # per idle sandbox; the next request waits for envd's start). Shorter than
+    # idle_freeze_s, or a frozen envd never gets to sleep. 0: never.
+    envd_dormant_after_s: float = 5.0
     # When the host's available memory falls below memory_pressure_mb, running
     # sandboxes are paused to disk (captured, memory and slot freed; resumable),
     # least recently active first, instead of the OOM killer ending any. 0: 5 % of
@@ -312,6 +318,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("max_sandboxes must be 0 (derived from the host) or 1..16000")
     if cfg.idle_freeze_s != 0 and not 1 <= cfg.idle_freeze_s <= 86400:
         raise ConfigError("idle_freeze_s must be 0 (never freeze) or 1..86400 seconds")
+    if cfg.envd_dormant_after_s != 0 and not 1 <= cfg.envd_dormant_after_s <= 86400:
+        raise ConfigError("envd_dormant_after_s must be 0 (never) or 1..86400 seconds")
     if cfg.image_template_idle_s < 0:
         raise ConfigError("image_template_idle_s must be 0 (never remove) or more seconds")
     if not 0 <= cfg.idle_freeze_crowd <= 100_000:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from . import DEFAULT_PORT
 
@@ -19,10 +20,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT)
     ap.add_argument("--log-level", default=os.environ.get("AENV_ENVD_LOG_LEVEL", "warning"))
+    # Set by envd-stub when it wakes envd from dormancy (dormancy.py): the listening
+    # socket it kept, and that the state saved before is to be loaded.
+    ap.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--woken", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="envd %(levelname)s %(message)s")
 
+    if args.woken:
+        _restore_signals()
     import faulthandler
 
     # `kill -USR1 1` inside a sandbox writes envd's Python stacks to its console log.
@@ -30,10 +37,14 @@ def main(argv: list[str] | None = None) -> None:
     # A write past RLIMIT_FSIZE (the disk quota) must fail with EFBIG, not end envd;
     # its commands get the default action back (Popen restores SIGXFSZ).
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    marks = [("interpreter", _since_process_start())]
+    # Woken from dormancy, the process started long ago: count from here instead.
+    t0 = time.monotonic()
+    since = (lambda: (time.monotonic() - t0) * 1000) if args.woken else _since_process_start
+    marks = [("interpreter", since())]
     # Listen before the heavy imports: the node's health probe connects at once
     # and is answered the moment the app is up, instead of polling a closed port.
-    listener = _listen(args.host, args.port)
+    listener = _listen(args.host, args.port) if args.listen_fd is None \
+        else _inherited(args.host, args.listen_fd)
     if os.getpid() == 1:
         # Before anything is forked: it alone needs CAP_SYS_ADMIN, then drops it.
         from .bootid import prepare
@@ -42,25 +53,39 @@ def main(argv: list[str] | None = None) -> None:
     from .protos import ensure_importable
 
     ensure_importable()
-    marks.append(("protos path", _since_process_start()))
+    marks.append(("protos path", since()))
 
+    from . import dormancy
     from .oom import guard_from_env
     from .server import build_app
     from .state import State
 
-    marks.append(("server imports", _since_process_start()))
+    marks.append(("server imports", since()))
+    saved = dormancy.load() if args.woken else {}
+    if not args.woken and os.getpid() == 1:
+        dormancy.discard()
     state = State(access_token=os.environ.pop(TOKEN_ENV, None) or None)
+    state.restore(saved)
     app = build_app(state)
+    app.registry.durable.restore(saved.get("durable"))
+    app.wakes = int(saved.get("wakes") or 0) + (1 if args.woken else 0)
+    app.dormant_s = float(saved.get("dormant_s") or 0.0)
+    if args.woken and isinstance(saved.get("dormant_at"), (int, float)):
+        app.dormant_s += max(0.0, time.time() - saved["dormant_at"])
+    counted: list = [app]  # the dormancy watch wraps the app once the loop runs
 
-    marks.append(("app", _since_process_start()))
+    async def entry(scope, receive, send):
+        await counted[0](scope, receive, send)
+
+    marks.append(("app", since()))
     Config, Server = _uvicorn_core()
     config = Config(
-        app, host=args.host, port=args.port, http="h11", loop="none", lifespan="off",
+        entry, host=args.host, port=args.port, http="h11", loop="none", lifespan="off",
         ws="none", interface="asgi3", log_level=args.log_level.lower(), access_log=False,
         server_header=False, date_header=False, timeout_keep_alive=75,
     )
     server = Server(config)
-    marks.append(("imports and app", _since_process_start()))
+    marks.append(("imports and app", since()))
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -72,13 +97,16 @@ def main(argv: list[str] | None = None) -> None:
             from .sudo import start as start_sudo_broker
 
             start_sudo_broker(registry.children)
-        print("envd start-up ms: " + ", ".join(f"{k} {v:.0f}" for k, v in marks),
-              file=sys.stderr, flush=True)
+        print((f"{dormancy.WOKEN_LINE}, ms: " if args.woken else f"{dormancy.START_LINE} ms: ")
+              + ", ".join(f"{k} {v:.0f}" for k, v in marks), file=sys.stderr, flush=True)
         from .userfs_fork import prepare_forks
 
         loop.call_later(0.2, prepare_forks)  # after the node's first requests
         guard = guard_from_env()
         guard_task = asyncio.create_task(guard.run()) if guard else None
+        if guard is None and args.woken:  # (the guard's handler replaced envd-stub's SIG_IGN)
+            signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        counted[0] = _dormancy(dormancy, app, server, listener, args) or app
         try:
             await server.serve(sockets=[listener])
         finally:
@@ -93,6 +121,72 @@ def main(argv: list[str] | None = None) -> None:
     with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(
             selectors.PollSelector())) as runner:
         runner.run(serve())
+
+
+def _dormancy(dormancy, app, server, listener, args):
+    """The watch that makes envd dormant when idle, or None when it never is (off,
+    not the sandbox's init, or no stub in the bundle)."""
+    after = dormancy.after_from_env()
+    app.dormant_after_s = after
+    stub = dormancy.stub_path()
+    argv = dormancy.relaunch_argv(args.host, args.port, args.log_level, listener.fileno())
+    if not after or os.getpid() != 1 or os.geteuid() != 0 or stub is None or argv is None:
+        app.dormant_after_s = 0.0
+        return None
+    registry, files, userfs = app.registry, app.filesystem_service, app.userfs
+    state = server.server_state
+
+    def busy() -> str | None:
+        if registry.by_pid or registry.children.waiting:
+            return "processes started by envd"
+        if registry.durable.saved() is None:
+            return "durable commands running, or too much of their output kept"
+        if files.watchers or files.streams:
+            return "watchers"
+        if userfs.total > sum(len(ws) for ws in userfs.idle.values()):
+            return "file operations"
+        if state.tasks:
+            return "requests"
+        return None
+
+    def connections() -> list[int]:
+        fds = []
+        for conn in list(state.connections):
+            sock = conn.transport.get_extra_info("socket") if conn.transport else None
+            if sock is not None and sock.fileno() >= 0:
+                fds.append(sock.fileno())
+        return fds
+
+    def saved() -> dict:
+        return {**app.state.saved(), "durable": registry.durable.saved(), "wakes": app.wakes,
+                "dormant_s": app.dormant_s}
+
+    return dormancy.Dormancy(
+        after, app, busy, lambda: [w.pid for ws in userfs.idle.values() for w in ws],
+        saved, connections, listener.fileno(), argv, stub, before_exec=userfs.close)
+
+
+def _restore_signals() -> None:
+    """envd-stub ignored every signal (dormancy.py); envd's commands inherit what is
+    ignored, so back to what envd had at boot. SIGUSR1 and SIGUSR2 stay ignored until
+    their handlers are in (the node may signal a dormant sandbox's init any time)."""
+    keep = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2,
+            signal.SIGPIPE, signal.SIGXFSZ}  # (CPython ignores SIGPIPE and SIGXFSZ)
+    for sig in signal.Signals:
+        if sig not in keep and signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _inherited(host: str, fd: int):
+    """The listening socket envd-stub kept open while envd was dormant."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP explicitly, as _listen: asyncio then sets TCP_NODELAY on accepted ones.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=fd)
+    sock.set_inheritable(False)
+    return sock
 
 
 def _uvicorn_core():

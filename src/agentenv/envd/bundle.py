@@ -76,7 +76,10 @@ REQUIRED_DYNLOAD = ("_ssl", "_hashlib", "zlib", "_ctypes", "_posixsubprocess", "
 EXTRA_LIBS = ("libgcc_s.so.1",)
 
 
+STUB_NAME = "envd-stub"
 EXEC_AS_SOURCE = Path(__file__).resolve().parent / "exec_as.c"
+# pid 1's image while envd is dormant (dormancy.py).
+STUB_SOURCE = Path(__file__).resolve().parent / "envd_stub.c"
 # No libc: no start-up code or libraries to fault in under gVisor (see exec_as.c).
 EXEC_AS_CFLAGS = ("-static", "-nostdlib", "-fno-pie", "-no-pie", "-Os", "-s", "-ffreestanding",
                   "-fno-builtin", "-fno-stack-protector", "-fno-tree-loop-distribute-patterns",
@@ -114,7 +117,7 @@ def bundle_hash() -> str:
     h.update(f"format={BUNDLE_FORMAT}\n{sys.version}\n{sys.base_prefix}\n".encode())
     for mod, dist in sorted(SITE_MODULES.items()):
         h.update(f"{mod}={dist}=={_dist_version(dist)}\n".encode())
-    for f in [*_envd_sources(), EXEC_AS_SOURCE, *source_files()]:
+    for f in [*_envd_sources(), EXEC_AS_SOURCE, STUB_SOURCE, *source_files()]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update(f"cc={_compiler()}\n".encode())  # with or without exec-as
     return h.hexdigest()[:20]
@@ -177,24 +180,24 @@ def _python_binary() -> Path:
 
 
 def _compiler() -> str | None:
-    """The C compiler exec-as is built with: x86_64 only (raw system calls)."""
+    """The C compiler exec-as and envd-stub are built with: x86_64 only (raw system calls)."""
     if os.uname().machine != "x86_64":
         return None
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def _build_exec_as(dest: Path) -> None:
-    """Compile exec-as, envd's cheap credential switch (spawn.py); without a
-    compiler the bundle has only setpriv, which spawn.py then uses."""
+def _build_native(source: Path, dest: Path, without: str) -> None:
+    """Compile one of envd's libc-free helpers; without a compiler the bundle lacks
+    it and envd does ``without``."""
     cc = _compiler()
     if cc is None:
         return
     try:
-        subprocess.run([cc, *EXEC_AS_CFLAGS, "-o", str(dest), str(EXEC_AS_SOURCE)],
+        subprocess.run([cc, *EXEC_AS_CFLAGS, "-o", str(dest), str(source)],
                        check=True, capture_output=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as e:
         err = getattr(e, "stderr", b"") or b""
-        log.warning("exec-as not built, commands as users go through setpriv: %s %s",
+        log.warning("%s not built, %s: %s %s", dest.name, without,
                     e, err.decode(errors="replace")[-500:])
         with contextlib.suppress(OSError):
             dest.unlink()
@@ -220,7 +223,9 @@ def _build_into(root: Path) -> dict:
     if setpriv is None:
         raise RuntimeError("setpriv (util-linux) is needed to build the envd bundle")
     shutil.copy2(setpriv, root / "bin" / "setpriv")
-    _build_exec_as(root / "bin" / "exec-as")
+    _build_native(EXEC_AS_SOURCE, root / "bin" / "exec-as",
+                  "commands as users go through setpriv")  # see spawn.py
+    _build_native(STUB_SOURCE, root / "bin" / STUB_NAME, "envd never goes dormant")
     _write_sudo(root / "bin" / "sudo")
 
     # stdlib (trimmed) and its extension modules

@@ -23,6 +23,7 @@ of them and 64 MiB of their output together.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import math
 import time
@@ -46,6 +47,8 @@ MAX_ENDED_BYTES = 64 << 20
 DEFAULT_READ_LIMIT = 1 << 20
 MAX_READ_LIMIT = 16 << 20
 MAX_WAIT_S = 60.0
+# Ended commands' output carried over envd's dormancy at most (more keeps envd awake).
+MAX_CARRIED_BYTES = 1 << 20
 STREAMS = ("stdout", "stderr", "both")
 
 
@@ -130,6 +133,27 @@ class DurableCommand:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), within_s)
 
+    def saved(self) -> dict[str, Any]:
+        """An ended command, for envd's next start in this boot (dormancy.py)."""
+        return {"pid": self.pid, "tag": self.tag, "cmd": self.cmd, "args": self.args,
+                "cap": self.logs["both"].cap, "startedAt": self.started_at,
+                "endedAt": self.ended_at, "exitCode": self.exit_code, "status": self.status,
+                "logs": {s: [log.start, base64.b64encode(log.buf).decode()]
+                         for s, log in self.logs.items()}}
+
+    @classmethod
+    def restored(cls, saved: dict[str, Any]) -> DurableCommand:
+        command = cls(int(saved["pid"]), saved["tag"], str(saved["cmd"]),
+                      [str(a) for a in saved["args"]], int(saved["cap"]))
+        command.started_at = float(saved["startedAt"])
+        command.ended_at = float(saved["endedAt"])
+        command.exit_code = int(saved["exitCode"])
+        command.status = str(saved["status"])
+        for stream, (start, data) in saved["logs"].items():
+            log = command.logs[stream]
+            log.start, log.buf = int(start), bytearray(base64.b64decode(data))
+        return command
+
     def info(self) -> dict[str, Any]:
         return {
             "pid": self.pid, "tag": self.tag, "cmd": self.cmd, "args": self.args,
@@ -144,6 +168,24 @@ class DurableBook:
 
     def __init__(self) -> None:
         self.commands: OrderedDict[int, DurableCommand] = OrderedDict()
+
+    def saved(self) -> list[dict[str, Any]] | None:
+        """Every command kept, to carry over a dormancy; None while one runs or when
+        their output is too much to carry cheaply (envd then stays awake)."""
+        commands = list(self.commands.values())
+        if any(c.running for c in commands) or \
+                sum(c.kept_bytes for c in commands) > MAX_CARRIED_BYTES:
+            return None
+        return [c.saved() for c in commands]
+
+    def restore(self, saved: object) -> None:
+        if not isinstance(saved, list):
+            return
+        for entry in saved:
+            try:
+                self.add(DurableCommand.restored(entry))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
 
     def running_count(self) -> int:
         return sum(1 for c in self.commands.values() if c.running)

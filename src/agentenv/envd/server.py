@@ -1,7 +1,8 @@
 """envd's ASGI application: Connect RPC services plus E2B's plain HTTP endpoints.
 
 A bare ASGI callable (no framework) to keep envd's memory small:
-  GET /health, GET|POST /files, POST /init, GET /envs, GET /metrics, and the
+  GET /health, GET|POST /files, POST /init, GET /envs, GET /metrics,
+  GET /aenv/dormancy (dormancy.py: how often envd slept, for how long), and the
   ``process.Process`` / ``filesystem.Filesystem`` Connect services.
 Every request except /health needs ``X-Access-Token`` once a token is set
 (/files also accepts E2B's signed-URL parameters instead). This module routes
@@ -35,6 +36,7 @@ log = logging.getLogger("agentenv.envd")
 
 PROCESS_PREFIX = "/process.Process/"
 FILESYSTEM_PREFIX = "/filesystem.Filesystem/"
+DORMANCY_PATH = "/aenv/dormancy"
 SERVER_STREAMS = frozenset({"/filesystem.Filesystem/WatchDir", "/process.Process/Start",
                             "/process.Process/Connect"})
 
@@ -94,6 +96,10 @@ class EnvdApp:
         self.disk = DiskCapture()
         self.commands = CommandsEndpoint(durable or DurableBook())
         self._cpu_prev: tuple[int, int] | None = None
+        # Dormancy (dormancy.py): the delay, and the wakes and sleep this boot so far.
+        self.dormant_after_s = 0.0
+        self.wakes = 0
+        self.dormant_s = 0.0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -149,6 +155,10 @@ class EnvdApp:
                 await send_json(send, 200, self.state.env_vars)
             elif path == "/metrics" and method == "GET":
                 await send_json(send, 200, self._metrics())
+            elif path == DORMANCY_PATH and method == "GET":
+                await send_json(send, 200, {"dormantAfterS": self.dormant_after_s,
+                                            "wakes": self.wakes,
+                                            "dormantS": round(self.dormant_s, 1)})
             else:
                 raise HTTPError(404, f"{method} {path} not found")
         except HTTPError as e:
@@ -245,8 +255,9 @@ def build_app(state: State):
 
     registry = Registry()
     userfs = UserFS()
+    files = FilesystemService(state, userfs)
     app = EnvdApp(state, ProcessASGIApplication(ProcessService(state, registry, userfs)),
-                  FilesystemASGIApplication(FilesystemService(state, userfs)), userfs,
-                  registry.durable)
+                  FilesystemASGIApplication(files), userfs, registry.durable)
     app.registry = registry  # type: ignore[attr-defined]
+    app.filesystem_service = files  # type: ignore[attr-defined]
     return app

@@ -51,6 +51,25 @@ class State:
     default_user: str | None = None
     default_workdir: str | None = None
 
+    # -- across dormancy (dormancy.py) ----------------------------------------------
+    def saved(self) -> dict:
+        """What /init set, for envd's next start in this boot."""
+        return {"access_token": self.access_token, "env_vars": self.env_vars,
+                "default_user": self.default_user, "default_workdir": self.default_workdir}
+
+    def restore(self, saved: dict) -> None:
+        token = saved.get("access_token")
+        if isinstance(token, str) and token:
+            self.access_token = token
+        env = saved.get("env_vars")
+        if isinstance(env, dict):
+            self.env_vars.update({k: v for k, v in env.items()
+                                  if isinstance(k, str) and isinstance(v, str)})
+        for attr in ("default_user", "default_workdir"):
+            value = saved.get(attr)
+            if isinstance(value, str) and value:
+                setattr(self, attr, value)
+
     # -- access token ---------------------------------------------------------------
     def token_ok(self, presented: str | None) -> bool:
         if self.access_token is None:

@@ -120,7 +120,10 @@ class ManagerCore:
         # Idle running sandboxes frozen in place, thawed by the next request (idling.py).
         self.freezer = IdleFreezer(runtime, config.idle_freeze_s, config.idle_freeze_cpu_pct,
                                    lambda: self._records, self._held,
-                                   crowd=config.idle_freeze_crowd or 16 * host_cpus())
+                                   crowd=config.idle_freeze_crowd or 16 * host_cpus(),
+                                   # envd's dormancy first (a second to exec the stub)
+                                   early_s=config.envd_dormant_after_s + 1
+                                   if config.envd_dormant_after_s else 0)
         self.envd.awake_at = self.freezer.awake_at
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
@@ -178,6 +181,10 @@ class ManagerCore:
     def frozen(self, sandbox_id: str) -> bool:
         """Whether the running sandbox is frozen idle now (asking does not thaw it)."""
         return self.freezer.enabled and self.runtime.is_frozen(sandbox_id)
+
+    def envd_dormant(self, sandbox_id: str) -> bool:
+        """Whether the running sandbox's envd is dormant now (asking does not wake it)."""
+        return self.runtime.envd_dormant(sandbox_id)
 
     def awake(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
         """Kept thawed while a request to the sandbox is in flight (the proxy)."""

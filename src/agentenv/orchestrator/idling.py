@@ -11,7 +11,9 @@ kill). The record stays ``running``: clients see no difference but the CPU saved
 
 With more than ``crowd`` sandboxes awake the window is ``CROWDED_S`` instead: an idle
 gVisor sandbox still costs 1-3 % of a core, and a sweep over hundreds of them would
-keep them all awake for a whole window.
+keep them all awake for a whole window. Never shorter than ``early_s`` though: envd
+goes dormant after ``envd_dormant_after_s`` idle (envd/dormancy.py), and a sandbox
+frozen before that keeps its ~22 MiB envd for as long as it stays frozen.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class _Watch:
 class IdleFreezer:
     def __init__(self, runtime: Runtime, idle_s: float, cpu_pct: float,
                  records: Callable[[], Mapping[str, SandboxRecord]],
-                 busy: Callable[[str], bool], crowd: int = 0) -> None:
+                 busy: Callable[[str], bool], crowd: int = 0,
+                 early_s: float = CROWDED_S) -> None:
         self.runtime = runtime
         self.idle_s = idle_s
+        self.early_s = max(CROWDED_S, early_s)  # the crowded window
         self.crowd = crowd  # 0: no limit
         self.cpu_pct = cpu_pct
         self._by_id = records  # (the node replaces its mapping when it adopts records)
@@ -116,7 +120,7 @@ class IdleFreezer:
             return []
         now = time.monotonic()
         due: list[str] = []
-        early: list[str] = []  # quiet for CROWDED_S, frozen early while crowded
+        early: list[str] = []  # quiet for early_s, frozen early while crowded
         candidates = [r.sandbox_id for r in self._by_id().values()
                       if r.state is SandboxState.RUNNING and not r.error
                       and not r.metadata.get("aenv.build") and r.metadata.get(OPT_OUT) != "off"]
@@ -135,7 +139,7 @@ class IdleFreezer:
             if quiet >= self.idle_s:
                 if self._quiet(sid, watch, now):
                     due.append(sid)
-            elif excess > 0 and quiet >= CROWDED_S:
+            elif excess > 0 and quiet >= self.early_s:
                 early.append(sid)
         # Past the crowd: the least recently active go first, down to the crowd.
         early.sort(key=lambda sid: self._last_active.get(sid, 0.0))

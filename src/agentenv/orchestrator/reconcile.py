@@ -123,6 +123,8 @@ class Reconciling(Pausing):
         running = [r for r in self._records.values() if r.state is SandboxState.RUNNING]
 
         async def answers(record: SandboxRecord) -> bool:
+            if self.runtime.envd_dormant(record.sandbox_id):
+                return True  # its stub holds envd's port; a probe would only wake envd
             try:
                 await self.envd.wait_ready(record.slot_address, deadline_s=10)
                 return True

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..envd.bundle import build_bundle, envd_command
+from ..envd.dormancy import AFTER_ENV
 from ..envd.protocol import ENVD_PORT
 from ..resources import CPU, DISK, MEMORY, ResourceLimits
 from ..runtime import Runtime, SandboxSpec
@@ -40,6 +41,7 @@ class SpecFactory:
         """Build (or find) envd's runtime bundle: once per node start, off the loop."""
         self.bundle = await asyncio.to_thread(build_bundle, self.config.bundles_dir)
         self._init_argv, self._init_env = envd_command(BUNDLE_MOUNT, ENVD_PORT)
+        self._init_env[AFTER_ENV] = f"{self.config.envd_dormant_after_s:g}"
 
     @property
     def bundle_name(self) -> str:

@@ -88,6 +88,10 @@ class Runtime(Protocol):
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         """Host CPU time the sandbox used so far (None: unknown)."""
 
+    def envd_dormant(self, sandbox_id: str) -> bool:
+        """Whether the sandbox's envd is dormant now (envd/dormancy.py), as its console
+        says: nothing runs in it, and asking envd anything would wake it."""
+
     async def list(self) -> dict[str, RuntimeSandbox]:
         """Every sandbox this driver's state directory knows, by ID."""
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..envd.dormancy import DORMANT_LINE, START_LINE, WOKEN_LINE
 from .base import RuntimeFailure, RuntimeSandbox, SandboxSpec
 from .cpu_balance import CpuBalancer
 from .exits import memory_file_bytes
@@ -307,6 +308,9 @@ class GVisorRuntime(Watching):
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         return self.freezer.cpu_seconds(sandbox_id)
 
+    def envd_dormant(self, sandbox_id: str) -> bool:
+        return console_says_dormant(self.bundle_dir(sandbox_id) / "console.log")
+
     async def list(self) -> dict[str, RuntimeSandbox]:
         out = await self._runsc("list", "--format=json")
         items = json.loads(out) or []
@@ -404,6 +408,20 @@ def _last_line(err: bytes) -> str:
     if "no space left on device" in text and "no space left" not in line:
         line += " (no space left on device)"
     return line
+
+
+def console_says_dormant(console: Path, tail: int = 8192) -> bool:
+    """envd's last word in a sandbox's console log is that it went dormant (it prints
+    that right before it executes envd-stub, and a line when it starts again)."""
+    try:
+        with open(console, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail))
+            text = f.read()
+    except OSError:
+        return False
+    asleep = text.rfind(DORMANT_LINE.encode())
+    return asleep >= 0 and asleep > max(text.rfind(WOKEN_LINE.encode()),
+                                        text.rfind(START_LINE.encode()))
 
 
 def _tail(path: Path, lines: int = 3) -> str:

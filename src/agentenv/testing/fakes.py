@@ -142,6 +142,9 @@ class FakeRuntime:
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         return self.cpu.get(sandbox_id, 0.0) if sandbox_id in self.sandboxes else None
 
+    def envd_dormant(self, sandbox_id: str) -> bool:
+        return False
+
     async def state(self, sandbox_id: str) -> RuntimeSandbox | None:
         return self.sandboxes.get(sandbox_id)
 

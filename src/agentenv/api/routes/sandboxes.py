@@ -297,8 +297,10 @@ async def _sample(request: Request, sandbox_id: str) -> models.SandboxMetric:
     record = mgr.get(sandbox_id)
     last = _last_samples(request)
     # A frozen sandbox uses no CPU and its memory does not move: its last sample
-    # stands, so a dashboard polling metrics does not keep every sandbox thawed.
-    if record.state is SandboxState.RUNNING and mgr.frozen(sandbox_id) and sandbox_id in last:
+    # stands, so a dashboard polling metrics does not keep every sandbox thawed. Nor
+    # does anything move in one whose envd is dormant (nothing runs in it then).
+    if record.state is SandboxState.RUNNING and sandbox_id in last and (
+            mgr.frozen(sandbox_id) or mgr.envd_dormant(sandbox_id)):
         return models.metric({**last[sandbox_id], "cpu_used_pct": 0.0, "ts": int(time.time())})
     address, port = mgr.endpoint(sandbox_id, ENVD_PORT)
     # A client per call: slot addresses are reused by later sandboxes, so no pooling.
