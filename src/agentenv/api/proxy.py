@@ -18,7 +18,7 @@ import httpx
 import websockets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..envd.protocol import ENVD_PORT
+from ..envd.protocol import ENVD_PORT, SANDBOX_KEEPALIVE_S
 from ..errors import AgentenvError
 from ..metrics import FIRST_COMMAND
 from ..orchestrator import Conflict, NotFound, SandboxRecord, SandboxState
@@ -233,7 +233,8 @@ class SandboxProxy:
         if client is None:
             # A closed port answers at once (a reset); a sandbox just thawed on a
             # saturated host may take seconds to answer its first SYN.
-            client = relay_client(connect_s=SANDBOX_CONNECT_S)
+            client = relay_client(httpx.Limits(keepalive_expiry=SANDBOX_KEEPALIVE_S),
+                                  connect_s=SANDBOX_CONNECT_S)
             self._clients[sandbox_id] = client
         return client
 

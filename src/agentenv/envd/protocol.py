@@ -9,6 +9,12 @@ import hashlib
 
 # Where envd listens inside every sandbox (E2B's port: the SDKs assume it).
 ENVD_PORT = 49983
+# How long a client keeps an idle connection to a sandbox for reuse: well under the
+# shortest envd_dormant_after_s (1 s). envd closes its idle connections as it goes
+# dormant, and a request sent on one at that moment is lost unanswered ("server
+# disconnected"); a connection idle that long is not reused but opened anew, which the
+# stub answers by waking envd.
+SANDBOX_KEEPALIVE_S = 0.5
 
 # Reported to SDKs as the sandbox's ``envdVersion``; the SDKs gate features on it, and
 # every feature up to this version is implemented.

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import httpx
 
-from ..envd.protocol import ENVD_PORT
+from ..envd.protocol import ENVD_PORT, SANDBOX_KEEPALIVE_S
 
 MAX_FRAME = 16 << 20  # one Connect message from envd
 
@@ -40,7 +40,9 @@ def _awake(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 class EnvdClient:
     def __init__(self) -> None:
         # No pooling across sandboxes: slot addresses are reused by new sandboxes.
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(5.0), trust_env=False,
+            limits=httpx.Limits(keepalive_expiry=SANDBOX_KEEPALIVE_S))
         # The manager's: a frozen idle sandbox thawed, and kept so, while a call lasts.
         self.awake_at: Callable[[str], contextlib.AbstractContextManager[None]] = \
             lambda address: contextlib.nullcontext()
