@@ -8,6 +8,7 @@ a veth, standing in for the internet.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import socket
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 import pytest_asyncio
 
-from agentenv.network import Slot, SlotPool, SlotPoolExhausted, cleanup_all
+from agentenv.network import Slot, SlotError, SlotPool, SlotPoolExhausted, cleanup_all
 from agentenv.network.slot import SlotLayout
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for netns and iptables")
@@ -394,6 +395,25 @@ async def test_host_rules_idempotent_and_removed(outside: None) -> None:
     await p2.close()
     assert leftovers(PREFIX_C) == []
     cleanup_all(PREFIX_C)  # idempotent on a clean machine
+
+
+async def test_a_second_pool_on_the_same_addresses_is_refused(outside: None) -> None:
+    """Two nodes on one host with one net_pool_cidr would route each other's slot
+    addresses and count each other's connections: the second is refused at start,
+    saying why, and the first goes on serving."""
+    first = SlotPool(PREFIX_B, CIDR_B, low=1, high=1, capacity=2)
+    await first.start()
+    try:
+        await asyncio.wait_for(first.wait_warm(1), 10)
+        second = SlotPool(PREFIX_C, CIDR_B, low=0, high=1, capacity=2)
+        with pytest.raises(SlotError, match=f"net_pool_cidr {CIDR_B} is in use on this host"):
+            await second.start()
+        assert leftovers(PREFIX_C) == []
+        slot = await first.acquire()
+        assert ipaddress.IPv4Address(slot.address) in ipaddress.IPv4Network(CIDR_B)
+    finally:
+        await first.close()
+    assert leftovers(PREFIX_B) == []
 
 
 async def test_concurrent_acquire_respects_capacity(outside: None) -> None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 import threading
 import time
 from collections import Counter, deque
@@ -77,6 +79,23 @@ def _leftovers(layout: SlotLayout) -> set[int]:
             i = layout.link_index(link.get_attr("IFLA_IFNAME") or "")
             if i is not None:
                 found.add(i)
+    return found
+
+
+def _others_in_cidr(layout: SlotLayout) -> list[str]:
+    """Host addresses inside the pool's CIDR that are not on this pool's own links:
+    another node's pool (or a host network) there would see this pool's routes and
+    connections as its own, and the other way round."""
+    net = ipaddress.IPv4Network(layout.pool_cidr)
+    found = []
+    with IPRoute() as ipr:
+        names = {link["index"]: link.get_attr("IFLA_IFNAME") or "" for link in ipr.get_links()}
+        for addr in ipr.get_addr(family=socket.AF_INET):
+            name = names.get(addr["index"], "")
+            address = addr.get_attr("IFA_ADDRESS")
+            if address and ipaddress.IPv4Address(address) in net and \
+                    layout.link_index(name) is None:
+                found.append(f"{address} on {name or addr['index']}")
     return found
 
 
@@ -151,6 +170,11 @@ class SlotPool:
         if self._open:
             return
         in_use = dict(in_use or {})
+        others = await nsutil.run_in_thread(_others_in_cidr, self.layout)
+        if others:
+            raise SlotError(f"net_pool_cidr {self.pool_cidr} is in use on this host "
+                            f"({', '.join(others[:3])}): another node's pool or a host "
+                            "network; give this node a net_pool_cidr of its own")
         await nsutil.run_in_thread(install_host_rules, self.prefix, self.pool_cidr)
         existing = await nsutil.run_in_thread(_leftovers, self.layout)
         for index in sorted(existing - set(in_use)):
