@@ -320,12 +320,13 @@ def test_memory_pressure_pauses_the_idle_to_disk_and_they_resume(tmp_path: Path)
 
 def test_a_crowd_of_awake_sandboxes_is_frozen_within_seconds(tmp_path: Path) -> None:
     """Past ``idle_freeze_crowd`` awake sandboxes the quiet window is envd_dormant_after_s
-    + 1 (6 s by default), not idle_freeze_s (60 here): a sweep of commands over many
+    + 1 (6 s here), not idle_freeze_s (60 here): a sweep of commands over many
     sandboxes does not leave them all awake, and their envds go dormant before they are
     frozen. Each still answers at once afterwards."""
     prefix = f"fc{os.getpid() % 4096:03x}"
     node = Node(tmp_path / "home", prefix, "10.103.0.0/16", AENV_IDLE_FREEZE_S="60",
-                AENV_IDLE_FREEZE_CROWD="2", AENV_MAX_SANDBOXES="6")
+                AENV_IDLE_FREEZE_CROWD="2", AENV_MAX_SANDBOXES="6",
+                AENV_ENVD_DORMANT_AFTER_S="5")
     node.start()
     try:
         with sdk_env(node.e2b_env()):
