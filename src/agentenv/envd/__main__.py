@@ -149,13 +149,15 @@ def _dormancy(dormancy, app, server, listener, args):
             return "requests"
         return None
 
-    def connections() -> list[int]:
-        fds = []
+    def connections() -> list[tuple[int, tuple]]:
+        found = []
         for conn in list(state.connections):
-            sock = conn.transport.get_extra_info("socket") if conn.transport else None
+            transport = conn.transport
+            sock = transport.get_extra_info("socket") if transport else None
             if sock is not None and sock.fileno() >= 0:
-                fds.append(sock.fileno())
-        return fds
+                peer = transport.get_extra_info("peername")
+                found.append((sock.fileno(), tuple(peer) if peer else ("fd", sock.fileno())))
+        return found
 
     def saved() -> dict:
         return {**app.state.saved(), "durable": registry.durable.saved(), "wakes": app.wakes,

@@ -47,6 +47,10 @@ MAX_STATE_BYTES = 4 << 20
 LATE_S = 1.0
 # Requests that do not keep envd awake.
 PASSIVE = frozenset({"/metrics"})
+# A connection that has carried no request yet keeps envd awake this long after envd
+# first sees it: it was just accepted and its request is on the way (the node's
+# clients write it at once). Closed by the exec instead, that request would be lost.
+FRESH_S = 2.0
 # What envd and envd-stub say on the console (the host reads them: runtime.envd_dormant).
 DORMANT_LINE = "envd dormant"  # the stub's, once it runs (envd_stub.c)
 WOKEN_LINE = "envd woken"
@@ -185,13 +189,18 @@ def _close_gracefully(fds: list[int]) -> None:
                 sock.detach()
 
 
+def _peer(address: Any) -> Any:
+    """A peer's address as a set key (ASGI gives a list or tuple, sockets a tuple)."""
+    return tuple(address) if isinstance(address, list | tuple) else address
+
+
 class Dormancy:
     """Counts envd's requests, and once envd has been idle ``after_s`` seconds (see
     the module's doc for what idle means) executes the stub in its place."""
 
     def __init__(self, after_s: float, app: Any, busy: Callable[[], str | None],
                  own_pids: Callable[[], list[int]], saved: Callable[[], dict[str, Any]],
-                 connections: Callable[[], list[int]],
+                 connections: Callable[[], list[tuple[int, Any]]],
                  listener_fd: int, argv: list[str], stub: str,
                  before_exec: Callable[[], None]) -> None:
         self.after_s = after_s
@@ -199,7 +208,10 @@ class Dormancy:
         self._busy = busy  # why envd must stay awake (its own state), or None
         self._own_pids = own_pids  # envd's idle file workers (ended before the exec)
         self._saved = saved
-        self._connections = connections  # descriptors of open client connections
+        # Open client connections: (descriptor, the peer's address), as uvicorn holds them.
+        self._connections = connections
+        self._served: set[Any] = set()  # peers of connections that carried a request
+        self._first_seen: dict[Any, float] = {}  # unserved connections: when first seen
         self._listener = listener_fd
         self._argv = argv
         self._stub = stub
@@ -215,6 +227,7 @@ class Dormancy:
         starts the idle delay again, but for a metrics sample's (a dashboard polling
         them must not keep envd up; the node answers them itself while envd sleeps)."""
         self.in_flight += 1
+        self._served.add(_peer(scope.get("client")))
         try:
             await self.app(scope, receive, send)
         finally:
@@ -243,13 +256,29 @@ class Dormancy:
         why = self._busy()
         if why is None and _others({os.getpid(), *self._own_pids()}):
             why = "processes running"
-        if why is None and _pending([self._listener, *self._connections()]):
+        conns = self._connections()
+        if why is None and _pending([self._listener, *(fd for fd, _ in conns)]):
             why = "a request is arriving"
+        fresh_until = self._fresh_until([peer for _, peer in conns], now)
+        if why is None and fresh_until > now:
+            self._arm(fresh_until)
+            return
         if why is not None:
             log.debug("dormancy: staying awake: %s", why)
             self._arm(now + self.after_s)  # look again later, at no cost meanwhile
             return
         self._sleep()
+
+    def _fresh_until(self, peers: list[Any], now: float) -> float:
+        """Until when the connections that carried no request yet keep envd awake
+        (``now`` or earlier: none does). Forgets the peers of closed connections."""
+        open_peers = set(peers)
+        self._served &= open_peers
+        self._first_seen = {p: t for p, t in self._first_seen.items() if p in open_peers}
+        until = now
+        for peer in open_peers - self._served:
+            until = max(until, self._first_seen.setdefault(peer, now) + FRESH_S)
+        return until
 
     def _sleep(self) -> None:
         saved = self._saved()
@@ -258,7 +287,7 @@ class Dormancy:
             self._arm(self._loop.time() + self.after_s)
             return
         self._before_exec()
-        _close_gracefully(self._connections())
+        _close_gracefully([fd for fd, _ in self._connections()])
         print(f"envd idle {self.after_s:g} s: executing {STUB}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             logging.shutdown()
