@@ -105,10 +105,8 @@ class Config:
     # flight and nothing running in the sandbox: pid 1 becomes a tiny native stub that
     # keeps envd's port and starts envd again on the next connection (~22 MiB less
     # per idle sandbox; the next request waits for envd's start). Shorter than
-    # idle_freeze_s, or a frozen envd never gets to sleep (5 is a good value). 0:
-    # never, the default until a request arriving as envd goes dormant can no longer be
-    # lost (one accepted just before, whose bytes had not come yet, was seen reset).
-    envd_dormant_after_s: float = 0.0
+    # idle_freeze_s, or a frozen envd never gets to sleep. 0: never.
+    envd_dormant_after_s: float = 5.0
     # When the host's available memory falls below memory_pressure_mb, running
     # sandboxes are paused to disk (captured, memory and slot freed; resumable),
     # least recently active first, instead of the OOM killer ending any. 0: 5 % of
