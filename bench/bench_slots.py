@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agentenv.network import SlotPool, cleanup_all
-from agentenv.network.pool import install_host_rules
+from agentenv.network.host import install_host_rules
 from agentenv.network.rules import GATEWAY_IP, SANDBOX_IP, router_rules
 from agentenv.network.slot import Slot, SlotLayout, create_slot, destroy_slot, reset_slot
 

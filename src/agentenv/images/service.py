@@ -22,23 +22,19 @@ from pathlib import Path
 
 from ..metrics import EVICTIONS, cache_lookup
 from ..templates import ImageInfo, Template, TemplateNotFound, TemplateRegistry
-from .convert import convert_layer
 from .errors import BadReference, CacheTooSmall, ImageError, ImageInUse, ImageNotFound
-from .estargz import read_layer_toc
 from .lazy import LazyLayers
+from .lazy_index import index_layer
 from .manifest import Image, Layer
 from .mounts import mount_layers, mounted_under, unmount
 from .reference import ArchiveRef, LayoutRef, parse_reference
-from .registry_client import RangeUnsupported
-from .sources import RegistrySource, Source, open_source
+from .sources import Source, open_source
 from .store import LayerStore, hex_of
 from .unpack import unpack_layer
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 PARALLEL_LAYERS = 3
-GZIP_TYPES = ("", "application/vnd.oci.image.layer.v1.tar+gzip",
-              "application/vnd.docker.image.rootfs.diff.tar.gzip")
 Progress = Callable[[dict], None]
 
 
@@ -194,7 +190,7 @@ class ImageService:
 
         t0 = time.perf_counter()
         if self.lazy is not None:
-            self._convert_layer(source, layer, report, cancel)
+            index_layer(self.lazy, source, layer, report, cancel)
             emit({"status": "done-layer", "digest": layer.digest, "size": layer.size,
                   "seconds": round(time.perf_counter() - t0, 3)})
             return
@@ -206,49 +202,6 @@ class ImageService:
 
     def _have(self, h: str) -> bool:
         return self.lazy.has_index(h) if self.lazy is not None else self.store.has(h)
-
-    def _convert_layer(self, source: Source, layer: Layer, report: Callable[[int], None],
-                       cancel: threading.Event | None) -> None:
-        """Lazy loading: the layer read once into the repository's chunks and an index
-        (unless another node did it meanwhile)."""
-        assert self.lazy is not None
-        h = hex_of(layer.digest)
-        with self.lazy.layer_lock(h):
-            if self.lazy.has_index(h):
-                return
-            if self._index_from_registry(source, layer):
-                return
-            with source.layer(layer) as chunks:
-                index = convert_layer(
-                    chunks, self.lazy.repo, h,
-                    digest_=layer.digest if source.blob_digests else "",
-                    diff_id=layer.diff_id, declared_size=layer.size,
-                    what=f"layer {layer.digest[:19]}", progress=report, cancel=cancel)
-            self.lazy.keep_index(h, index)
-            log.info("images: layer %s converted for lazy loading (%d files, %d bytes)",
-                     h[:12], len(index.entries), index.file_bytes())
-
-    def _index_from_registry(self, source: Source, layer: Layer) -> bool:
-        """An eStargz layer in a registry: its index from the footer and TOC (read by
-        range), kept on this node only; the layer is then served from the registry
-        blob, never converted. False for any other layer."""
-        assert self.lazy is not None
-        if not isinstance(source, RegistrySource) or layer.media_type not in GZIP_TYPES:
-            return False
-        what = f"layer {layer.digest[:19]}"
-        t0 = time.perf_counter()
-        try:
-            read = read_layer_toc(source.client, layer, what)
-        except RangeUnsupported as exc:
-            log.info("images: %s: %s; converting it instead", what, exc)
-            return False
-        if read is None:
-            return False
-        self.lazy.keep_index(hex_of(layer.digest), read.index)
-        log.info("images: layer %s is eStargz: served from its registry (%d entries; TOC %d "
-                 "bytes, %d read in %.2f s)", layer.digest[7:19], len(read.index.entries),
-                 read.toc_bytes, read.fetched, time.perf_counter() - t0)
-        return True
 
     def _write_template(self, name: str, ref: str, image: Image,
                         credentials: dict | None) -> dict:

@@ -5,8 +5,9 @@ Every sandbox sees the same inside addresses (eth0 169.254.0.21/30, gateway
 slot K at its own address through the slot's router netns.
 """
 
+from .host import cleanup_all
 from .policy import CompiledPolicy, EgressPolicy, PolicyError, compile_policy, parse_policy
-from .pool import SlotPool, SlotPoolClosed, SlotPoolExhausted, cleanup_all
+from .pool import SlotPool, SlotPoolClosed, SlotPoolExhausted
 from .slot import Slot, SlotError, SlotLayout
 
 __all__ = [
