@@ -48,6 +48,22 @@ cp "$src/requirements.txt" "$tmp/wheels/requirements.txt"
 mkdir -p "$tmp/js"
 cp "$src/js/package.json" "$src/js/package-lock.json" "$tmp/js/"
 (cd "$tmp/js" && npm ci --ignore-scripts --omit=dev --no-audit --no-fund --loglevel=error)
+# tslab binds its sockets at "<transport>://<ip>:<port>", Jupyter's ipc endpoints are
+# "ipc://<ip>-<port>": tslab is taught the latter, so its kernels talk to the server
+# over Unix sockets as ipykernel's do. This runsc saves an epoll's ready list without
+# its lock, and a notification landing during the save can leave a deleted interest
+# in it: restored, the server's libzmq got an event for a freed poller entry and died
+# (SIGSEGV in a ZMQbg/IO thread, in every restore of that image; 1 image in ~10 under
+# load). While the tasks are stopped for a save nothing notifies a Unix socket, but
+# netstack's own goroutines and timers (ACKs) still notify loopback TCP endpoints.
+node - "$tmp/js/node_modules/tslab/dist/jupyter.js" <<'JS'
+const fs = require("fs");
+const path = process.argv[2];
+const old = "const addr = `${conn.transport}://${conn.ip}:${port}`;";
+const src = fs.readFileSync(path, "utf8");
+if (src.split(old).length !== 2) { console.error(`tslab: ${old} not found once in ${path}`); process.exit(1); }
+fs.writeFileSync(path, src.replace(old, "const addr = conn.transport === \"ipc\" ? `ipc://${conn.ip}-${port}` : `${conn.transport}://${conn.ip}:${port}`;"));
+JS
 find "$tmp/js/node_modules/zeromq/build" -mindepth 1 -maxdepth 1 ! -name linux ! -name manifest.json -exec rm -rf {} +
 find "$tmp/js/node_modules/zeromq/build/linux" -mindepth 1 -maxdepth 1 ! -name x64 -exec rm -rf {} +
 # tslab looks for @types/node beside itself when the working directory has none.

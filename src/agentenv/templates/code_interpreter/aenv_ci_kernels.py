@@ -42,9 +42,11 @@ class Language:
         self.name = name
         self.kernel = kernel
         self.args = args or []
-        # Unix sockets where the kernel takes them (ipykernel): nothing else in the
-        # sandbox can dial it. The others (zeromq.js, pbdZMQ) listen on 127.0.0.1,
-        # their messages signed with the connection file's key (root's, 0600).
+        # Unix sockets where the kernel takes them (ipykernel; tslab as the template
+        # build patches it): nothing else in the sandbox can dial it, and nothing
+        # notifies them while a checkpoint is saved (netstack does TCP's). pbdZMQ (R)
+        # listens on 127.0.0.1, its messages signed with the connection file's key
+        # (root's, 0600).
         self.ipc = ipc
 
     def set_env(self, env: dict[str, str]) -> str:
@@ -96,8 +98,8 @@ PYTHON_ARGS = ["--InteractiveShell.colors=nocolor",
                "--IPKernelApp.extra_extensions=aenv_ci_display"]
 LANGUAGES: dict[str, Language] = {
     "python": Python("python", "python3", PYTHON_ARGS, ipc=True),
-    "javascript": JavaScript("javascript", "jslab"),
-    "typescript": JavaScript("typescript", "tslab"),
+    "javascript": JavaScript("javascript", "jslab", ipc=True),
+    "typescript": JavaScript("typescript", "tslab", ipc=True),
     "bash": Bash("bash", "bash", ipc=True),
     "r": R("r", "ir"),
 }

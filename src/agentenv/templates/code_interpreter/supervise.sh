@@ -7,6 +7,8 @@
 # (pip installs into it).
 export HOME=/root USER=root LOGNAME=root
 export PATH=/opt/aenv-ci/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# A crash of the server leaves its Python traceback in the log.
+export PYTHONFAULTHANDLER=1
 cd /home/user || exit 1
 while :; do
   /opt/aenv-ci/bin/python /opt/aenv-ci/server.py
