@@ -21,6 +21,7 @@ import hashlib
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,10 @@ from .models import CapacityExceeded, OrchestratorError, new_sandbox_id
 from .specs import SpecFactory
 
 log = logging.getLogger(__name__)
+# A template's image must pass its ready check in a trial restore, TRIAL_SETTLE_S after
+# it; one that does not is captured again, this many times in all.
+IMAGE_CAPTURES = 3
+TRIAL_SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class BootImages:
         self._users: collections.Counter[str] = collections.Counter()
         self._forgotten: set[str] = set()
         self._building: dict[str, asyncio.Task] = {}
+        # Aliases no capture of which passed its trial: their templates boot.
+        self._unimageable: set[str] = set()
         self._pool: dict[str, list[PooledSandbox]] = {}
         self._refilling: dict[str, asyncio.Task] = {}
         self._shedding: dict[str, asyncio.Task] = {}  # members given up for room
@@ -113,6 +120,8 @@ class BootImages:
         known = self._images.get(alias)
         if known is not None and known.path.is_dir():
             return known
+        if alias in self._unimageable:
+            return None
         try:
             manifest = await asyncio.to_thread(self.manager.snapshots.resolve, alias)
             path = await asyncio.to_thread(self.manager.snapshots.materialize,
@@ -194,8 +203,24 @@ class BootImages:
         task.add_done_callback(lambda _: self.on_freed())
 
     async def _build(self, template: Template, alias: str) -> None:
+        """Capture the template's image; one that fails its trial restore is captured
+        again, up to IMAGE_CAPTURES times, then the template's sandboxes boot."""
+        for capture in range(1, IMAGE_CAPTURES + 1):
+            snapshot_id = await self._capture(template, alias)
+            if snapshot_id is None or await self._passes_trial(template, snapshot_id):
+                return
+            log.warning("template %s: image %s failed its ready check after a trial restore "
+                        "(capture %d of %d): discarded", template.template_id, alias,
+                        capture, IMAGE_CAPTURES)
+            self._discard(template, alias, snapshot_id)
+        self._unimageable.add(alias)
+        log.warning("template %s: no capture of it passed its ready check once restored; "
+                    "its sandboxes boot instead", template.template_id)
+
+    async def _capture(self, template: Template, alias: str) -> str | None:
         """Boot a sandbox of the template (no record: a crash leaves nothing the
-        restart does not remove), wait until it is ready, capture and commit it."""
+        restart does not remove), wait until it is ready, capture and commit it; the
+        snapshot's ID, or None if that failed."""
         m = self.manager
         sandbox_id, token = new_sandbox_id(), secrets.token_urlsafe(32)
         snapshot_id = new_sandbox_id()
@@ -208,7 +233,7 @@ class BootImages:
         except Exception as exc:
             log.warning("template %s: booting for its image failed: %s", template.template_id,
                         exc)
-            return
+            return None
         try:
             # One command first, as the SDK runs them: the first spawn in a sandbox
             # is 15-20 ms slower than the next (cold caches in envd and in the sandbox
@@ -227,13 +252,65 @@ class BootImages:
             await asyncio.to_thread(m.snapshots.commit, snapshot_id, staging, metadata, alias)
             log.info("template %s: image %s built in %.0f ms", template.template_id,
                      alias, (time.perf_counter() - t0) * 1000)
+            return snapshot_id
         except Exception as exc:
             log.warning("template %s: building its image failed: %s", template.template_id, exc)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(m.snapshots.discard_staging, snapshot_id)
+            return None
         finally:
             await asyncio.shield(m.runtime.destroy(sandbox_id))
             await asyncio.shield(m.slots.release(slot))
+
+    async def _passes_trial(self, template: Template, snapshot_id: str) -> bool:
+        """Restore the image once as a create would and run the template's ready check
+        a moment later.
+        A capture can hold state its processes do not survive a restore with (this
+        runsc saves epoll state mid-notification: a server died on an event for a
+        freed poller entry, in every restore of that image); such an image would hand
+        every create a sandbox whose service is down. Passes when there is nothing to
+        check, or no room to check it in."""
+        if not template.ready_cmd:
+            return True
+        m = self.manager
+        sandbox_id, token = new_sandbox_id(), secrets.token_urlsafe(32)
+        try:
+            manifest = await asyncio.to_thread(m.snapshots.get, snapshot_id)
+            path = await asyncio.to_thread(m.snapshots.materialize, snapshot_id)
+            # envd told what a create tells it (a new token, a new boot).
+            init = EnvdInit(token, default_user=template.default_user or "user",
+                            default_workdir=template.default_workdir,
+                            current_token=manifest.metadata["envd_token"],
+                            boot_id=str(uuid.uuid4()))
+            slot = await m.launcher.launch(LaunchPlan(
+                sandbox_id=sandbox_id, template=template, cpu_count=template.cpu_count,
+                memory_mb=template.memory_mb, hostname_of=template.template_id, image=path,
+                init=init))
+        except CapacityExceeded:
+            return True
+        except Exception as exc:
+            log.warning("template %s: trial restore of its image failed: %s",
+                        template.template_id, exc)
+            return False
+        try:
+            await asyncio.sleep(TRIAL_SETTLE_S)
+            return await m.launcher.envd.run(slot.address, token, template.ready_cmd,
+                                             deadline_s=10) == 0
+        except Exception as exc:
+            log.warning("template %s: ready check of its trial restore failed: %s",
+                        template.template_id, exc)
+            return False
+        finally:
+            await asyncio.shield(m.runtime.destroy(sandbox_id))
+            await asyncio.shield(m.slots.release(slot))
+
+    def _discard(self, template: Template, alias: str, snapshot_id: str) -> None:
+        image = self._images.get(alias)
+        if image is not None and image.snapshot_id == snapshot_id:
+            self.forget(template, image)  # a create found it meanwhile: once unused
+        else:
+            with contextlib.suppress(SnapshotError):
+                self.manager.snapshots.delete(snapshot_id)
 
     # -- warm pool --------------------------------------------------------------
 
