@@ -306,7 +306,7 @@ def test_requests_as_envd_goes_dormant_are_never_lost(tmp_path: Path) -> None:
         try:
             sandbox.files.write("/tmp/kept", "kept")
             lost = []
-            for i in range(30):
+            for i in range(20):
                 sandbox.commands.run("true")
                 # around the moment envd goes dormant (1 s after the last request ended)
                 time.sleep(0.95 + (i % 7) * 0.05)
@@ -315,6 +315,6 @@ def test_requests_as_envd_goes_dormant_are_never_lost(tmp_path: Path) -> None:
                 except Exception as exc:  # counted, then asserted
                     lost.append(f"{i}: {type(exc).__name__}: {exc}")
             assert lost == [], lost
-            assert dormancies(node, sandbox.sandbox_id) >= 10
+            assert dormancies(node, sandbox.sandbox_id) >= 6
         finally:
             sandbox.kill()
