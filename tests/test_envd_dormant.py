@@ -10,6 +10,7 @@ keeps envd awake; a dormant sandbox pauses, resumes, snapshots and forks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -24,6 +25,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.config import ConfigError, load_config
+from agentenv.envd import dormancy
 from agentenv.runtime.gvisor import console_says_dormant
 from agentenv.testing import Node, sdk_env, serving
 from agentenv.testing.hostmem import sandbox_pss
@@ -318,3 +320,44 @@ def test_requests_as_envd_goes_dormant_are_never_lost(tmp_path: Path) -> None:
             assert dormancies(node, sandbox.sandbox_id) >= 6
         finally:
             sandbox.kill()
+
+
+async def _accept_connection2(done: asyncio.Event) -> None:
+    """Stands for asyncio's own set-up of an accepted connection (same name)."""
+    await done.wait()
+
+
+async def test_a_connection_being_accepted_keeps_envd_awake(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """The other side of the same race: asyncio accepts a connection in one loop
+    iteration and hands it to the server a task later, so for a moment it is neither in
+    the listen backlog nor among the server's connections (a CI run lost a request
+    there: 'Server disconnected without sending a response'). envd stays awake while
+    such a task runs, and goes dormant once it is done."""
+    loop = asyncio.get_running_loop()
+    # asyncio's accept path still sets connections up in a coroutine of that name.
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = await loop.create_server(asyncio.Protocol, sock=listener)
+    seen = False
+    with socket.create_connection(listener.getsockname()):
+        for _ in range(20):
+            await asyncio.sleep(0)
+            seen = seen or dormancy._accepting(loop)
+    server.close()
+    assert seen
+
+    monkeypatch.setattr(dormancy, "_others", lambda exclude: False)  # the host's processes
+    slept: list[float] = []
+    with socket.create_server(("127.0.0.1", 0)) as idle_listener:
+        watch = dormancy.Dormancy(1.0, None, busy=lambda: None, own_pids=list, saved=dict,
+                                  connections=list, listener_fd=idle_listener.fileno(),
+                                  argv=[], stub="", before_exec=lambda: None)
+        monkeypatch.setattr(watch, "_sleep", lambda: slept.append(loop.time()))
+        done = asyncio.Event()
+        accepting = asyncio.create_task(_accept_connection2(done))
+        await asyncio.sleep(1.5)  # past the delay, the "connection" still being set up
+        assert slept == []
+        done.set()
+        await accepting
+        await asyncio.sleep(0.3)
+        assert len(slept) == 1

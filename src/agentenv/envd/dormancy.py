@@ -51,6 +51,10 @@ PASSIVE = frozenset({"/metrics"})
 # first sees it: it was just accepted and its request is on the way (the node's
 # clients write it at once). Closed by the exec instead, that request would be lost.
 FRESH_S = 2.0
+# asyncio's coroutine that hands an accepted connection to the server, and how soon to
+# look again while one runs.
+ACCEPT_TASK = "_accept_connection2"
+ACCEPT_RECHECK_S = 0.05
 # What envd and envd-stub say on the console (the host reads them: runtime.envd_dormant).
 DORMANT_LINE = "envd dormant"  # the stub's, once it runs (envd_stub.c)
 WOKEN_LINE = "envd woken"
@@ -189,6 +193,15 @@ def _close_gracefully(fds: list[int]) -> None:
                 sock.detach()
 
 
+def _accepting(loop: asyncio.AbstractEventLoop) -> bool:
+    """A connection accepted from the listener but not yet the server's: asyncio sets
+    each one up in a task of its own (``_accept_connection2``), a loop iteration or two
+    after the accept, and until then it is in neither the backlog nor the server's
+    connections. Closed by the exec then, its request would be lost."""
+    return any(not task.done() and getattr(task.get_coro(), "__qualname__", "")
+               .endswith(ACCEPT_TASK) for task in asyncio.all_tasks(loop))
+
+
 def _peer(address: Any) -> Any:
     """A peer's address as a set key (ASGI gives a list or tuple, sockets a tuple)."""
     return tuple(address) if isinstance(address, list | tuple) else address
@@ -260,6 +273,8 @@ class Dormancy:
         if why is None and _pending([self._listener, *(fd for fd, _ in conns)]):
             why = "a request is arriving"
         fresh_until = self._fresh_until([peer for _, peer in conns], now)
+        if why is None and _accepting(self._loop):
+            fresh_until = max(fresh_until, now + ACCEPT_RECHECK_S)
         if why is None and fresh_until > now:
             self._arm(fresh_until)
             return
