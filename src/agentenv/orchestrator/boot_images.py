@@ -90,8 +90,10 @@ class BootImages:
         self._users: collections.Counter[str] = collections.Counter()
         self._forgotten: set[str] = set()
         self._building: dict[str, asyncio.Task] = {}
-        # Aliases no capture of which passed its trial: their templates boot.
+        # Aliases no capture of which passed its trial: their templates boot. And
+        # aliases whose new capture is on trial.
         self._unimageable: set[str] = set()
+        self._trying: set[str] = set()
         self._pool: dict[str, list[PooledSandbox]] = {}
         self._refilling: dict[str, asyncio.Task] = {}
         self._shedding: dict[str, asyncio.Task] = {}  # members given up for room
@@ -120,7 +122,7 @@ class BootImages:
         known = self._images.get(alias)
         if known is not None and known.path.is_dir():
             return known
-        if alias in self._unimageable:
+        if alias in self._unimageable or alias in self._trying:
             return None
         try:
             manifest = await asyncio.to_thread(self.manager.snapshots.resolve, alias)
@@ -207,8 +209,14 @@ class BootImages:
         again, up to IMAGE_CAPTURES times, then the template's sandboxes boot."""
         for capture in range(1, IMAGE_CAPTURES + 1):
             snapshot_id = await self._capture(template, alias)
-            if snapshot_id is None or await self._passes_trial(template, snapshot_id):
+            if snapshot_id is None:
                 return
+            self._trying.add(alias)  # committed under its alias: no create takes it yet
+            try:
+                if await self._passes_trial(template, snapshot_id):
+                    return
+            finally:
+                self._trying.discard(alias)
             log.warning("template %s: image %s failed its ready check after a trial restore "
                         "(capture %d of %d): discarded", template.template_id, alias,
                         capture, IMAGE_CAPTURES)
