@@ -174,7 +174,8 @@ def test_console_in_a_browser(node: Node, api: httpx.Client, tmp_path: Path) -> 
             made.append(sid)
             assert sid not in before
             row = page.locator(f'#sandboxes tr[data-id="{sid}"]')
-            expect(row).to_have_attribute("data-state", "running")
+            # (the list also asks every running sandbox for metrics: slow on a busy node)
+            expect(row).to_have_attribute("data-state", "running", timeout=30_000)
             _shot(page, out, "1-created")
 
             row.locator('button[data-action="terminal"]').click()

@@ -18,8 +18,16 @@ export class Sandboxes {
     this.busy = new Set();
   }
 
-  async refresh() {
-    if (this.loading) return this.loading;  // a slow answer is not asked for twice
+  refresh() {
+    // A slow answer is not asked for twice, but a refresh asked for meanwhile (after a
+    // create, say) gets a load that starts after it: the one in flight may predate it.
+    if (this.loading) {
+      this.next ??= this.loading.catch(() => {}).then(() => {
+        this.next = null;
+        return this.refresh();
+      });
+      return this.next;
+    }
     this.loading = this.load().finally(() => { this.loading = null; });
     return this.loading;
   }
