@@ -351,7 +351,7 @@ async def test_a_connection_being_accepted_keeps_envd_awake(monkeypatch: pytest.
     monkeypatch.setattr(dormancy, "_others", lambda exclude: False)  # the host's processes
     slept: list[float] = []
     with socket.create_server(("127.0.0.1", 0)) as idle_listener:
-        watch = dormancy.Dormancy(1.0, None, busy=lambda: None, own_pids=list, saved=dict,
+        watch = dormancy.Dormancy(1.0, None, busy=lambda serving=0: None, own_pids=list, saved=dict,
                                   connections=list, listener_fd=idle_listener.fileno(),
                                   argv=[], stub="", before_exec=lambda: None)
         monkeypatch.setattr(watch, "_sleep", lambda: slept.append(loop.time()))

@@ -101,12 +101,18 @@ class Config:
     # all awake for idle_freeze_s, each idling at 1-3 % of a core (gVisor's own timers),
     # until the node's own loop starves (seen: 140 awake saturated 2 cores).
     idle_freeze_crowd: int = 0
-    # envd in an idle sandbox goes dormant after this many seconds with no request in
-    # flight and nothing running in the sandbox: pid 1 becomes a tiny native stub that
-    # keeps envd's port and starts envd again on the next connection (~22 MiB less
-    # per idle sandbox; the next request waits for envd's start). Shorter than
-    # idle_freeze_s, or a frozen envd never gets to sleep. 0: never.
-    envd_dormant_after_s: float = 5.0
+    # envd in an idle sandbox goes dormant (pid 1 becomes a tiny native stub that keeps
+    # envd's port and starts envd again on the next connection: ~22 MiB less per idle
+    # sandbox, but the next request waits 0.3-0.7 s for envd's start) when the host
+    # needs the memory: below envd_dormancy_mb of available memory the node asks the
+    # idle ones to sleep, least recently active first (orchestrator/envd_sleep.py).
+    # 0: derived (memory_pressure_mb's watermark + 10 % of the host's memory, 1 GiB at
+    # least); -1: never asked.
+    envd_dormancy_mb: int = 0
+    # Besides: envd goes dormant by itself after this many seconds with no request in
+    # flight and nothing running in the sandbox, whatever the memory (shorter than
+    # idle_freeze_s, or a frozen envd never gets to sleep). 0: only when asked.
+    envd_dormant_after_s: float = 0.0
     # When the host's available memory falls below memory_pressure_mb, running
     # sandboxes are paused to disk (captured, memory and slot freed; resumable),
     # least recently active first, instead of the OOM killer ending any. 0: 5 % of
@@ -326,6 +332,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("idle_freeze_crowd must be 0 (16 per CPU) or 1..100000 sandboxes")
     if not 0 <= cfg.idle_freeze_cpu_pct <= 100:
         raise ConfigError("idle_freeze_cpu_pct must be between 0 and 100")
+    if cfg.envd_dormancy_mb < -1:
+        raise ConfigError("envd_dormancy_mb must be -1 (never), 0 (derived) or more")
     if cfg.memory_pressure_mb < -1:
         raise ConfigError("memory_pressure_mb must be -1 (never), 0 (derived) or more")
     if cfg.max_sandboxes == 0:

@@ -124,19 +124,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _dormancy(dormancy, app, server, listener, args):
-    """The watch that makes envd dormant when idle, or None when it never is (off,
-    not the sandbox's init, or no stub in the bundle)."""
+    """The watch that makes envd dormant when idle (after its own delay, if any) or
+    when the node asks; None when it never can be (not the sandbox's init, or no
+    stub in the bundle)."""
     after = dormancy.after_from_env()
     app.dormant_after_s = after
     stub = dormancy.stub_path()
     argv = dormancy.relaunch_argv(args.host, args.port, args.log_level, listener.fileno())
-    if not after or os.getpid() != 1 or os.geteuid() != 0 or stub is None or argv is None:
+    if os.getpid() != 1 or os.geteuid() != 0 or stub is None or argv is None:
         app.dormant_after_s = 0.0
         return None
     registry, files, userfs = app.registry, app.filesystem_service, app.userfs
     state = server.server_state
 
-    def busy() -> str | None:
+    def busy(serving: int = 0) -> str | None:
+        """Why envd must stay awake; ``serving``: requests of envd's own that do not count
+        (the node's ask to sleep, answered before the sleep)."""
         if registry.by_pid or registry.children.waiting:
             return "processes started by envd"
         if registry.durable.saved() is None:
@@ -145,7 +148,7 @@ def _dormancy(dormancy, app, server, listener, args):
             return "watchers"
         if userfs.total > sum(len(ws) for ws in userfs.idle.values()):
             return "file operations"
-        if state.tasks:
+        if len(state.tasks) > serving:
             return "requests"
         return None
 
@@ -163,9 +166,11 @@ def _dormancy(dormancy, app, server, listener, args):
         return {**app.state.saved(), "durable": registry.durable.saved(), "wakes": app.wakes,
                 "dormant_s": app.dormant_s}
 
-    return dormancy.Dormancy(
+    watch = dormancy.Dormancy(
         after, app, busy, lambda: [w.pid for ws in userfs.idle.values() for w in ws],
         saved, connections, listener.fileno(), argv, stub, before_exec=userfs.close)
+    app.dormancy = watch  # POST /aenv/dormancy: the node asks it to sleep
+    return watch
 
 
 def _restore_signals() -> None:

@@ -45,8 +45,12 @@ LOADER = "ld-linux-x86-64.so.2"
 MAX_STATE_BYTES = 4 << 20
 # A timer this late means envd was stopped meanwhile (frozen, paused, snapshotted).
 LATE_S = 1.0
-# Requests that do not keep envd awake.
-PASSIVE = frozenset({"/metrics"})
+# Requests that do not keep envd awake (the node's ask to sleep among them).
+PASSIVE = frozenset({"/metrics", "/aenv/dormancy"})
+# Asked to sleep (``Dormancy.ask``): the idle time that then suffices. The ask's own
+# connection has closed by then (the node's clients keep idle ones 0.5 s at most,
+# and dormancy ends idle keep-alive connections with a FIN anyway).
+ASKED_IDLE_S = 0.25
 # A connection that has carried no request yet keeps envd awake this long after envd
 # first sees it: it was just accepted and its request is on the way (the node's
 # clients write it at once). Closed by the exec instead, that request would be lost.
@@ -209,9 +213,12 @@ def _peer(address: Any) -> Any:
 
 class Dormancy:
     """Counts envd's requests, and once envd has been idle ``after_s`` seconds (see
-    the module's doc for what idle means) executes the stub in its place."""
+    the module's doc for what idle means) executes the stub in its place. With
+    ``after_s`` 0 envd sleeps only when asked (``ask``): the node asks its idle
+    sandboxes' envds when the host needs their memory (orchestrator/envd_sleep.py),
+    so a sandbox's next command pays no wake while memory is plentiful."""
 
-    def __init__(self, after_s: float, app: Any, busy: Callable[[], str | None],
+    def __init__(self, after_s: float, app: Any, busy: Callable[[int], str | None],
                  own_pids: Callable[[], list[int]], saved: Callable[[], dict[str, Any]],
                  connections: Callable[[], list[tuple[int, Any]]],
                  listener_fd: int, argv: list[str], stub: str,
@@ -230,10 +237,34 @@ class Dormancy:
         self._stub = stub
         self._before_exec = before_exec
         self.in_flight = 0
+        self._asked = False  # asked to sleep once idle ASKED_IDLE_S (one check)
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._timer: asyncio.TimerHandle | None = None
-        self._arm(self._last + after_s)
+        if after_s:
+            self._arm(self._last + after_s)
+
+    def _idle_s(self) -> float:
+        return ASKED_IDLE_S if self._asked else self.after_s
+
+    def busy(self, serving: int = 0) -> str | None:
+        """Why envd cannot sleep now (its own state, or processes in the sandbox), not
+        counting ``serving`` requests in flight."""
+        why = self._busy(serving)
+        if why is None and _others({os.getpid(), *self._own_pids()}):
+            why = "processes running"
+        return why
+
+    def ask(self) -> str | None:
+        """Sleep as soon as envd is idle (ASKED_IDLE_S): the node needs the memory.
+        Returns why it cannot (then nothing changes), or None: it will, unless a
+        request comes first (the ask is then forgotten; the node asks again)."""
+        why = self.busy(serving=1)  # (this ask's own request)
+        if why is not None:
+            return why
+        self._asked = True
+        self._arm(self._loop.time() + ASKED_IDLE_S, earlier=True)
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
         """The ASGI app, counted: a request in flight keeps envd awake, and its end
@@ -247,10 +278,15 @@ class Dormancy:
             self.in_flight -= 1
             if scope.get("path") not in PASSIVE:
                 self._last = self._loop.time()
-            self._arm(self._last + self.after_s)
+                self._asked = False  # a request came: the ask is forgotten
+            if self._idle_s():
+                self._arm(self._last + self._idle_s())
 
-    def _arm(self, when: float) -> None:
-        if self._timer is None or self._timer.when() < when:
+    def _arm(self, when: float, earlier: bool = False) -> None:
+        """Check at ``when``: later than the check armed already (a request pushed
+        the delay on), or, ``earlier``, sooner (an ask)."""
+        if self._timer is None or self._timer.when() < when or \
+                (earlier and self._timer.when() > when):
             if self._timer is not None:
                 self._timer.cancel()
             self._timer = self._loop.call_at(when, self._check)
@@ -263,12 +299,13 @@ class Dormancy:
             # The sandbox was frozen, paused or restored from a snapshot meanwhile:
             # whoever thawed it is about to ask something (a restore's /init).
             self._last = now
-        if self.in_flight or now - self._last < self.after_s:
-            self._arm(self._last + self.after_s)
+        idle_s = self._idle_s()
+        if not idle_s:  # no timer, no ask
             return
-        why = self._busy()
-        if why is None and _others({os.getpid(), *self._own_pids()}):
-            why = "processes running"
+        if self.in_flight or now - self._last < idle_s:
+            self._arm(self._last + idle_s)
+            return
+        why = self.busy()
         conns = self._connections()
         if why is None and _pending([self._listener, *(fd for fd, _ in conns)]):
             why = "a request is arriving"
@@ -280,7 +317,9 @@ class Dormancy:
             return
         if why is not None:
             log.debug("dormancy: staying awake: %s", why)
-            self._arm(now + self.after_s)  # look again later, at no cost meanwhile
+            self._asked = False  # the node asks again if it still needs the memory
+            if self.after_s:
+                self._arm(now + self.after_s)  # look again later, at no cost meanwhile
             return
         self._sleep()
 
@@ -299,11 +338,14 @@ class Dormancy:
         saved = self._saved()
         saved["dormant_at"] = time.time()
         if not save(saved):
-            self._arm(self._loop.time() + self.after_s)
+            self._asked = False
+            if self.after_s:
+                self._arm(self._loop.time() + self.after_s)
             return
         self._before_exec()
         _close_gracefully([fd for fd, _ in self._connections()])
-        print(f"envd idle {self.after_s:g} s: executing {STUB}", file=sys.stderr, flush=True)
+        why = "asked by the node" if self._asked else f"idle {self.after_s:g} s"
+        print(f"envd {why}: executing {STUB}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             logging.shutdown()
         os.set_inheritable(self._listener, True)

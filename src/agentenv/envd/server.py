@@ -2,7 +2,8 @@
 
 A bare ASGI callable (no framework) to keep envd's memory small:
   GET /health, GET|POST /files, POST /init, GET /envs, GET /metrics,
-  GET /aenv/dormancy (dormancy.py: how often envd slept, for how long), and the
+  GET /aenv/dormancy (dormancy.py: how often envd slept, for how long), POST
+  /aenv/dormancy (the node asks envd to sleep: 202, or 409 with why not), and the
   ``process.Process`` / ``filesystem.Filesystem`` Connect services.
 Every request except /health needs ``X-Access-Token`` once a token is set
 (/files also accepts E2B's signed-URL parameters instead). This module routes
@@ -100,6 +101,7 @@ class EnvdApp:
         self.dormant_after_s = 0.0
         self.wakes = 0
         self.dormant_s = 0.0
+        self.dormancy: Any = None  # the watch (dormancy.Dormancy), when envd can sleep
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -159,10 +161,21 @@ class EnvdApp:
                 await send_json(send, 200, {"dormantAfterS": self.dormant_after_s,
                                             "wakes": self.wakes,
                                             "dormantS": round(self.dormant_s, 1)})
+            elif path == DORMANCY_PATH and method == "POST":
+                await self._ask_dormancy(send)
             else:
                 raise HTTPError(404, f"{method} {path} not found")
         except HTTPError as e:
             await send_error(send, e.status, e.message)
+
+    async def _ask_dormancy(self, send) -> None:
+        """The node needs this envd's memory: sleep once idle (dormancy.Dormancy.ask)."""
+        if self.dormancy is None:
+            raise HTTPError(501, "envd cannot go dormant here (no stub, or not init)")
+        why = self.dormancy.ask()
+        if why is not None:
+            raise HTTPError(409, f"envd stays awake: {why}")
+        await send_json(send, 202, {"dormant": "soon"})
 
     # -- /init ------------------------------------------------------------------------
     async def _init(self, receive, send) -> None:

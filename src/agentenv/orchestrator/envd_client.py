@@ -19,6 +19,7 @@ import httpx
 from ..envd.protocol import ENVD_PORT, SANDBOX_KEEPALIVE_S
 
 MAX_FRAME = 16 << 20  # one Connect message from envd
+WAIT_READY_MAX_S = 120.0  # a sandbox still starting (using CPU) is waited for this long
 
 
 class EnvdUnavailable(RuntimeError):
@@ -51,17 +52,32 @@ class EnvdClient:
         await self._http.aclose()
 
     @_awake
-    async def wait_ready(self, address: str, deadline_s: float = 15.0) -> None:
+    async def wait_ready(self, address: str, deadline_s: float = 15.0,
+                         progress: Callable[[], float | None] | None = None) -> None:
         """Poll ``GET /health`` until envd answers.
 
         envd listens before it finishes starting, so a probe usually connects at
         once and waits for the answer; retries only cover the moments before that.
+        ``progress`` (the sandbox's CPU seconds so far): past the deadline, envd is
+        waited for as long as the sandbox keeps using CPU between two looks
+        ``deadline_s`` apart, up to WAIT_READY_MAX_S. A restored envd that was dormant
+        starts Python first; on a saturated host that took 9 s and more (issue 27),
+        and a fixed deadline failed resumes of sandboxes that were only slow.
         """
         url = f"http://{address}:{ENVD_PORT}/health"
-        end = time.monotonic() + deadline_s
+        start = time.monotonic()
+        end = start + deadline_s
+        seen = progress() if progress is not None else None
         delay = 0.005
         last: Exception | None = None
-        while time.monotonic() < end:
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                now_cpu = progress() if progress is not None else None
+                if seen is None or now_cpu is None or now_cpu <= seen or \
+                        now - start >= WAIT_READY_MAX_S:
+                    break
+                seen, end = now_cpu, min(now + deadline_s, start + WAIT_READY_MAX_S)
             try:
                 r = await self._http.get(url, timeout=max(0.1, end - time.monotonic()))
                 if r.status_code < 500:
@@ -70,7 +86,8 @@ class EnvdClient:
                 last = exc
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.02)
-        raise EnvdUnavailable(f"envd did not answer within {deadline_s:.0f}s ({last!r})")
+        raise EnvdUnavailable(f"envd did not answer within {time.monotonic() - start:.0f}s "
+                              f"({last!r})")
 
     @_awake
     async def init(
@@ -94,6 +111,20 @@ class EnvdClient:
         r = await self._http.post(f"http://{address}:{ENVD_PORT}/init", json=body, headers=headers)
         if r.status_code >= 300:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}")
+
+    async def ask_dormant(self, address: str, token: str) -> str | None:
+        """Ask envd to go dormant once idle (envd/dormancy.py): None when it will, else
+        why not (busy, or it cannot sleep in this sandbox). The caller thaws the
+        sandbox: this is no activity of its user's (idling.IdleFreezer.thawed)."""
+        r = await self._http.post(
+            httpx.URL(scheme="http", host=address, port=ENVD_PORT, path="/aenv/dormancy"),
+            headers={"X-Access-Token": token}, timeout=2.0)
+        if r.status_code == 202:
+            return None
+        try:
+            return str(r.json().get("message") or r.status_code)
+        except ValueError:
+            return f"HTTP {r.status_code}"
 
     # -- filesystem-only pauses (envd's /aenv/fs/*) -----------------------------------
 

@@ -86,6 +86,19 @@ class IdleFreezer:
             self._watch.pop(sandbox_id, None)
             self._last_active[sandbox_id] = time.time()
 
+    @contextlib.contextmanager
+    def thawed(self, sandbox_id: str) -> Iterator[None]:
+        """Thawed and never frozen while the block runs, but no activity: the node's
+        own housekeeping (asking envd to sleep) leaves the sandbox as idle as it was."""
+        self._in_flight[sandbox_id] = self._in_flight.get(sandbox_id, 0) + 1
+        try:
+            self.runtime.thaw(sandbox_id)
+            yield
+        finally:
+            left = self._in_flight.pop(sandbox_id) - 1
+            if left > 0:
+                self._in_flight[sandbox_id] = left
+
     def in_flight(self, sandbox_id: str) -> bool:
         return bool(self._in_flight.get(sandbox_id))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -150,7 +151,9 @@ class Launcher:
                 marks.append((plan.verb, time.perf_counter()))
                 if plan.on_started is not None:
                     plan.on_started()
-                await self.envd.wait_ready(slot.address)
+                await self.envd.wait_ready(
+                    slot.address, progress=functools.partial(self.runtime.cpu_seconds,
+                                                             plan.sandbox_id))
                 marks.append(("envd", time.perf_counter()))
                 if plan.init is not None:
                     await self._init(slot.address, plan.init)

@@ -379,6 +379,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
                 await self._freeze_idle()
             except Exception:
                 log.exception("idle freezing failed")
+            self._tend_envd_sleep()
             self._tend_pressure()
 
     async def _freeze_idle(self) -> None:

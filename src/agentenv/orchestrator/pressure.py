@@ -20,6 +20,8 @@ from pathlib import Path
 
 from .. import metrics
 from ..resources import host_memory_mb
+from .envd_sleep import Candidate, EnvdSleeper
+from .envd_sleep import default_watermark_mb as envd_watermark_mb
 from .models import OrchestratorError, SandboxState
 from .pausing import Pausing
 
@@ -44,6 +46,43 @@ def default_watermark_mb() -> int:
 
 class PressureRelief(Pausing):
     _relief: asyncio.Task | None = None
+    _envd_sleeper: EnvdSleeper | None = None
+
+    # -- the first tier: idle envds asked to sleep (envd_sleep.py) --------------------
+    def _envd_dormancy_watermark_mb(self) -> int:
+        configured = self.config.envd_dormancy_mb
+        if configured == 0:
+            return envd_watermark_mb(self._pressure_watermark_mb())
+        return max(0, configured)
+
+    def _envd_sleep_candidates(self) -> list[Candidate]:
+        """Running sandboxes whose envd is awake, most idle first (none in flight, none
+        an operation holds)."""
+        found = []
+        for record in self._records.values():
+            sid = record.sandbox_id
+            if record.state is not SandboxState.RUNNING or record.error or \
+                    not record.slot_address or record.metadata.get("aenv.build") or \
+                    self.freezer.in_flight(sid) or self._held(sid):
+                continue
+            idle = self.freezer.idle_for(sid, record.ready_at)
+            found.append(Candidate(sid, record.slot_address, record.envd_token, idle))
+        found.sort(key=lambda c: c.idle_s, reverse=True)
+        # (read lazily: each is a look at the sandbox's console log)
+        return [c for c in found if not self.runtime.envd_dormant(c.sandbox_id)]
+
+    async def _ask_envd_dormant(self, c: Candidate) -> str | None:
+        with self.freezer.thawed(c.sandbox_id):
+            return await self.envd.ask_dormant(c.address, c.token)
+
+    def _tend_envd_sleep(self) -> None:
+        if self._envd_sleeper is None:
+            self._envd_sleeper = EnvdSleeper(
+                self._envd_dormancy_watermark_mb, self._envd_sleep_candidates,
+                self._ask_envd_dormant, available_mb)
+        self._envd_sleeper.tend()
+
+    # -- the second tier: sandboxes paused to disk ------------------------------------
 
     def _pressure_watermark_mb(self) -> int:
         configured = self.config.memory_pressure_mb

@@ -239,7 +239,8 @@ class FakeEnvd:
     async def close(self) -> None:
         pass
 
-    async def wait_ready(self, address: str, deadline_s: float = 15.0) -> None:
+    async def wait_ready(self, address: str, deadline_s: float = 15.0,
+                         progress: Callable[[], float | None] | None = None) -> None:
         try:
             await self.faults.check("envd")
         except RuntimeError as exc:
