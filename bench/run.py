@@ -9,7 +9,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SUITES = ["bench_node.py", "bench_slots.py", "bench_e2b.py", "bench_snapshot_store.py",
           "bench_snapshots.py", "bench_reset.py", "bench_template_build.py",
-          "bench_images.py", "bench_image_create.py", "bench_cluster.py"]
+          "bench_images.py", "bench_image_create.py", "bench_cluster.py", "bench_episodes.py"]
 
 
 def main() -> int:

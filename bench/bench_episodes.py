@@ -1,0 +1,244 @@
+"""Agent episodes (issue 27): every step follows a think gap; what does that step cost?
+
+N `base` sandboxes on one node, each running an episode through the async e2b SDK:
+think for a gap drawn uniformly from ``--gap`` seconds, then one step, a mix of
+``true``, a short python, and a file write then read; ``--steps`` steps in all across
+the N. Beside them in the same run, ``--warm`` reference sandboxes do the same steps
+with no gap (always awake): the floor a step after a gap is measured against.
+
+Recorded per arm (a node configuration):
+- step latency after a gap, p50 / p99 / max, per kind and overall, and the warm floor;
+- idle cost once every sandbox has had its first step and sat idle (before the
+  episodes): host PSS per sandbox over all runsc processes (each address space once),
+  the memory-file and runsc-heap counts of the memory cgroups, and the CPU of all
+  sandboxes together over ``--window`` s in % of one core;
+- PSS per sandbox sampled during the episodes (median), envds dormant at the end;
+- failures (any step that raised), which must be 0.
+
+Arms: ``memory`` (the node's default: envds sleep only when the host needs the
+memory) and ``idle`` (the previous default: envd sleeps after 5 s idle, whatever
+the memory), run one after the other on the same machine.
+
+    PYTHONPATH=src:bench python bench/bench_episodes.py            # quick (make bench)
+    PYTHONPATH=src:bench python bench/bench_episodes.py --sandboxes 300 --steps 1000 \
+        --gap 5,60 --name episodes_300
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from e2b import AsyncSandbox
+
+from agentenv.runtime.gvisor import console_says_dormant
+from agentenv.testing import Node, free_cidr, leaks, sdk_env
+from bench_density import MIB, cgroup_memory, cgroup_pss, cpu_ns, create_many
+from common import write
+
+ARMS = {
+    "memory": {},  # the default
+    "idle": {"AENV_ENVD_DORMANT_AFTER_S": "5", "AENV_ENVD_DORMANCY_MB": "-1"},
+}
+KINDS = ("true", "python", "file")
+
+
+async def step(sbx: AsyncSandbox, kind: str, n: int) -> None:
+    if kind == "true":
+        await sbx.commands.run("true")
+    elif kind == "python":
+        out = await sbx.commands.run("python3 -c 'print(6 * 7)'")
+        assert out.stdout == "42\n", out.stdout
+    else:
+        path = f"/home/user/step-{n % 4}.txt"
+        await sbx.files.write(path, f"step {n}\n")
+        assert await sbx.files.read(path) == f"step {n}\n"
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, round(q * (len(s) - 1)))] * 1000, 1)
+
+
+def stats(xs: list[float]) -> dict:
+    return {"n": len(xs), "p50_ms": pct(xs, 0.5), "p99_ms": pct(xs, 0.99),
+            "max_ms": round(max(xs) * 1000, 1) if xs else None}
+
+
+def dormant_count(home: Path, ids: list[str]) -> int:
+    return sum(console_says_dormant(home / "run" / "sandboxes" / sid / "console.log")
+               for sid in ids)
+
+
+def idle_cost(prefix: str, n: int, window: float) -> dict:
+    pss, _naive, counted = cgroup_pss(prefix)
+    shmem, rss, _ = cgroup_memory(prefix)
+    a, t = cpu_ns(prefix), time.monotonic()
+    time.sleep(window)
+    cpu = (cpu_ns(prefix) - a) / 1e9 / (time.monotonic() - t) * 100
+    return {"pss_MiB_per_sandbox": round(pss / MIB / max(1, counted), 1),
+            "memfile_MiB_per_sandbox": round(shmem / MIB / max(1, n), 1),
+            "runsc_anon_MiB_per_sandbox": round(rss / MIB / max(1, n), 1),
+            "idle_cpu_pct_all": round(cpu, 2)}
+
+
+async def episodes(ids: list[str], warm_ids: list[str], args: argparse.Namespace,
+                   prefix: str, failures: list[str]) -> dict:
+    rng = random.Random(args.seed)
+    gmin, gmax = args.gap
+    budget = {"left": args.steps}
+    after_gap: dict[str, list[float]] = {k: [] for k in KINDS}
+    warm: list[float] = []
+    pss_samples: list[float] = []
+    stop = asyncio.Event()
+
+    async def one(sid: str) -> None:
+        sbx = await AsyncSandbox.connect(sid)
+        n = 0
+        while budget["left"] > 0:
+            await asyncio.sleep(rng.uniform(gmin, gmax))
+            if budget["left"] <= 0:
+                return
+            budget["left"] -= 1
+            kind = rng.choice(KINDS)
+            t0 = time.perf_counter()
+            try:
+                await step(sbx, kind, n)
+                after_gap[kind].append(time.perf_counter() - t0)
+            except Exception as exc:
+                failures.append(f"{sid} {kind}: {type(exc).__name__}: {exc}"[:200])
+            n += 1
+
+    async def reference(sid: str) -> None:
+        sbx = await AsyncSandbox.connect(sid)
+        n = 0
+        while not stop.is_set():
+            kind = KINDS[n % len(KINDS)]
+            t0 = time.perf_counter()
+            try:
+                await step(sbx, kind, n)
+                warm.append(time.perf_counter() - t0)
+            except Exception as exc:
+                failures.append(f"warm {sid} {kind}: {type(exc).__name__}: {exc}"[:200])
+            n += 1
+            await asyncio.sleep(0.2)
+
+    async def sampler() -> None:
+        while not stop.is_set():
+            pss, _n, counted = await asyncio.to_thread(cgroup_pss, prefix)
+            if counted:
+                pss_samples.append(pss / MIB / counted)
+            await asyncio.sleep(10)
+
+    t0 = time.monotonic()
+    cpu0 = cpu_ns(prefix)
+    side = [asyncio.create_task(reference(s)) for s in warm_ids]
+    side.append(asyncio.create_task(sampler()))
+    await asyncio.gather(*(one(s) for s in ids))
+    stop.set()
+    await asyncio.gather(*side)
+    wall = time.monotonic() - t0
+    every = [x for xs in after_gap.values() for x in xs]
+    return {"after_gap": stats(every), **{f"after_gap_{k}": stats(v) for k, v in after_gap.items()},
+            "warm": stats(warm), "episode_wall_s": round(wall, 1),
+            "cpu_pct_all_during": round((cpu_ns(prefix) - cpu0) / 1e9 / wall * 100, 1),
+            "pss_MiB_per_sandbox_during": round(statistics.median(pss_samples), 1)
+            if pss_samples else None}
+
+
+def one_arm(arm: str, args: argparse.Namespace) -> dict:
+    home = Path(tempfile.mkdtemp(prefix=f"bench-ep-{arm}-"))
+    prefix = f"bep{arm[0]}"
+    node = Node(home, prefix, free_cidr(200, 20, os.getpid()),
+                AENV_MAX_SANDBOXES=str(args.sandboxes + args.warm + 8), **ARMS[arm])
+    node.start()
+    failures: list[str] = []
+    row: dict = {"arm": arm, "sandboxes": args.sandboxes}
+    try:
+        with sdk_env(node.e2b_env()):
+            total = args.sandboxes + args.warm
+            t = time.monotonic()
+            ids = asyncio.run(create_many(node.url, node.api_key, total, 8, failures))
+            row["create_s"] = round(time.monotonic() - t, 1)
+            warm_ids, ids = ids[:args.warm], ids[args.warm:]
+
+            async def first_steps() -> None:  # every sandbox as an episode's first step
+                gate = asyncio.Semaphore(8)
+
+                async def first(sid: str) -> None:
+                    async with gate:
+                        await step(await AsyncSandbox.connect(sid), "true", 0)
+                await asyncio.gather(*(first(s) for s in ids))
+            asyncio.run(first_steps())
+            time.sleep(args.settle)  # idle: frozen (and, in the idle arm, dormant)
+            row["idle"] = idle_cost(prefix, len(ids), args.window)
+            row["dormant_idle"] = dormant_count(home, ids)
+            row.update(asyncio.run(episodes(ids, warm_ids, args, prefix, failures)))
+            row["dormant_end"] = dormant_count(home, ids)
+            row["load_1m"] = round(os.getloadavg()[0], 1)
+    finally:
+        node.stop()
+        row["failures"] = len(failures)
+        row["failure_samples"] = failures[:5]
+        row["leaks"] = leaks(prefix, home)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sandboxes", type=int, default=16)
+    ap.add_argument("--warm", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--gap", type=lambda s: tuple(float(x) for x in s.split(",")),
+                    default=(5.0, 12.0))
+    ap.add_argument("--settle", type=float, default=15.0)
+    ap.add_argument("--window", type=float, default=10.0)
+    ap.add_argument("--arms", default="memory,idle")
+    ap.add_argument("--seed", type=int, default=27)
+    ap.add_argument("--name", default="episodes")
+    args = ap.parse_args()
+    rows = [one_arm(arm, args) for arm in args.arms.split(",")]
+    report(args, rows)
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> None:
+    lines = [f"## Agent episodes: {args.sandboxes} sandboxes, {args.steps} steps after think "
+             f"gaps of {args.gap[0]:g}-{args.gap[1]:g} s (issue 27)", "",
+             f"Beside them, {args.warm} always-awake sandboxes doing the same steps with no gap "
+             "(the warm floor, same run, same load). Arms: `memory` = envds sleep only when "
+             "the host needs the memory (the default); `idle` = envd sleeps after 5 s idle "
+             "(the previous default).", "",
+             "| arm | step after gap p50 / p99 / max ms | warm p50 / p99 ms | true p50 "
+             "| python p50 | file p50 | idle PSS MiB each | idle memfile MiB each "
+             "| idle CPU % of a core (all) "
+             "| PSS during MiB each | dormant idle / end | failures | load |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        g, w, i = r.get("after_gap", {}), r.get("warm", {}), r.get("idle", {})
+        lines.append(
+            f"| {r['arm']} | {g.get('p50_ms')} / {g.get('p99_ms')} / {g.get('max_ms')} "
+            f"| {w.get('p50_ms')} / {w.get('p99_ms')} "
+            f"| {r.get('after_gap_true', {}).get('p50_ms')} "
+            f"| {r.get('after_gap_python', {}).get('p50_ms')} "
+            f"| {r.get('after_gap_file', {}).get('p50_ms')} "
+            f"| {i.get('pss_MiB_per_sandbox')} | {i.get('memfile_MiB_per_sandbox')} "
+            f"| {i.get('idle_cpu_pct_all')} | {r.get('pss_MiB_per_sandbox_during')} "
+            f"| {r.get('dormant_idle')} / {r.get('dormant_end')} | {r['failures']} "
+            f"| {r.get('load_1m')} |")
+    lines += ["", "PSS: all runsc processes of the sandboxes' memory cgroups, each address "
+              "space once, per sandbox. memfile: the sentry's memory file (guest memory). "
+              "idle CPU: all sandboxes together over the idle window, % of one core.", ""]
+    write(args.name, {"args": {k: v for k, v in vars(args).items()}, "rows": rows},
+          "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
