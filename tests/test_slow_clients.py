@@ -207,3 +207,31 @@ def test_oversized_bodies_are_refused_before_they_are_read(node: Node) -> None:
             pass  # the server answered 413 and closed while we were still sending
     assert sent < 64 << 20, "the server read a 64 MiB body to its end"
     assert httpx.get(node.url + "/health").status_code == 200
+
+
+def test_a_kept_alive_connection_serves_the_request_after_a_think_gap(node: Node) -> None:
+    """An agent's next request comes after a gap longer than the head deadline (and
+    uvicorn's 5 s keep-alive): it is served on the connection its client pooled, not
+    lost to a close racing it (the e2b SDK keeps idle connections 300 s). A head
+    begun after the gap still gets only the head deadline."""
+    import socket
+
+    def get(sock: socket.socket) -> bytes:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: node\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < \
+                int(answer.lower().partition(b"content-length:")[2].split(b"\r\n")[0] or 0):
+            chunk = sock.recv(4096)
+            assert chunk, f"closed by the server after {answer!r}"
+            answer += chunk
+        return answer
+
+    with socket.create_connection(("127.0.0.1", node.port), timeout=30) as sock:
+        assert get(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(max(HEAD_TIMEOUT, 5) + 1.5)  # the think gap
+        assert get(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(HEAD_TIMEOUT + 1)
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # a head begun, never finished
+        t0 = time.monotonic()
+        assert sock.recv(1024) == b""
+        assert time.monotonic() - t0 < HEAD_TIMEOUT + 3

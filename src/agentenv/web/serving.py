@@ -4,9 +4,18 @@ uvicorn times out idle keep-alive connections but not a request whose head is
 still arriving: a client trickling header bytes (slowloris) holds its
 connection, and a file descriptor, for as long as it likes, and enough of them
 exhaust the node's descriptors for everyone. Here every request head must be
-complete within ``head_timeout`` seconds of the connection opening (or of the
-previous response), else the connection is closed. Request bodies get their
-own deadline in ``limits.BodyLimitMiddleware``.
+complete within ``head_timeout`` seconds of the connection opening, or of its first
+byte on a kept-alive connection, else the connection is closed. Request bodies get
+their own deadline in ``limits.BodyLimitMiddleware``.
+
+Idle keep-alive connections are kept longer than any client keeps them
+(``KEEP_ALIVE_S``): the e2b SDK pools idle connections 300 s (``E2B_KEEPALIVE_EXPIRY``),
+and an agent's next request comes after a think gap of seconds to minutes. A server
+that closes first races the client's next request on that connection, which is lost
+("connection error", "Server disconnected without sending a response"; seen after
+5 s gaps with uvicorn's 5 s default). Past ``CROWDED_CONNECTIONS`` open connections
+idle ones go after ``CROWDED_KEEP_ALIVE_S`` instead, so idle clients cannot hold the
+node's descriptors.
 """
 
 from __future__ import annotations
@@ -17,10 +26,15 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+KEEP_ALIVE_S = 310  # > the e2b SDK's 300 s pool idle timeout: the client closes first
+CROWDED_CONNECTIONS = 2048
+CROWDED_KEEP_ALIVE_S = 5  # uvicorn's default
+
 
 class _HeadDeadlineH11(H11Protocol):
     head_timeout: float = 10.0
     _head_deadline: asyncio.TimerHandle | None = None
+    _idle_between = False  # kept alive after a response, no byte of the next head yet
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -46,9 +60,23 @@ class _HeadDeadlineH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        # The next request on this connection, unless a pipelined one already started.
+        # The next request on this connection, unless a pipelined one already started:
+        # its head's deadline starts with its first byte (idle until then, as long as
+        # the keep-alive timeout allows).
         if not self.transport.is_closing() and self.cycle.response_complete:
+            self._waiting_cycle = self.cycle
+            self._idle_between = True
+            if len(self.server_state.connections) > CROWDED_CONNECTIONS and \
+                    self.timeout_keep_alive_task is not None:
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    CROWDED_KEEP_ALIVE_S, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        if self._idle_between:
+            self._idle_between = False
             self._arm_head_deadline()
+        super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
@@ -76,8 +104,8 @@ def server_options(head_timeout: float) -> dict[str, Any]:
     """uvicorn.run options for the node's API server."""
     return {
         "http": protocol_with_head_timeout(head_timeout),
-        # Idle keep-alive connections go after 5 s (uvicorn's default, said here).
-        "timeout_keep_alive": 5,
+        # Idle keep-alive connections outlive the clients' pools (see the module's doc).
+        "timeout_keep_alive": KEEP_ALIVE_S,
         # No limit_concurrency: it answers 503 to everyone once slow clients hold
         # that many connections, which is exactly the starvation to avoid.
     }
