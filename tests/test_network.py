@@ -105,11 +105,27 @@ class Procs:
             proc.wait()
 
 
+def loop_and_uplink(uplink: str) -> list[socket.socket]:
+    """Servers on 127.0.0.1 and on the slot's uplink address at one port (port 0 for
+    the first, the same for the second; another port if someone holds that one)."""
+    for _ in range(20):
+        loop = host_server("127.0.0.1", 0, "LOOP")
+        try:
+            return [loop, host_server(uplink, loop.getsockname()[1], "UPLINK")]
+        except OSError:
+            loop.close()
+    raise AssertionError("no port free on both addresses")
+
+
 def host_server(host: str, port: int, tag: str) -> socket.socket:
     """A server in the test process (root netns); closed by the caller."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((host, port))
+    try:
+        srv.bind((host, port))
+    except OSError:
+        srv.close()
+        raise
     srv.listen(64)
 
     def loop() -> None:
@@ -257,12 +273,10 @@ async def test_topology_inbound_and_isolation(pool: SlotPool, procs: Procs) -> N
     assert await fetch(a.address, port) == "A"
     assert await fetch(b.address, port) == "B"
 
-    hport, lport = free_port(), free_port()
-    servers = [
-        host_server("0.0.0.0", hport, "HOST"),
-        host_server("127.0.0.1", lport, "LOOP"),
-        host_server(a.host_ip, lport, "UPLINK"),
-    ]
+    # Host servers are bound to port 0 and their ports read back: a number chosen
+    # first and bound later may be taken meanwhile by another test worker.
+    servers = [host_server("0.0.0.0", 0, "HOST"), *loop_and_uplink(a.host_ip)]
+    hport, lport = (srv.getsockname()[1] for srv in servers[:2])
     try:
         res = await probe_from(
             a.netns,
