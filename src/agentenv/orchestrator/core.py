@@ -329,15 +329,20 @@ class ManagerCore:
             files=files, start_command=start_command, purpose=purpose, slot=slot,
             on_started=lambda: setattr(record, "booted_at", time.time()))
 
-    @staticmethod
-    def _envd_init(record: SandboxRecord, template: Template, current_token: str = "",
+    def _envd_init(self, record: SandboxRecord, template: Template, current_token: str = "",
                    new_boot: bool = False) -> EnvdInit:
-        """What envd is told for this record: its token, env vars, the template's user,
-        and for a new boot (a create, not a fork or a resume) a boot ID of its own."""
+        """What envd is told for this record: its token, env vars, the template's user
+        and file access, and for a new boot (a create, not a fork or a resume) a boot
+        ID of its own."""
         return EnvdInit(record.envd_token, record.env_vars,
                         default_user=template.default_user or "user",
                         default_workdir=template.default_workdir, current_token=current_token,
-                        boot_id=str(uuid.uuid4()) if new_boot else "")
+                        boot_id=str(uuid.uuid4()) if new_boot else "",
+                        file_access=self.file_access(template))
+
+    def file_access(self, template: Template) -> str:
+        """envd's file access for ``template``'s sandboxes: its own, else the node's."""
+        return template.file_access or self.config.envd_file_access
 
     async def _bring_up(self, record: SandboxRecord, plan: LaunchPlan) -> SandboxRecord:
         """Launch a ``creating`` record's sandbox; it holds the slot and runs after.

@@ -192,7 +192,8 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
             await self.envd.init(member.slot.address, init.token, dict(init.env_vars),
                                  default_user=init.default_user,
                                  default_workdir=init.default_workdir,
-                                 current_token=init.current_token, boot_id=init.boot_id)
+                                 current_token=init.current_token, boot_id=init.boot_id,
+                                 file_access=init.file_access)
             record.ready_at = time.time()
             self._transition(record, SandboxState.RUNNING)
         except Exception as exc:
