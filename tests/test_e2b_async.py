@@ -4,11 +4,47 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from e2b import AsyncSandbox, CommandExitException, SandboxQuery, TimeoutException
 from e2b_code_interpreter import AsyncSandbox as AsyncCodeSandbox
 
 from agentenv.testing import Node
+
+
+async def test_kill_sandbox_while_command_is_running(node: Node) -> None:
+    """E2B's own test, async (tests/async/.../test_sandbox_killed_during_run.py)."""
+    sbx = await AsyncSandbox.create(template="base", timeout=60)
+    cmd = await sbx.commands.run("sleep 60", background=True)
+    await sbx.kill()
+    with pytest.raises(TimeoutException) as exc_info:
+        await cmd.wait()
+    assert "sandbox was killed or reached its end of life" in str(exc_info.value)
+
+
+async def test_from_the_moment_a_kill_starts_health_is_502_not_found(node: Node) -> None:
+    """The window of that race: once a kill has started (here behind a snapshot that
+    holds the sandbox a while), envd's /health through the proxy is the 502 "was not
+    found" that tells the SDK the sandbox is gone: never a relay to the envd being
+    torn down ("did not answer") nor "not running"."""
+    sbx = await AsyncSandbox.create(template="base", timeout=60)
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    async with httpx.AsyncClient(base_url=node.url, headers=headers, timeout=30) as client, \
+            httpx.AsyncClient(base_url=node.url, headers={"X-API-Key": node.api_key},
+                              timeout=60) as api:
+        assert (await client.get("/health")).status_code in (200, 204)
+        snap = asyncio.create_task(api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots"))
+        kill = asyncio.create_task(sbx.kill())
+        answers: list[tuple[int, str]] = []
+        while not kill.done():
+            r = await client.get("/health")
+            answers.append((r.status_code, r.text if r.status_code >= 300 else ""))
+        await kill
+        await snap
+    failed = [a for a in answers if a[0] >= 300]
+    assert failed, answers  # some came while the kill was under way
+    assert all(code == 502 and "was not found" in text for code, text in failed), answers
+    assert all(a[0] >= 300 for a in answers[answers.index(failed[0]):]), answers
 
 
 async def test_async_sandbox_main_paths(node: Node) -> None:

@@ -98,6 +98,10 @@ class ManagerCore:
         self._auto_resumes: dict[str, asyncio.Task] = {}
         # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
         self._exits = ExitHandler(self._runtime_exited)
+        # Sandboxes a kill has started on: from that moment they have no endpoint, so
+        # the proxy answers E2B's 502 "was not found" (the SDK's /health probe after a
+        # cut stream then says the sandbox was killed), not "not running" or a hang.
+        self._killing: set[str] = set()
         # Called with a sandbox ID once it is gone (the proxy drops its connections).
         self.on_removed: list[Callable[[str], None]] = []
         # Awaited with a sandbox ID before its running state is captured (snapshot,
@@ -173,6 +177,8 @@ class ManagerCore:
         """Where the node reaches ``port`` inside a running sandbox (thawed: whoever
         asks is about to talk to it; requests that last use ``awake``)."""
         record = self.get(sandbox_id)
+        if sandbox_id in self._killing or record.state is SandboxState.KILLED:
+            raise NotFound(f"sandbox '{sandbox_id}' is being killed")
         if record.state is not SandboxState.RUNNING or record.error:
             raise not_running(record)
         self.freezer.touch(sandbox_id)

@@ -354,6 +354,13 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
 
     @observed("delete")
     async def kill(self, sandbox_id: str) -> None:
+        self._killing.add(sandbox_id)  # before the lock: a pause may hold it a while
+        try:
+            await self._kill(sandbox_id)
+        finally:
+            self._killing.discard(sandbox_id)
+
+    async def _kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is SandboxState.CREATING:
