@@ -22,29 +22,33 @@ async def test_kill_sandbox_while_command_is_running(node: Node) -> None:
     assert "sandbox was killed or reached its end of life" in str(exc_info.value)
 
 
-async def test_from_the_moment_a_kill_starts_health_is_502_not_found(node: Node) -> None:
-    """The window of that race: once a kill has started (here behind a snapshot that
-    holds the sandbox a while), envd's /health through the proxy is the 502 "was not
-    found" that tells the SDK the sandbox is gone: never a relay to the envd being
-    torn down ("did not answer") nor "not running"."""
+HANGS = ("python3 -c \"import socket, time\ns = socket.socket()\n"
+         "s.bind(('0.0.0.0', 8000)); s.listen()\nc, _ = s.accept()\n"
+         "print('accepted', flush=True); time.sleep(600)\"")
+
+
+async def test_a_request_a_kill_cuts_is_answered_502_not_found(node: Node) -> None:
+    """The race's other half: a request relayed before the kill began and cut by it
+    (a command's stream; here a server that never answers) is answered as every
+    request after the kill: the 502 "was not found" the SDK reads as killed, not
+    "did not answer" or "port is not open" (which it reports as unreachable)."""
     sbx = await AsyncSandbox.create(template="base", timeout=60)
-    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
-    async with httpx.AsyncClient(base_url=node.url, headers=headers, timeout=30) as client, \
-            httpx.AsyncClient(base_url=node.url, headers={"X-API-Key": node.api_key},
-                              timeout=60) as api:
-        assert (await client.get("/health")).status_code in (200, 204)
-        snap = asyncio.create_task(api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots"))
-        kill = asyncio.create_task(sbx.kill())
-        answers: list[tuple[int, str]] = []
-        while not kill.done():
-            r = await client.get("/health")
-            answers.append((r.status_code, r.text if r.status_code >= 300 else ""))
-        await kill
-        await snap
-    failed = [a for a in answers if a[0] >= 300]
-    assert failed, answers  # some came while the kill was under way
-    assert all(code == 502 and "was not found" in text for code, text in failed), answers
-    assert all(a[0] >= 300 for a in answers[answers.index(failed[0]):]), answers
+    accepted = asyncio.Event()
+    await sbx.commands.run(HANGS, background=True, on_stdout=lambda _: accepted.set())
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+    async with httpx.AsyncClient(base_url=node.url, headers=headers, timeout=60) as client:
+        pending = None
+        for _ in range(100):  # until the server listens and takes the request
+            pending = asyncio.create_task(client.get("/hangs"))
+            done, _ = await asyncio.wait([pending], timeout=0.2)
+            if not done or accepted.is_set():
+                break
+        await asyncio.wait_for(accepted.wait(), 30)
+        await sbx.kill()
+        r = await pending
+        health = await client.get("/health", headers={"E2b-Sandbox-Port": "49983"})
+    assert r.status_code == 502 and "was not found" in r.json()["message"], r.text
+    assert health.status_code == 502 and "was not found" in health.json()["message"]
 
 
 async def test_async_sandbox_main_paths(node: Node) -> None:
