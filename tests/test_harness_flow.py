@@ -17,6 +17,9 @@ from e2b import Sandbox, Template
 
 from agentenv.testing import Node
 
+# A task's Dockerfile as harnesses ship them: FROM (here the base template), a
+# WORKDIR, no USER line.
+DOCKERFILE = "FROM base\nWORKDIR /app\nRUN echo task > /app/TASK\n"
 SOLVE = "#!/bin/sh\nset -e\nmkdir -p /app/out\necho 42 > /app/out/answer.txt\necho solved\n"
 TEST = ("#!/bin/sh\nmkdir -p /logs/verifier\n"
         "if [ \"$(cat /app/out/answer.txt)\" = 42 ]; then r=1; else r=0; fi\n"
@@ -26,10 +29,8 @@ TEST = ("#!/bin/sh\nmkdir -p /logs/verifier\n"
 
 @pytest.fixture(scope="module")
 def task_template(node: Node):
-    # The Dockerfile's "FROM base" and "WORKDIR /app": no USER, so the default user stays.
     name = f"harness-{uuid.uuid4().hex[:8]}"
-    Template.build(Template().from_template("base").set_workdir("/app")
-                   .run_cmd("echo task > /app/TASK", user="root"), name)
+    Template.build(Template().from_dockerfile(DOCKERFILE), name)
     yield name
     with httpx.Client(base_url=node.url, headers={"X-API-Key": node.api_key}) as api:
         api.delete(f"/templates/{name}")
@@ -42,7 +43,7 @@ def _run_as_root(sbx: Sandbox, cmd: str) -> str:
 def test_harness_uploads_runs_as_root_downloads_and_kills(task_template: str) -> None:
     sbx = Sandbox.create(task_template, timeout=300)
     try:
-        assert sbx.commands.run("pwd").stdout == "/app\n"
+        assert sbx.commands.run("pwd; cat TASK").stdout == "/app\ntask\n"
         sbx.files.write("/solution/solve.sh", SOLVE)  # the default user, no USER line
         sbx.files.write("/tests/test.sh", TEST)
         assert _run_as_root(sbx, "mkdir -p /logs && sh /solution/solve.sh > /logs/agent.log"
