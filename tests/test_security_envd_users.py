@@ -20,6 +20,7 @@ import httpx
 import pytest
 from e2b import AsyncSandbox, Sandbox
 from e2b.exceptions import InvalidArgumentException, RateLimitException, SandboxException
+from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from agentenv.testing import Node
 from agentenv.testing.nodes import SHARED_HOME
@@ -124,6 +125,20 @@ def test_sdk_multi_file_write_still_works(sbx: Sandbox) -> None:
                                {"path": "/etc/profile.d/zz-evil.sh", "data": "x"}],
                               user="user")
     assert not _exists(sbx, "/etc/profile.d/zz-evil.sh")
+
+
+def test_strict_writes_report_e2b_events_and_keep_the_group(sbx: Sandbox) -> None:
+    """The strict mode's write gives the events E2B's does (CREATE, CHMOD, WRITE: the
+    worker chowns a new file to its own uid) and leaves a setgid directory's group."""
+    _root(sbx, "mkdir -p /srv/shared && chgrp users /srv/shared && chmod 2777 /srv/shared")
+    handle = sbx.files.watch_dir("/srv/shared", user="user")
+    try:
+        sbx.files.write("/srv/shared/f.txt", "x", user="user")
+        assert [e.type for e in handle.get_new_events()] == [
+            FilesystemEventType.CREATE, FilesystemEventType.CHMOD, FilesystemEventType.WRITE]
+    finally:
+        handle.stop()
+    assert _root(sbx, "stat -c '%U %G' /srv/shared/f.txt").strip() == "user users"
 
 
 # -- finding 5: file operations as the requested user -----------------------------------

@@ -323,8 +323,8 @@ class WorkerServer:
         try:
             if not st.S_ISREG(os.fstat(fd).st_mode):
                 raise Refused("not_regular")
-            if not existed:
-                os.fchown(fd, *(who or (os.geteuid(), os.getegid())))
+            if not existed:  # (strict: the owner set to itself, the group left alone)
+                os.fchown(fd, *(who or (os.geteuid(), -1)))
             os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)
