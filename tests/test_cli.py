@@ -210,6 +210,18 @@ def test_reset_to_the_last_or_a_named_snapshot(cli_env, sid: str) -> None:
         r = aenv(cli_env, "reset", sid, "no-such-snapshot", check=False)
         assert r.returncode == 1 and "no snapshot matches 'no-such-snapshot'" in r.stderr
         assert "Traceback" not in r.stderr
+        # A reset is an event of the sandbox, not a new parent: template -> sandbox ->
+        # its snapshot, each once, and no cycle down to the depth limit.
+        tree = aenv(cli_env, "snapshot", "tree", "cli-reset").stdout
+        lines = [ln for ln in tree.splitlines() if ln.strip()]
+        assert len(lines) == 3, tree
+        assert "template base" in lines[0] and f"sandbox {sid}" in lines[1], tree
+        assert "reset 2x, last to " + snap in lines[1] and f"snapshot {snap}" in lines[2], tree
+        data = json.loads(aenv(cli_env, "snapshot", "tree", "cli-reset", "--json").stdout)
+        assert [(a["kind"], a["id"]) for a in data["ancestors"]] == [
+            ("template", "base"), ("sandbox", sid)]
+        assert data["tree"]["children"] == []
+        assert [e["snapshotID"] for e in data["ancestors"][1]["resets"]] == [snap, snap]
     finally:
         aenv(cli_env, "snapshot", "rm", snap)
 

@@ -4,11 +4,51 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from e2b import AsyncSandbox, CommandExitException, SandboxQuery, TimeoutException
 from e2b_code_interpreter import AsyncSandbox as AsyncCodeSandbox
 
 from agentenv.testing import Node
+
+
+async def test_kill_sandbox_while_command_is_running(node: Node) -> None:
+    """E2B's own test, async (tests/async/.../test_sandbox_killed_during_run.py)."""
+    sbx = await AsyncSandbox.create(template="base", timeout=60)
+    cmd = await sbx.commands.run("sleep 60", background=True)
+    await sbx.kill()
+    with pytest.raises(TimeoutException) as exc_info:
+        await cmd.wait()
+    assert "sandbox was killed or reached its end of life" in str(exc_info.value)
+
+
+HANGS = ("python3 -c \"import socket, time\ns = socket.socket()\n"
+         "s.bind(('0.0.0.0', 8000)); s.listen()\nc, _ = s.accept()\n"
+         "print('accepted', flush=True); time.sleep(600)\"")
+
+
+async def test_a_request_a_kill_cuts_is_answered_502_not_found(node: Node) -> None:
+    """The race's other half: a request relayed before the kill began and cut by it
+    (a command's stream; here a server that never answers) is answered as every
+    request after the kill: the 502 "was not found" the SDK reads as killed, not
+    "did not answer" or "port is not open" (which it reports as unreachable)."""
+    sbx = await AsyncSandbox.create(template="base", timeout=60)
+    accepted = asyncio.Event()
+    await sbx.commands.run(HANGS, background=True, on_stdout=lambda _: accepted.set())
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+    async with httpx.AsyncClient(base_url=node.url, headers=headers, timeout=60) as client:
+        pending = None
+        for _ in range(100):  # until the server listens and takes the request
+            pending = asyncio.create_task(client.get("/hangs"))
+            done, _ = await asyncio.wait([pending], timeout=0.2)
+            if not done or accepted.is_set():
+                break
+        await asyncio.wait_for(accepted.wait(), 30)
+        await sbx.kill()
+        r = await pending
+        health = await client.get("/health", headers={"E2b-Sandbox-Port": "49983"})
+    assert r.status_code == 502 and "was not found" in r.json()["message"], r.text
+    assert health.status_code == 502 and "was not found" in health.json()["message"]
 
 
 async def test_async_sandbox_main_paths(node: Node) -> None:

@@ -231,14 +231,15 @@ def test_large_file_streams_through_the_node(node: Node, sbx: Sandbox) -> None:
 
 
 def test_removing_a_missing_path_is_a_no_op(sbx: Sandbox) -> None:
-    """Issue 14.7: as E2B's envd (rm -rf): no FileNotFoundException, and a parent the
-    user may not enter is still an error, not silently ignored."""
+    """Issue 14.7: as E2B's envd (rm -rf): no FileNotFoundException. And as root, as
+    E2B's Remove (services/filesystem/remove.go, os.RemoveAll) is: a file in a
+    directory the user may not enter goes too (the strict mode refuses it:
+    test_security_envd_users)."""
     sbx.files.remove("/home/user/never-was-here.txt")
     sbx.files.remove("/home/user/no/such/dir")
     sbx.commands.run("mkdir -p /root/closed && touch /root/closed/f", user="root")
-    with pytest.raises(Exception, match=r"(?i)permission"):
-        sbx.files.remove("/root/closed/f", user="user")
-    assert sbx.files.exists("/root/closed/f", user="root")
+    sbx.files.remove("/root/closed/f", user="user")
+    assert not sbx.files.exists("/root/closed/f", user="root")
 
 
 def test_signed_upload_edge_cases_as_e2b(sbx: Sandbox) -> None:
@@ -299,3 +300,65 @@ def test_read_of_proc_files_returns_their_content(node: Node, sbx: Sandbox) -> N
     # Through a signed URL too (the same GET /files).
     r = httpx.get(sbx.download_url("/proc/uptime"), timeout=60)
     assert r.status_code == 200 and len(r.text.split()) == 2, r.text
+
+
+# -- writes as E2B's envd does them (issue 33, item 1) ----------------------------------
+def _stat(sbx: Sandbox, path: str) -> str:
+    return sbx.commands.run(f"stat -c '%U %a' {path}", user="root").stdout.strip()
+
+
+def test_default_user_writes_where_root_owns_the_tree(sbx: Sandbox) -> None:
+    """E2B's envd writes as root: each missing parent is made 0755 and chowned to the
+    user (permissions.EnsureDirs), an existing file is chowned to the user before it
+    is truncated (api/upload.go processFile); MakeDir and Move ensure theirs alike."""
+    sbx.files.write("/solution/solve.sh", "#!/bin/sh\necho solved\n")
+    assert _stat(sbx, "/solution") == "user 755"
+    assert _stat(sbx, "/solution/solve.sh") == "user 644"
+    # a file root wrote (a command's log), uploaded over as the default user
+    sbx.commands.run("mkdir -p /logs && echo root > /logs/out.txt && chmod 600 /logs/out.txt",
+                     user="root")
+    sbx.files.write("/logs/out.txt", "user\n")
+    assert sbx.files.read("/logs/out.txt") == "user\n"
+    assert _stat(sbx, "/logs/out.txt") == "user 600"
+    # ... and read back as E2B does (as root) though the user's shell may not
+    sbx.commands.run("echo secret > /logs/root.txt && chmod 600 /logs/root.txt", user="root")
+    assert sbx.files.read("/logs/root.txt") == "secret\n"
+    # E2B's JS test "write multiple files" writes to /0/multi_test_file0.txt
+    infos = sbx.files.write_files([{"path": f"/0/multi_test_file{i}.txt", "data": str(i)}
+                                   for i in range(2)])
+    assert [i.path for i in infos] == ["/0/multi_test_file0.txt", "/0/multi_test_file1.txt"]
+    assert _stat(sbx, "/0") == "user 755"
+    assert sbx.files.make_dir("/opt/made/deep")
+    assert _stat(sbx, "/opt/made") == "user 755" and _stat(sbx, "/opt") == "root 755"
+    sbx.files.rename("/solution/solve.sh", "/srv/moved/solve.sh")
+    assert _stat(sbx, "/srv/moved") == "user 755"
+    assert sbx.commands.run("sh /srv/moved/solve.sh", user="root").stdout == "solved\n"
+
+
+def test_a_write_reports_create_chmod_write_every_time(sbx: Sandbox) -> None:
+    """E2B's test_watch_iterated: three events right after one write into a watched
+    directory. Its envd creates (CREATE), chowns (CHMOD), then writes (WRITE)."""
+    sbx.files.make_dir("/home/user/watch3")
+    handle = sbx.files.watch_dir("/home/user/watch3")
+    try:
+        for i in range(8):
+            sbx.files.write(f"/home/user/watch3/f{i}.txt", "x" * (1 + 300_000 * (i % 2)))
+            got = [(e.type, e.name) for e in handle.get_new_events()]
+            assert got == [(t, f"f{i}.txt") for t in (
+                FilesystemEventType.CREATE, FilesystemEventType.CHMOD,
+                FilesystemEventType.WRITE)], (i, got)
+        sbx.files.write("/home/user/watch3/f0.txt", "again")  # over an existing file
+        got = [(e.type, e.name) for e in handle.get_new_events()]
+        assert got == [(FilesystemEventType.CHMOD, "f0.txt"),
+                       (FilesystemEventType.WRITE, "f0.txt")], got
+    finally:
+        handle.stop()
+    entry_handle = sbx.files.watch_dir("/home/user/watch3", include_entry=True)
+    try:
+        sbx.files.write("/home/user/watch3/f1.txt", "modified")
+        writes = [e for e in entry_handle.get_new_events()
+                  if e.type == FilesystemEventType.WRITE]
+        assert len(writes) == 1 and writes[0].entry is not None
+        assert writes[0].entry.path == "/home/user/watch3/f1.txt"
+    finally:
+        entry_handle.stop()

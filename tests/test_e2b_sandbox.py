@@ -18,6 +18,7 @@ from e2b import (
     SandboxNotFoundException,
     SandboxQuery,
     SandboxState,
+    TimeoutException,
 )
 
 from agentenv.testing import Node
@@ -101,6 +102,18 @@ def test_get_info_class_and_instance(sbx: Sandbox) -> None:
     assert a.sandbox_id == b.sandbox_id == sbx.sandbox_id
     assert b.metadata == {"suite": "sandbox"}
     assert isinstance(b.started_at, datetime)
+
+
+def test_kill_sandbox_while_command_is_running(node: Node) -> None:
+    """E2B's own test (tests/sync/.../test_sandbox_killed_during_run.py): the kill cuts
+    the command's stream, the SDK probes envd's /health through the proxy, gets a 502
+    "was not found" and says the sandbox is gone (a TimeoutException)."""
+    sandbox = Sandbox.create(template="base", timeout=60)
+    cmd = sandbox.commands.run("sleep 60", background=True)
+    sandbox.kill()
+    with pytest.raises(TimeoutException) as exc_info:
+        cmd.wait()
+    assert "sandbox was killed or reached its end of life" in str(exc_info.value)
 
 
 def test_kill_and_is_running(node: Node) -> None:

@@ -281,3 +281,28 @@ async def test_a_paused_sandbox_whose_reset_fails_stays_paused(node: Node) -> No
     assert record.state is SandboxState.PAUSED and node.clean()
     await mgr.reset(record.sandbox_id, ttl=60)
     assert record.state is SandboxState.RUNNING and record.slot_index
+
+
+async def test_a_sandbox_being_killed_has_no_endpoint_from_the_start(node: Node) -> None:
+    """A kill waiting for the sandbox's lock (a pause or snapshot holds it) already
+    hides its endpoint: the proxy answers E2B's 502 "was not found" from then on, which
+    the SDK reads as killed (issue 33, item 3). envd is told the node's file access."""
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid = record.sandbox_id
+    assert node.envd.inits[record.slot_address]["file_access"] == "root"
+    async with mgr._lock(sid):  # what a pause or snapshot in progress holds
+        kill = asyncio.create_task(mgr.kill(sid))
+        hidden = False
+        for _ in range(100):  # the loop's turns until the kill has started
+            await asyncio.sleep(0)
+            try:
+                mgr.endpoint(sid, 49983)
+            except NotFound:
+                hidden = True
+                break
+        assert hidden and not kill.done()  # it waits for the lock, the endpoint is gone
+        assert mgr.get(sid).state is SandboxState.RUNNING  # still there, not yet killed
+    await kill
+    with pytest.raises(NotFound):
+        mgr.endpoint(sid, 49983)

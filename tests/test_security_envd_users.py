@@ -1,4 +1,6 @@
-"""envd acts for the user a request names (issue 12, findings 4, 5 and 7d).
+"""envd's strict file access acts for the user a request names (issue 12, findings 4,
+5 and 7d), in a template that opts in ("fileAccess": "user" in its template.json; by
+default envd writes as root and chowns to the user, as E2B's does: test_e2b_files).
 
 Every attack goes through a real node and a real runsc sandbox, with the e2b SDK
 or a plain HTTP client holding nothing but what the attacker would hold.
@@ -11,23 +13,40 @@ or a plain HTTP client holding nothing but what the attacker would hold.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import pytest
 from e2b import AsyncSandbox, Sandbox
 from e2b.exceptions import InvalidArgumentException, RateLimitException, SandboxException
+from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from agentenv.testing import Node
+from agentenv.testing.nodes import SHARED_HOME
 
+STRICT = "base-strict"
 ROOT_SECRET = "root secret\n"
 MAX_WATCHERS = 128  # envd.filesystem.MAX_WATCHERS
 DENIED = r"(?i)permission denied"
 
 
+def strict_template(node: Node) -> str:
+    """``base`` with the strict file access: a template of the node's own, on the same
+    rootfs."""
+    directory = node.home / "templates" / STRICT
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / "rootfs").exists():
+        (directory / "rootfs").symlink_to(SHARED_HOME / "images" / "templates" / "base" / "rootfs")
+    (directory / "template.json").write_text(json.dumps(
+        {"templateID": STRICT, "aliases": [STRICT], "cpuCount": 2, "memoryMB": 512,
+         "buildID": "strict-1", "fileAccess": "user"}))
+    return STRICT
+
+
 @pytest.fixture(scope="module")
 def sbx(node: Node):
-    sandbox = Sandbox.create(template="base", timeout=600)
+    sandbox = Sandbox.create(template=strict_template(node), timeout=600)
     yield sandbox
     sandbox.kill()
 
@@ -106,6 +125,20 @@ def test_sdk_multi_file_write_still_works(sbx: Sandbox) -> None:
                                {"path": "/etc/profile.d/zz-evil.sh", "data": "x"}],
                               user="user")
     assert not _exists(sbx, "/etc/profile.d/zz-evil.sh")
+
+
+def test_strict_writes_report_e2b_events_and_keep_the_group(sbx: Sandbox) -> None:
+    """The strict mode's write gives the events E2B's does (CREATE, CHMOD, WRITE: the
+    worker chowns a new file to its own uid) and leaves a setgid directory's group."""
+    _root(sbx, "mkdir -p /srv/shared && chgrp users /srv/shared && chmod 2777 /srv/shared")
+    handle = sbx.files.watch_dir("/srv/shared", user="user")
+    try:
+        sbx.files.write("/srv/shared/f.txt", "x", user="user")
+        assert [e.type for e in handle.get_new_events()] == [
+            FilesystemEventType.CREATE, FilesystemEventType.CHMOD, FilesystemEventType.WRITE]
+    finally:
+        handle.stop()
+    assert _root(sbx, "stat -c '%U %G' /srv/shared/f.txt").strip() == "user users"
 
 
 # -- finding 5: file operations as the requested user -----------------------------------
@@ -274,7 +307,7 @@ def test_small_file_ops_stay_fast(sbx: Sandbox) -> None:
 def test_file_workers_survive_pause_and_resume(node: Node) -> None:
     """envd's per-user file workers are processes in the checkpoint: after a resume
     the user's file operations work, and are still the user's."""
-    sbx = Sandbox.create(template="base", timeout=300)
+    sbx = Sandbox.create(template=strict_template(node), timeout=300)
     try:
         sbx.files.write("/home/user/before.txt", "kept", user="user")  # a worker is up
         sbx.pause()
@@ -291,7 +324,7 @@ def test_file_workers_survive_pause_and_resume(node: Node) -> None:
 def test_fifo_planted_by_the_user_does_not_hang_envd(node: Node) -> None:
     """Opening a FIFO blocks until the other end opens: envd must not wait on it (a
     download or upload of one would otherwise stop envd's whole event loop)."""
-    sbx = Sandbox.create(template="base", timeout=300)
+    sbx = Sandbox.create(template=strict_template(node), timeout=300)
     try:
         sbx.commands.run("mkfifo /home/user/pipe")
         t0 = time.monotonic()
@@ -327,7 +360,7 @@ except PermissionError:
 
 
 def test_an_idle_sandbox_runs_envd_alone_and_a_file_worker_is_sealed(node: Node) -> None:
-    sandbox = Sandbox.create(template="base", timeout=120)
+    sandbox = Sandbox.create(template=strict_template(node), timeout=120)
     try:
         # Fresh: envd (pid 1) and nothing else of its own (no start-up zygote, which
         # held ~12 MiB of every idle sandbox's memory).

@@ -131,6 +131,11 @@ class Config:
     # layer: a sandbox starts once the indexes are here, file contents arrive on first
     # read into the bounded cache). docs/lazy-images.md.
     image_loading: str = "unpack"
+    # How envd's file operations act for a request's user, unless a template's
+    # template.json says ("fileAccess"): "root" as E2B's envd (as root; what is created
+    # is chowned to the user) or "user" (strict: with the user's own rights; for
+    # templates whose user has no sudo). docs/security.md, "File operations".
+    envd_file_access: str = "root"
     # Pulled images: unpacked layers live here (default <home>/cache/images).
     image_cache_dir: Path | None = None
     # One budget for the node-local cache: image layers and materialized snapshots
@@ -312,6 +317,8 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         cfg.domain = f"localhost:{cfg.port}"
     if cfg.net_pool_low > cfg.net_pool_high:
         raise ConfigError("net_pool_low must not exceed net_pool_high")
+    if cfg.envd_file_access not in ("root", "user"):
+        raise ConfigError("envd_file_access must be 'root' or 'user'")
     if cfg.image_loading not in ("unpack", "lazy"):
         raise ConfigError("image_loading must be 'unpack' or 'lazy'")
     for name, low in (("max_cpu_count", MIN_CPU_COUNT), ("max_memory_mb", MIN_MEMORY_MB),

@@ -222,6 +222,17 @@ class SandboxProxy:
             return False
         return True
 
+    def _killed(self, sandbox_id: str) -> bool:
+        """The sandbox is gone or being killed (the SDK's /health probe after a cut
+        stream must read "was not found" to say the sandbox was killed)."""
+        try:
+            self.sandboxes.endpoint(sandbox_id, ENVD_PORT)
+        except NotFound:
+            return True
+        except Conflict:
+            return False
+        return False
+
     def _traffic_allowed(self, scope: Scope, record: SandboxRecord, port: int) -> bool:
         # envd checks its own access token; the traffic token is for user ports.
         if port == ENVD_PORT or not record.traffic_token:
@@ -245,11 +256,15 @@ class SandboxProxy:
         try:
             await relay_http(client, scope, receive, send, url, headers,
                              f"sandbox {sandbox_id}")
-        except httpx.ConnectError:
-            await send_error(scope, send, 502,
-                             f"The sandbox {sandbox_id} is running but port is not open: "
-                             f"{url.port}")
         except httpx.HTTPError as exc:
+            if self._killed(sandbox_id):  # cut by a kill: say so, as for any later request
+                await send_error(scope, send, 502, f"The sandbox {sandbox_id} was not found",
+                                 sandbox_id)
+                return
+            if isinstance(exc, httpx.ConnectError):
+                await send_error(scope, send, 502, f"The sandbox {sandbox_id} is running but "
+                                                   f"port is not open: {url.port}")
+                return
             # Rare and worth seeing: the cause is in the exception's type.
             log.warning("proxy to port %s of %s failed: %r", url.port, sandbox_id, exc)
             await send_error(scope, send, 502, f"The sandbox {sandbox_id} did not answer: "

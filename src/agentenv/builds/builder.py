@@ -440,6 +440,8 @@ class TemplateBuilder:
             "fromImage": spec.get("fromImage") or "", "fromTemplate": spec.get("fromTemplate")
             or "", "createdAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
+        if base.file_access:  # a strict base's children are strict (docs/security.md)
+            meta["fileAccess"] = base.file_access
         # An image's rootfs is its mounted layers (found again by the image block);
         # any other is a directory.
         if isinstance(base_meta.get("image"), dict):

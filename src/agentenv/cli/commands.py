@@ -387,7 +387,7 @@ def snapshot_tree(
     as_json: JsonOpt = False,
 ) -> None:
     """Snapshot lineage: template -> sandboxes -> snapshots -> sandboxes made from them
-    (forks, creates, resets) -> their snapshots."""
+    (forks, creates) -> their snapshots; a sandbox's resets are shown on its line."""
     with Client() as c:
         if snapshot is None:
             data = c.json("GET", "/lineage")

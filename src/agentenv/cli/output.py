@@ -91,7 +91,10 @@ def _lineage_label(node: dict) -> str:
     if kind == "template":
         return f"template {ident}"
     if kind == "sandbox":
-        return f"sandbox {ident} ({node.get('state', '?')})"
+        resets = node.get("resets") or []
+        last = f", reset {len(resets)}x, last to {resets[-1]['snapshotID']} " \
+               f"{ago(resets[-1].get('at'))}" if resets else ""
+        return f"sandbox {ident} ({node.get('state', '?')}){last}"
     what = "pause" if node.get("snapshotKind") == "pause" else "snapshot"
     name = f" {node['name']}" if node.get("name") else ""
     return f"{what} {ident}{name}, {size(node.get('bytes'))}, {ago(node.get('createdAt'))}"

@@ -1,9 +1,10 @@
 """E2B's plain HTTP ``/files`` endpoint: download, and upload (raw, gzip, multipart).
 
-Every file is opened by the requesting user's file worker (see userfs), so the
-kernel checks the path, symlinks included, with the user's rights; the bytes
-then stream here. Requests are authorized by the caller (access token) or by
-E2B's signed-URL parameters (``signature_ok``).
+Every file is opened by a file worker (see userfs): by default a root one that
+chowns what it creates to the requesting user, as E2B's envd does; in the strict
+mode the user's own, so the kernel checks the path, symlinks included, with the
+user's rights. The bytes then stream here. Requests are authorized by the caller
+(access token) or by E2B's signed-URL parameters (``signature_ok``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from . import file_metadata
 from .asgi import HTTPError, body_chunks, header, send_json
 from .protocol import file_signature
 from .state import PathError, State, User, UserError, resolve_path
-from .userfs import UserFS, user_key
+from .userfs import UserFS, fs_key, owner
 from .userfs_protocol import Refused, WorkerGone
 
 FILE_CHUNK = 256 * 1024
@@ -46,11 +47,14 @@ def _io_error(e: OSError, path: str) -> HTTPError:
     return HTTPError(500, f"{e.strerror or e}: '{path}'")
 
 
-async def open_as_user(userfs: UserFS, user: User, op: str, path: str) -> int:
-    """A descriptor of ``path`` opened by the user's file worker (``op``: open_read or
-    open_write), or the HTTP error a client is told."""
+async def open_as_user(userfs: UserFS, state: State, user: User, op: str, path: str) -> int:
+    """A descriptor of ``path`` opened for ``user`` by a file worker (``op``: open_read
+    or open_write; see userfs.fs_key), or the HTTP error a client is told."""
+    args: dict[str, Any] = {}
+    if op == "open_write" and state.file_access == "root":
+        args["owner"] = owner(user)
     try:
-        _, fds = await userfs.call(user_key(user), op, path=path)
+        _, fds = await userfs.call(fs_key(state, user), op, path=path, **args)
     except IsADirectoryError:
         raise HTTPError(400, f"path '{path}' is a directory") from None
     except OSError as e:
@@ -64,17 +68,16 @@ async def open_as_user(userfs: UserFS, user: User, op: str, path: str) -> int:
 
 
 class _FileSink:
-    """One destination file of an upload, opened by the user's file worker (so the
-    kernel checks the path, symlinks included, with the user's rights and a new file
-    belongs to the user), then written here as it streams in."""
+    """One destination file of an upload, opened by a file worker (a new file
+    belongs to the user either way, see userfs), then written here as it streams in."""
 
     def __init__(self, path: str, fd: int) -> None:
         self.path = path
         self.fd = fd
 
     @classmethod
-    async def open(cls, userfs: UserFS, user: User, path: str) -> _FileSink:
-        return cls(path, await open_as_user(userfs, user, "open_write", path))
+    async def open(cls, userfs: UserFS, state: State, user: User, path: str) -> _FileSink:
+        return cls(path, await open_as_user(userfs, state, user, "open_write", path))
 
     def write(self, data: bytes | memoryview) -> None:
         try:
@@ -141,7 +144,7 @@ class FilesEndpoint:
     async def download(self, scope, query: dict[str, str], send) -> None:
         user = self._user(query)
         path = self._resolve(query.get("path", ""), user)
-        fd = await open_as_user(self.userfs, user, "open_read", path)
+        fd = await open_as_user(self.userfs, self.state, user, "open_read", path)
         try:
             size = os.fstat(fd).st_size
             whole = b"" if size else _read_unsized(fd, path)
@@ -189,7 +192,7 @@ class FilesEndpoint:
             if not query.get("path"):
                 raise HTTPError(400, "the 'path' query parameter is required for raw uploads")
             path = self._resolve(query["path"], user)
-            sink = await _FileSink.open(self.userfs, user, path)
+            sink = await _FileSink.open(self.userfs, self.state, user, path)
             try:
                 async for chunk in body:
                     sink.write(chunk)
@@ -213,7 +216,7 @@ class FilesEndpoint:
         exactly one file part, written to that path: a part's own filename never
         picks the destination then. Without it (the SDK's multi-file write) each
         part goes to its filename, resolved against the user's home. Either way
-        every file is opened by the user's worker, as the user.
+        every file is opened for the user as ``open_as_user`` says.
         """
         from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -301,7 +304,7 @@ class FilesEndpoint:
             nonlocal sink
             for kind, arg in actions:
                 if kind == "open":
-                    sink = await _FileSink.open(self.userfs, user, arg)
+                    sink = await _FileSink.open(self.userfs, self.state, user, arg)
                     written.append(arg)
                 elif kind == "data":
                     if sink is not None:

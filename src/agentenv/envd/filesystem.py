@@ -19,7 +19,7 @@ from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
 from .state import PathError, State, User, UserError, resolve_path
-from .userfs import UserFS, user_key
+from .userfs import UserFS, fs_key, owner, user_key
 from .userfs_protocol import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, MAX_WATCH_DIRS, Refused, WorkerGone
 
 if TYPE_CHECKING:
@@ -89,6 +89,20 @@ IN_IGNORED = 0x8000
 IN_ISDIR = 0x40000000
 IN_Q_OVERFLOW = 0x4000
 _HDR = struct.Struct("iIII")
+_EVENT_ORDER = ((IN_CREATE | IN_MOVED_TO, pb.EventType.CREATE),
+                (IN_MOVED_FROM, pb.EventType.RENAME), (IN_ATTRIB, pb.EventType.CHMOD),
+                (IN_MODIFY, pb.EventType.WRITE), (IN_DELETE, pb.EventType.REMOVE))
+
+
+def same_event(last: pb.FilesystemEvent | None, ev: pb.FilesystemEvent) -> bool:
+    """``ev`` repeats ``last`` (not yet delivered): merged into it, as the kernel merges
+    an inotify event identical to its queue's last (a file written in several chunks
+    is one WRITE, however the reads of the inotify queue fall between them)."""
+    if last is None or last.name != ev.name or last.type != ev.type:
+        return False
+    if ev.entry is not None:
+        last.entry = ev.entry  # the newer size and time
+    return True
 # Watchers (streaming WatchDir and polling CreateWatcher alike) one sandbox may have
 # at once: each holds an inotify instance (a descriptor, kernel memory) and a queue.
 # One more is refused with RESOURCE_EXHAUSTED until a watcher is stopped, its stream
@@ -101,9 +115,10 @@ WATCHER_IDLE_S = 600.0
 class Watcher:
     """An inotify watch of a directory (optionally recursive) delivering FilesystemEvents.
 
-    The inotify instance and every watch in it are made by the user's file worker,
-    so only directories the user may read are watched; the entry info of events
-    is likewise looked up as the user. Events are processed in order by one task.
+    The inotify instance and every watch in it are made by a file worker (root's by
+    default, the user's in the strict mode: then only directories the user may read
+    are watched); the entry info of events is looked up by the same worker. Events
+    are processed in order, under one lock, by the reading task or by ``flush``.
     """
 
     def __init__(self, userfs: UserFS, key: tuple, root: str, fd: int, wds: dict[int, str],
@@ -117,6 +132,7 @@ class Watcher:
         self.include_entry = include_entry
         self.on_event = on_event
         self.polled = time.monotonic()
+        self._lock = asyncio.Lock()  # one reader at a time: events stay in order
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run())
 
@@ -155,15 +171,23 @@ class Watcher:
         try:
             while self.fd >= 0:
                 await self._readable()
-                try:
-                    buf = os.read(self.fd, 64 * 1024)
-                except BlockingIOError:
-                    continue
-                await self._process(buf)
+                await self.flush()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a worker gone etc.: the watch ends, envd does not
             log.warning("watcher of %s stopped: %r", self.root, e)
+
+    async def flush(self) -> None:
+        """Process every event the kernel holds for this watch now. A poll calls it
+        first: an operation's events are queued by the time its reply is sent (a
+        write's CREATE, CHMOD and WRITE), so the poll that follows gets them all."""
+        async with self._lock:
+            while self.fd >= 0:
+                try:
+                    buf = os.read(self.fd, 64 * 1024)
+                except BlockingIOError:
+                    return
+                await self._process(buf)
 
     async def _process(self, buf: bytes) -> None:
         off = 0
@@ -185,24 +209,20 @@ class Watcher:
                                                 path=full)
                 if new >= 0:
                     self.wds[new] = full
-            if mask & (IN_CREATE | IN_MOVED_TO):
-                etype = pb.EventType.CREATE
-            elif mask & IN_MODIFY:
-                etype = pb.EventType.WRITE
-            elif mask & IN_DELETE:
-                etype = pb.EventType.REMOVE
-            elif mask & IN_MOVED_FROM:
-                etype = pb.EventType.RENAME
-            elif mask & IN_ATTRIB:
-                etype = pb.EventType.CHMOD
-            else:
-                continue
-            ev = pb.FilesystemEvent(name=os.path.relpath(full, self.root), type=etype)
-            if self.include_entry and etype not in (pb.EventType.REMOVE, pb.EventType.RENAME):
-                entry, _ = await self.userfs.call(self.key, "entry", path=full)
-                if entry is not None:
-                    ev.entry = entry_pb(entry)
-            self.on_event(ev)
+            # One record may carry several operations: each is an event, in the order
+            # E2B's watcher sends them (services/filesystem/watch.go).
+            entry = None
+            for bits, etype in _EVENT_ORDER:
+                if not mask & bits:
+                    continue
+                ev = pb.FilesystemEvent(name=os.path.relpath(full, self.root), type=etype)
+                if self.include_entry and etype not in (pb.EventType.REMOVE,
+                                                         pb.EventType.RENAME):
+                    if entry is None:
+                        entry, _ = await self.userfs.call(self.key, "entry", path=full)
+                    if entry is not None:
+                        ev.entry = entry_pb(entry)
+                self.on_event(ev)
 
 
 def _request_user(state: State, ctx: RequestContext) -> User:
@@ -234,8 +254,9 @@ def keepalive_seconds(ctx: RequestContext) -> float | None:
 class FilesystemService:
     """Implements ``aenv_envd_protos.filesystem.filesystem_connect.Filesystem``.
 
-    Every operation runs as the request's user (see userfs): the kernel checks
-    each path with that user's uid, gid and groups, symlinks included.
+    Every operation runs in a file worker for the request's user (see userfs): as
+    root, creating for the user, by default (E2B's envd); with the user's own uid,
+    gid and groups in the strict mode.
     """
 
     def __init__(self, state: State, userfs: UserFS | None = None) -> None:
@@ -244,10 +265,14 @@ class FilesystemService:
         self.watchers: dict[str, tuple[Watcher, list]] = {}
         self.streams = 0  # WatchDir streams open
 
+    def _owner(self, user: User) -> dict:
+        """What an operation that creates is told to chown to (root mode only)."""
+        return {"owner": owner(user)} if self.state.file_access == "root" else {}
+
     async def _call(self, user: User, op: str, path: str, **args):
-        """Run ``op`` as ``user``; OSErrors come back as the Connect errors E2B sends."""
+        """Run ``op`` for ``user``; OSErrors come back as the Connect errors E2B sends."""
         try:
-            return await self.userfs.call(user_key(user), op, path=path, **args)
+            return await self.userfs.call(fs_key(self.state, user), op, path=path, **args)
         except OSError as e:
             raise _oserror(e, path) from None
         except WorkerGone:
@@ -264,7 +289,7 @@ class FilesystemService:
         user = _request_user(self.state, ctx)
         path = _path(request.path, user)
         try:
-            entry, _ = await self._call(user, "mkdir", path)
+            entry, _ = await self._call(user, "mkdir", path, **self._owner(user))
         except Refused as e:
             if e.detail == "dir":
                 raise ConnectError(Code.ALREADY_EXISTS,
@@ -278,7 +303,8 @@ class FilesystemService:
         src = _path(request.source, user)
         dst = _path(request.destination, user)
         try:
-            entry, _ = await self.userfs.call(user_key(user), "move", src=src, dst=dst)
+            entry, _ = await self.userfs.call(fs_key(self.state, user), "move", src=src,
+                                              dst=dst, **self._owner(user))
         except Refused:
             raise ConnectError(Code.NOT_FOUND, f"source '{src}' does not exist") from None
         except OSError as e:
@@ -340,7 +366,7 @@ class FilesystemService:
         user = _request_user(self.state, ctx)
         path = _path(raw, user)
         try:
-            return await Watcher.start(self.userfs, user_key(user), path, recursive,
+            return await Watcher.start(self.userfs, fs_key(self.state, user), path, recursive,
                                        include_entry, on_event)
         except Refused as e:
             if e.reason == "too_many":
@@ -363,7 +389,12 @@ class FilesystemService:
             q: asyncio.Queue = asyncio.Queue()
             overflow: list = []
 
+            last: list = [None]
+
             def on_event(ev) -> None:
+                if not q.empty() and same_event(last[0], ev):
+                    return
+                last[0] = ev
                 if q.qsize() < MAX_WATCHER_EVENTS:
                     q.put_nowait(ev)
                 elif not overflow:
@@ -398,6 +429,8 @@ class FilesystemService:
         events: list = []
 
         def on_event(ev):
+            if events and same_event(events[-1], ev):
+                return
             if len(events) < MAX_WATCHER_EVENTS:
                 events.append(ev)
 
@@ -422,6 +455,10 @@ class FilesystemService:
                                  ctx: RequestContext) -> pb.GetWatcherEventsResponse:
         w, events = self._watcher(request.watcher_id)
         w.polled = time.monotonic()
+        try:
+            await w.flush()
+        except (OSError, WorkerGone) as e:  # what was read stands; the task logs the rest
+            log.warning("watcher of %s: %r", w.root, e)
         out = list(events)
         events.clear()
         return pb.GetWatcherEventsResponse(events=out)

@@ -30,7 +30,7 @@ from .disk_capture import DiskCapture
 from .durable import PREFIX as COMMANDS_PREFIX
 from .durable import CommandsEndpoint, DurableBook
 from .files_http import FilesEndpoint
-from .state import State
+from .state import FILE_ACCESS_MODES, State
 from .userfs import UserFS
 
 log = logging.getLogger("agentenv.envd")
@@ -208,13 +208,19 @@ class EnvdApp:
                 raise HTTPError(400, f"{key} must be a string")
             if value:
                 setattr(self.state, attr, value)
+        access = body.get("fileAccess")
+        if access is not None:
+            if access not in FILE_ACCESS_MODES:
+                raise HTTPError(400, f"fileAccess must be one of {', '.join(FILE_ACCESS_MODES)}")
+            self.state.file_access = access
         if boot_id is not None:
             try:
                 set_boot_id(boot_id)
             except OSError as e:
                 log.warning("init: boot ID not set: %s", e)
-        log.info("init: %d env vars, token %s, default user %s", len(env_vars or {}),
-                 "set" if self.state.access_token else "unset", self.state.default_user)
+        log.info("init: %d env vars, token %s, default user %s, file access %s",
+                 len(env_vars or {}), "set" if self.state.access_token else "unset",
+                 self.state.default_user, self.state.file_access)
         await send_response(send, 204)
 
     # -- /metrics ---------------------------------------------------------------------

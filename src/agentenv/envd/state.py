@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 FALLBACK_USER = "user"
+# How file operations (/files, the Filesystem service) act for a request's user:
+# "root" as E2B's envd does them (as root; what is created is chowned to the user),
+# "user" in a worker holding the user's own credentials (strict; docs/security.md).
+FILE_ACCESS_MODES = ("root", "user")
 MAX_PATH = 4096  # PATH_MAX: no longer path names anything
 
 
@@ -50,12 +54,14 @@ class State:
     env_vars: dict[str, str] = field(default_factory=dict)
     default_user: str | None = None
     default_workdir: str | None = None
+    file_access: str = "root"
 
     # -- across dormancy (dormancy.py) ----------------------------------------------
     def saved(self) -> dict:
         """What /init set, for envd's next start in this boot."""
         return {"access_token": self.access_token, "env_vars": self.env_vars,
-                "default_user": self.default_user, "default_workdir": self.default_workdir}
+                "default_user": self.default_user, "default_workdir": self.default_workdir,
+                "file_access": self.file_access}
 
     def restore(self, saved: dict) -> None:
         token = saved.get("access_token")
@@ -69,6 +75,8 @@ class State:
             value = saved.get(attr)
             if isinstance(value, str) and value:
                 setattr(self, attr, value)
+        if saved.get("file_access") in FILE_ACCESS_MODES:
+            self.file_access = saved["file_access"]
 
     # -- access token ---------------------------------------------------------------
     def token_ok(self, presented: str | None) -> bool:

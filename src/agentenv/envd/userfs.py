@@ -1,19 +1,27 @@
-"""File operations performed as the requesting user: envd's side, a pool of workers.
+"""File operations performed in forked workers: envd's side, a pool of workers.
 
-envd runs as root in one asyncio process. Doing a file operation there as root
-ignores the user a request names: a symlink the user planted in their home
-(``~/report.txt -> /root/secret.txt``) would be followed with root's rights.
-Changing envd's own credentials is no answer either (they are the whole
-process's, shared by every concurrent request and thread).
+Two modes (``State.file_access``, set by /init from the template or the node,
+docs/security.md):
 
-So every file operation runs in a *worker*: a process forked for one set of
+- ``root``, the default, as E2B's envd does it: envd runs as root and so do its
+  file operations; whatever an operation creates for a user (a file, each missing
+  parent directory, mode 0755) is chowned to that user, and an upload over an
+  existing file first chowns it to the user (e2b-dev/infra packages/envd:
+  ``permissions.EnsureDirs`` in internal/permissions/path.go, ``processFile`` in
+  internal/api/upload.go, ``MakeDir`` and ``Move`` in internal/services/filesystem).
+  Inside a sandbox whose user has passwordless sudo nothing else protects more.
+- ``user``, strict: the operation runs with the request's user's uid, gid and
+  groups, so the kernel checks each path exactly as for the user's own commands,
+  symlinks included (``~/report.txt -> /root/secret.txt`` is refused), and root's
+  files stay root's. For templates whose user has no sudo.
+
+Either way an operation runs in a *worker*: a process forked for one set of
 credentials that drops to them before touching anything (userfs_fork) and
-performs the operations (userfs_ops). The kernel then checks each path exactly
-as for the user's own commands, symlinks included, and whatever the worker
-creates belongs to the user. Files to stream (``/files`` GET and POST) and
-inotify instances are opened in the worker and handed back over the socket
-(``SCM_RIGHTS``, see userfs_protocol): the bytes then flow in envd's event loop
-with no copy through the worker.
+performs the operations (userfs_ops); changing envd's own credentials is no
+answer (they are the whole process's, shared by every concurrent request). Files
+to stream (``/files`` GET and POST) and inotify instances are opened in the
+worker and handed back over the socket (``SCM_RIGHTS``, see userfs_protocol):
+the bytes then flow in envd's event loop with no copy through the worker.
 
 This module is envd's side: workers are forked lazily, one per set of
 credentials at first, up to ``WORKERS_PER_USER`` when requests overlap (a slow
@@ -127,8 +135,23 @@ class Worker:
 
 
 def user_key(user) -> tuple[int, int, tuple[int, ...]]:
-    """The credentials a ``state.User``'s file operations run with (uid, gid, groups)."""
+    """A ``state.User``'s own credentials (uid, gid, groups)."""
     return UserFS.key(user.uid, user.gid, user.name)
+
+
+ROOT_KEY = (0, 0, (0,))
+
+
+def fs_key(state, user) -> tuple[int, int, tuple[int, ...]]:
+    """The credentials a file operation for ``user`` runs with: root's by default, as
+    in E2B's envd (which runs as root and chowns what it creates to the user, see
+    ``owner``); the user's own in the strict mode (``state.file_access == "user"``)."""
+    return user_key(user) if state.file_access == "user" else ROOT_KEY
+
+
+def owner(user) -> list[int]:
+    """Who a created file or directory is given to: the request's user (uid, gid)."""
+    return [user.uid, user.gid]
 
 
 class UserFS:

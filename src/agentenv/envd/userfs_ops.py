@@ -110,6 +110,26 @@ def _entry(path: str, names: _Names) -> dict[str, Any]:
     }
 
 
+def _ensure_dirs(path: str, owner: list[int] | None) -> None:
+    """Every missing directory of ``path`` made (0755) and, with ``owner``, chowned to
+    it, top down: E2B's ``permissions.EnsureDirs`` (internal/permissions/path.go). An
+    existing directory is left as it is; a component that is a file is ENOTDIR."""
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    for part in parts:
+        cur += "/" + part
+        try:
+            info = os.stat(cur)
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(cur, 0o755)
+            if owner is not None:  # even if another made it meanwhile (E2B does too)
+                os.chown(cur, owner[0], owner[1], follow_symlinks=False)
+            continue
+        if not st.S_ISDIR(info.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", cur)
+
+
 def _add_watch(libc, fd: int, path: str) -> int:
     import ctypes
 
@@ -193,7 +213,7 @@ class WorkerServer:
         path = req["path"]
         if os.path.lexists(path):
             raise Refused("exists", "dir" if os.path.isdir(path) else "other")
-        os.makedirs(path, 0o755, exist_ok=True)
+        _ensure_dirs(path, req.get("owner"))
         return _entry(path, _Names()), ()
 
     def op_move(self, req, fds):
@@ -202,7 +222,7 @@ class WorkerServer:
             os.lstat(src)
         except FileNotFoundError:
             raise Refused("no_source") from None
-        os.makedirs(os.path.dirname(dst) or "/", 0o755, exist_ok=True)
+        _ensure_dirs(os.path.dirname(dst), req.get("owner"))
         try:
             os.rename(src, dst)
         except OSError as e:
@@ -278,13 +298,24 @@ class WorkerServer:
         return {"size": info.st_size}, (fd,)
 
     def op_open_write(self, req, fds):
+        """E2B's ``processFile`` (internal/api/upload.go): the parents ensured, an
+        existing file chowned to ``owner`` first, then opened (O_TRUNC) and, if new,
+        chowned. So a write into a watched directory reports CREATE, CHMOD, WRITE
+        (or CHMOD, WRITE over an existing file), as E2B's watcher does. Without
+        ``owner`` (strict mode: this worker is the user) a new file is chowned to
+        the worker's own ids, which changes nothing but keeps those events."""
         path = req["path"]
+        who = req.get("owner")
         if os.path.isdir(path):
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-        os.makedirs(os.path.dirname(path) or "/", 0o755, exist_ok=True)
+        _ensure_dirs(os.path.dirname(path), who)
+        existed = os.path.lexists(path)
+        if existed and who is not None:
+            os.chown(path, who[0], who[1])
         # O_NONBLOCK: a FIFO planted at the path fails (ENXIO) instead of hanging.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+            fd = os.open(path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ENXIO:
                 raise Refused("not_regular") from None
@@ -292,7 +323,8 @@ class WorkerServer:
         try:
             if not st.S_ISREG(os.fstat(fd).st_mode):
                 raise Refused("not_regular")
-            os.ftruncate(fd, 0)
+            if not existed:  # (strict: the owner set to itself, the group left alone)
+                os.fchown(fd, *(who or (os.geteuid(), -1)))
             os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)

@@ -77,6 +77,8 @@ class Host(Protocol):
 
     def active_count(self) -> int: ...
 
+    def file_access(self, template: Template) -> str: ...
+
     def creates_waiting(self) -> int: ...
 
 
@@ -289,7 +291,7 @@ class BootImages:
             init = EnvdInit(token, default_user=template.default_user or "user",
                             default_workdir=template.default_workdir,
                             current_token=manifest.metadata["envd_token"],
-                            boot_id=str(uuid.uuid4()))
+                            boot_id=str(uuid.uuid4()), file_access=m.file_access(template))
             slot = await m.launcher.launch(LaunchPlan(
                 sandbox_id=sandbox_id, template=template, cpu_count=template.cpu_count,
                 memory_mb=template.memory_mb, hostname_of=template.template_id, image=path,

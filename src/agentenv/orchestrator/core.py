@@ -98,6 +98,10 @@ class ManagerCore:
         self._auto_resumes: dict[str, asyncio.Task] = {}
         # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
         self._exits = ExitHandler(self._runtime_exited)
+        # Sandboxes a kill has started on: from that moment they have no endpoint, so
+        # the proxy answers E2B's 502 "was not found" (the SDK's /health probe after a
+        # cut stream then says the sandbox was killed), not "not running" or a hang.
+        self._killing: set[str] = set()
         # Called with a sandbox ID once it is gone (the proxy drops its connections).
         self.on_removed: list[Callable[[str], None]] = []
         # Awaited with a sandbox ID before its running state is captured (snapshot,
@@ -173,6 +177,8 @@ class ManagerCore:
         """Where the node reaches ``port`` inside a running sandbox (thawed: whoever
         asks is about to talk to it; requests that last use ``awake``)."""
         record = self.get(sandbox_id)
+        if sandbox_id in self._killing or record.state is SandboxState.KILLED:
+            raise NotFound(f"sandbox '{sandbox_id}' is being killed")
         if record.state is not SandboxState.RUNNING or record.error:
             raise not_running(record)
         self.freezer.touch(sandbox_id)
@@ -329,15 +335,20 @@ class ManagerCore:
             files=files, start_command=start_command, purpose=purpose, slot=slot,
             on_started=lambda: setattr(record, "booted_at", time.time()))
 
-    @staticmethod
-    def _envd_init(record: SandboxRecord, template: Template, current_token: str = "",
+    def _envd_init(self, record: SandboxRecord, template: Template, current_token: str = "",
                    new_boot: bool = False) -> EnvdInit:
-        """What envd is told for this record: its token, env vars, the template's user,
-        and for a new boot (a create, not a fork or a resume) a boot ID of its own."""
+        """What envd is told for this record: its token, env vars, the template's user
+        and file access, and for a new boot (a create, not a fork or a resume) a boot
+        ID of its own."""
         return EnvdInit(record.envd_token, record.env_vars,
                         default_user=template.default_user or "user",
                         default_workdir=template.default_workdir, current_token=current_token,
-                        boot_id=str(uuid.uuid4()) if new_boot else "")
+                        boot_id=str(uuid.uuid4()) if new_boot else "",
+                        file_access=self.file_access(template))
+
+    def file_access(self, template: Template) -> str:
+        """envd's file access for ``template``'s sandboxes: its own, else the node's."""
+        return template.file_access or self.config.envd_file_access
 
     async def _bring_up(self, record: SandboxRecord, plan: LaunchPlan) -> SandboxRecord:
         """Launch a ``creating`` record's sandbox; it holds the slot and runs after.

@@ -93,7 +93,7 @@ class EnvdClient:
     async def init(
         self, address: str, access_token: str, env_vars: dict[str, str],
         default_user: str = "user", current_token: str | None = None,
-        default_workdir: str = "", boot_id: str = "",
+        default_workdir: str = "", boot_id: str = "", file_access: str = "",
     ) -> None:
         """Set env vars and the access token; ``current_token`` authorizes a rotation
         (a fork's child gets a token of its own); ``boot_id`` names a new boot."""
@@ -107,6 +107,8 @@ class EnvdClient:
             body["defaultWorkdir"] = default_workdir
         if boot_id:
             body["bootID"] = boot_id
+        if file_access:
+            body["fileAccess"] = file_access
         headers = {"X-Access-Token": current_token} if current_token else {}
         r = await self._http.post(f"http://{address}:{ENVD_PORT}/init", json=body, headers=headers)
         if r.status_code >= 300:

@@ -52,6 +52,8 @@ class EnvdInit:
     current_token: str = ""
     # A new boot's ID (a create); empty for a fork or a resume, which continue theirs.
     boot_id: str = ""
+    # envd's file operations: "root" (E2B's) or "user" (strict); empty: envd's own.
+    file_access: str = ""
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ class Launcher:
                              default_user=init.default_user or "user",
                              default_workdir=init.default_workdir,
                              current_token=init.current_token or None,
-                             boot_id=init.boot_id)
+                             boot_id=init.boot_id, file_access=init.file_access)
 
     async def run_start_command(self, template: Template, address: str, token: str) -> None:
         """The template's start command, then its ready check until it passes."""

@@ -6,6 +6,10 @@ Edges come from what is recorded anyway: a snapshot's metadata names the sandbox
 was taken of (``source_sandbox_id``) and what that sandbox came from (``origin``), so
 the tree outlives the sandboxes; a live sandbox's record has its own ``origin``. A
 sandbox that is gone appears once, as ``gone``, between its origin and its snapshots.
+A reset is not an edge: it is listed in the sandbox's details (``resets``), since
+the snapshot reset to is often the sandbox's own child. The tree never cycles: an
+edge that would close one (a record written when resets were edges, a hand-edited
+repository) is skipped for the next of its chain.
 """
 
 from __future__ import annotations
@@ -61,7 +65,10 @@ class Lineage:
         for r in records:
             node = self._add(Node("sandbox", r.sandbox_id, "",
                                   {"state": str(r.state), "templateID": r.template_id,
-                                   "createdAt": _iso(r.started_at)}))
+                                   "createdAt": _iso(r.started_at),
+                                   "resets": [{"snapshotID": str(e.get("snapshotID", "")),
+                                               "at": _iso(float(e.get("at") or 0))}
+                                              for e in r.resets]}))
             self._link(node, origin_chain(r.origin, r.template_id))
         for m in sorted(manifests, key=lambda m: m.created_at):
             meta = m.metadata
@@ -84,10 +91,23 @@ class Lineage:
         for key in chain:
             if node.parent or key == node.key:
                 return  # known already, from its own record or an earlier chain
+            if self._descends(key, node.key):
+                continue  # that edge would close a cycle
             node.parent = key
             kind, _, ident = key.partition(":")
             node = self._add(Node(kind, ident, "", {} if kind == "template" else
                                   {"state": "gone"}, ghost=True))
+
+    def _descends(self, key: str, ancestor: str) -> bool:
+        """``key`` is ``ancestor`` or below it, as linked so far."""
+        seen: set[str] = set()
+        while key and key not in seen:
+            if key == ancestor:
+                return True
+            seen.add(key)
+            known = self.nodes.get(key)
+            key = known.parent if known else ""
+        return False
 
     def _add(self, node: Node) -> Node:
         known = self.nodes.setdefault(node.key, node)

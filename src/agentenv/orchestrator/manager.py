@@ -192,7 +192,8 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
             await self.envd.init(member.slot.address, init.token, dict(init.env_vars),
                                  default_user=init.default_user,
                                  default_workdir=init.default_workdir,
-                                 current_token=init.current_token, boot_id=init.boot_id)
+                                 current_token=init.current_token, boot_id=init.boot_id,
+                                 file_access=init.file_access)
             record.ready_at = time.time()
             self._transition(record, SandboxState.RUNNING)
         except Exception as exc:
@@ -353,6 +354,13 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
 
     @observed("delete")
     async def kill(self, sandbox_id: str) -> None:
+        self._killing.add(sandbox_id)  # before the lock: a pause may hold it a while
+        try:
+            await self._kill(sandbox_id)
+        finally:
+            self._killing.discard(sandbox_id)
+
+    async def _kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is SandboxState.CREATING:

@@ -115,14 +115,21 @@ class SandboxRecord:
     booted_at: float = 0.0
     ready_at: float = 0.0
     # What it came from, for snapshot lineage: "template:<id>", "snapshot:<id>" (a
-    # create from it, or a reset to it) or "sandbox:<id>" (a fork child's source).
+    # create from it) or "sandbox:<id>" (a fork child's source). A reset leaves it:
+    # a reset is an event in the sandbox's history (``resets``), not a new parent (the
+    # snapshot reset to is often of this very sandbox: its child, not its parent).
     origin: str = ""
+    # Its resets, oldest first, the last MAX_RESETS: {"snapshotID": ..., "at": epoch s}.
+    resets: list[dict[str, Any]] = field(default_factory=list)
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) >= self.end_at
 
     def public_metadata(self) -> dict[str, Any]:
         return dict(self.metadata)
+
+
+MAX_RESETS = 16
 
 
 def not_running(record: SandboxRecord) -> Conflict:

@@ -33,6 +33,7 @@ from ..snapshot import Manifest
 from ..templates import Template, TemplateNotFound
 from . import disk_pause
 from .models import (
+    MAX_RESETS,
     BadRequest,
     Conflict,
     NotFound,
@@ -166,7 +167,10 @@ class Resetting(Pausing):
             if paused or seconds is not None:
                 record.end_at = time.time() + (
                     seconds if seconds is not None else self.config.default_timeout)
-            record.origin = f"snapshot:{manifest.snapshot_id}"  # it descends from it now
+            # An event in its history; its origin stays (lineage.py: no cycle with a
+            # snapshot of its own).
+            record.resets = [*record.resets, {"snapshotID": manifest.snapshot_id,
+                                              "at": time.time()}][-MAX_RESETS:]
             self.store.put(record)
             log.info("reset %s to snapshot %s in %.0f ms (%s; old runtime destroyed in "
                      "%.0f ms)", sandbox_id, manifest.snapshot_id,

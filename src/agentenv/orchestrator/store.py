@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     queued_at    REAL NOT NULL DEFAULT 0,
     booted_at    REAL NOT NULL DEFAULT 0,
     ready_at     REAL NOT NULL DEFAULT 0,
-    origin       TEXT NOT NULL DEFAULT ''
+    origin       TEXT NOT NULL DEFAULT '',
+    resets       TEXT NOT NULL DEFAULT '[]'
 );
 """
 _COLUMNS = [
@@ -54,7 +55,7 @@ _COLUMNS = [
     "envd_token", "slot_index", "slot_address", "snapshot_id", "network",
     "traffic_token", "error", "auto_pause_memory", "auto_resume", "resume_timeout",
     "mask_request_host", "owner", "run_id", "queued_at", "booted_at", "ready_at",
-    "origin",
+    "origin", "resets",
 ]
 # Columns added after the first release, with their defaults (for old files).
 _ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL DEFAULT '{}'",
@@ -65,7 +66,8 @@ _ADDED = {"snapshot_id": "TEXT NOT NULL DEFAULT ''", "network": "TEXT NOT NULL D
           "mask_request_host": "TEXT NOT NULL DEFAULT ''",
           "owner": "TEXT NOT NULL DEFAULT ''", "run_id": "TEXT NOT NULL DEFAULT ''",
           "queued_at": "REAL NOT NULL DEFAULT 0", "booted_at": "REAL NOT NULL DEFAULT 0",
-          "ready_at": "REAL NOT NULL DEFAULT 0", "origin": "TEXT NOT NULL DEFAULT ''"}
+          "ready_at": "REAL NOT NULL DEFAULT 0", "origin": "TEXT NOT NULL DEFAULT ''",
+          "resets": "TEXT NOT NULL DEFAULT '[]'"}
 
 
 class SandboxStore:
@@ -111,7 +113,7 @@ def _to_row(r: SandboxRecord) -> tuple:
         r.slot_address, r.snapshot_id, json.dumps(r.network),
         r.traffic_token, r.error, int(r.auto_pause_memory), int(r.auto_resume),
         r.resume_timeout, r.mask_request_host, r.owner, r.run_id, r.queued_at,
-        r.booted_at, r.ready_at, r.origin,
+        r.booted_at, r.ready_at, r.origin, json.dumps(r.resets),
     )
 
 
@@ -125,4 +127,5 @@ def _from_row(row: tuple) -> SandboxRecord:
     d["metadata"] = json.loads(d["metadata"])
     d["env_vars"] = json.loads(d["env_vars"])
     d["network"] = json.loads(d["network"] or "{}")
+    d["resets"] = json.loads(d["resets"] or "[]")
     return SandboxRecord(**d)

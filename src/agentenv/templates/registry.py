@@ -95,6 +95,9 @@ class Template:
     envs: tuple[tuple[str, str], ...] = ()
     default_user: str = ""
     default_workdir: str = ""
+    # envd's file operations for this template's sandboxes: "root" or "user" (see
+    # Config.envd_file_access, the default when empty).
+    file_access: str = ""
     # Set for a template pulled from an image (rootfs is then its mount point).
     image: ImageInfo | None = None
 
@@ -321,8 +324,14 @@ class TemplateRegistry:
             envs=tuple(sorted((str(k), str(v)) for k, v in meta.get("envs", {}).items())),
             default_user=meta.get("defaultUser", ""),
             default_workdir=meta.get("defaultWorkdir", ""),
+            file_access=_file_access(meta.get("fileAccess")),
             image=image,
         )
+
+
+def _file_access(value) -> str:
+    """A template.json's "fileAccess" ("root" or "user"); anything else: the node's."""
+    return value if value in ("root", "user") else ""
 
 
 def _plain(name: str) -> bool:

@@ -248,11 +248,12 @@ class FakeEnvd:
 
     async def init(self, address: str, access_token: str, env_vars: dict[str, str],
                    default_user: str = "user", current_token: str | None = None,
-                   default_workdir: str = "", boot_id: str = "") -> None:
+                   default_workdir: str = "", boot_id: str = "",
+                   file_access: str = "") -> None:
         await self.faults.check("init")
         self.inits[address] = {"token": access_token, "env": dict(env_vars),
                                "user": default_user, "current": current_token,
-                               "boot_id": boot_id}
+                               "boot_id": boot_id, "file_access": file_access}
 
     async def start(self, address: str, token: str, command: str) -> None:
         await self.faults.check("start_command")
