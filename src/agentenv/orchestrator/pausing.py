@@ -289,8 +289,25 @@ class Pausing(Captures):
                      auto_pause: bool | None = None, memory: bool = True) -> SandboxRecord:
         """Bring a paused sandbox back, same ID, from its pause snapshot: restored as it
         was, or rebooted with its files when the pause kept no memory. On failure it
-        stays paused, holding nothing."""
+        stays paused, holding nothing.
+
+        Admitted as a create is (admission.py), against the node's room and its
+        owner's quotas, whoever asks (``connect``, resume on traffic): a 429 with
+        Retry-After when none comes within the queue time."""
         seconds = self._check_timeout(ttl)
+        record = self.get(sandbox_id)
+        if record.state is not SandboxState.PAUSED:
+            raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
+        # A thaw in place boots nothing: it does not wait for the starting limit.
+        thaw = self._resident is not None and self._resident.get(sandbox_id) is not None
+        ticket = await self.admission.admit(record.owner, starting=not thaw)
+        try:
+            return await self._resume_admitted(sandbox_id, seconds, auto_pause, memory)
+        finally:
+            ticket.release()  # after the state changed: the room is counted as running
+
+    async def _resume_admitted(self, sandbox_id: str, seconds: int,
+                               auto_pause: bool | None, memory: bool) -> SandboxRecord:
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is not SandboxState.PAUSED:
