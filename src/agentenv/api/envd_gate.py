@@ -23,9 +23,9 @@ from urllib.parse import parse_qsl
 
 from starlette.types import Scope, Send
 
-from ..envd.protocol import file_signature
+from ..envd.protocol import ENVD_PORT, file_signature
 from ..orchestrator import SandboxRecord
-from ..web import send_error
+from ..web import BadTarget, send_error, upstream_url
 
 ENVD_TOKEN_HEADER = b"x-access-token"
 TRAFFIC_HEADER = b"e2b-traffic-access-token"
@@ -67,7 +67,13 @@ def may_wake(scope: Scope, record: SandboxRecord) -> bool:
 
 
 async def answer_without_waking(scope: Scope, send: Send, record: SandboxRecord) -> None:
-    """``/health``: 204 (the sandbox runs); anything else: envd's 401."""
+    """A bad request-target: the relay's 400; ``/health``: 204 (the sandbox runs);
+    anything else: envd's 401."""
+    try:
+        upstream_url("http", "localhost", ENVD_PORT, scope)  # (only checked)
+    except BadTarget as exc:
+        await send_error(scope, send, 400, str(exc))
+        return
     if scope["type"] == "http" and scope.get("path") == HEALTH_PATH and \
             scope.get("method") in ("GET", "HEAD"):
         await send({"type": "http.response.start", "status": 204, "headers": []})
