@@ -25,6 +25,7 @@ from ..templates import Template, TemplateNotFound
 from ..templates.registry import InvalidTemplateRef
 from . import diffing, disk_pause
 from .boot_images import BootImage, PooledSandbox
+from .connecting import Connecting
 from .egress import Egress
 from .envd_client import EnvdUnavailable
 from .forking import Forking, as_they_come
@@ -51,7 +52,8 @@ COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
-class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, SnapshotUse, Runs):
+class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking, Egress,
+                     SnapshotUse, Runs):
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
