@@ -124,6 +124,12 @@ def check_consistent(node: Node, api: httpx.Client, marks: dict[str, str]) -> di
     the crash to a file content they hold. Returns each one's fate."""
     states = _db_states(node)
     assert "creating" not in states.values(), states
+    # A running sandbox whose runtime the crash ended is kept in error, with the reason
+    # (to the E2B API a 404 naming it, as below), until deleted or expired.
+    for sid in [sid for sid, st in states.items() if st == "error"]:
+        r = api.get(f"/sandboxes/{sid}")
+        assert r.status_code == 404 and "not running" in r.json()["message"], r.text
+        del states[sid]
     listed = {s["sandboxID"]: s["state"] for s in _listed(api)}
     assert set(listed.values()) <= {"running", "paused"}, listed
     running = {sid for sid, st in listed.items() if st == "running"}

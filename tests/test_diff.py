@@ -32,7 +32,7 @@ def test_diff_snapshots_and_a_sandbox(node: Node, api: httpx.Client, tmp_path) -
         sbx.commands.run(f"rm {HOME}/gone.txt && head -c 3000 /dev/urandom > {HOME}/bin.dat")
         sbx.files.write(f"{HOME}/new.txt", "hello\n")
 
-        r = api.get(f"/snapshots/{first}/diff/{sbx.sandbox_id}", params={"text": "true"},
+        r = api.post(f"/snapshots/{first}/diff/{sbx.sandbox_id}", params={"text": "true"},
                     timeout=180)
         assert r.status_code == 200, r.text
         live = r.json()
@@ -46,10 +46,10 @@ def test_diff_snapshots_and_a_sandbox(node: Node, api: httpx.Client, tmp_path) -
         assert f"{HOME}/bin.dat" not in live["diffs"]  # not text
 
         second = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots").json()["snapshotID"]
-        stored = api.get(f"/snapshots/{first}/diff/{second}", timeout=180).json()
+        stored = api.post(f"/snapshots/{first}/diff/{second}", timeout=180).json()
         for key in ("added", "removed", "changed"):
             assert paths(stored, key) == paths(live, key), key
-        same = api.get(f"/snapshots/{second}/diff/{second}", timeout=180).json()
+        same = api.post(f"/snapshots/{second}/diff/{second}", timeout=180).json()
         assert same["added"] == same["removed"] == same["changed"] == []
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
@@ -64,7 +64,7 @@ def test_diff_snapshots_and_a_sandbox(node: Node, api: httpx.Client, tmp_path) -
         assert f"~ {HOME}/keep.txt" in lines and "+two" in lines
     finally:
         sbx.kill()
-    r = api.get(f"/snapshots/nosuchsnapshot/diff/{first}")
+    r = api.post(f"/snapshots/nosuchsnapshot/diff/{first}")
     assert r.status_code == 404 and "nosuchsnapshot" in r.json()["message"]
     # The sandboxes the diffs restored snapshots into are gone.
     assert {s["sandboxID"] for s in api.get("/sandboxes").json()} == before

@@ -17,7 +17,6 @@ import pytest
 
 from agentenv.orchestrator import (
     BadRequest,
-    CapacityExceeded,
     Conflict,
     CreateRequest,
     NotFound,
@@ -184,8 +183,9 @@ async def test_fork_children_run_with_their_own_tokens_within_capacity(node: Nod
     results = await mgr.fork(source.sandbox_id, 3)
     children = [r for r in results if not isinstance(r, Exception)]
     errors = [r for r in results if isinstance(r, Exception)]
-    # Capacity 3: the source and two children.
-    assert len(children) == 2 and len(errors) == 1 and isinstance(errors[0], CapacityExceeded)
+    # Capacity 3: the source and two children; the third is refused as a create is.
+    assert len(children) == 2 and len(errors) == 1 and isinstance(errors[0], TooManyRequests)
+    assert errors[0].status == 429 and "capacity" in str(errors[0])
     tokens = {source.envd_token, *(c.envd_token for c in children)}
     assert len(tokens) == 3 and source.state is SandboxState.RUNNING
     assert all(node.envd.inits[c.slot_address]["current"] == source.envd_token

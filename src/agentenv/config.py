@@ -57,6 +57,16 @@ class Config:
     max_disk_mb: int = 0
     # Seconds between re-resolutions of the domain names in egress policies.
     egress_refresh_s: float = 60
+    # Private networks (RFC 1918, 100.64.0.0/10) sandboxes may reach without an
+    # allowOut naming them: IPv4 CIDRs, comma-separated (or a TOML list); the rest
+    # of those networks is refused (issue 29). Link-local, loopback, the pool and
+    # the host stay refused whatever this says.
+    egress_private_open: str = ""
+    # Registries that may be (and whose token realms and redirects may point) on
+    # loopback, private or this node's own addresses, and plain http: host or
+    # host:port, comma-separated (or a TOML list). Every other pull URL must be https
+    # on global addresses (images/registry_hosts.py). "" refuses loopback too.
+    registry_private: str = "localhost,127.0.0.1,::1"
     # Network slots: names start with this prefix; host addresses come from this /16.
     net_prefix: str = "aenv"
     net_pool_cidr: str = "10.11.0.0/16"
@@ -267,7 +277,8 @@ class Config:
 
 
 def _coerce(name: str, raw: Any, kind: Any) -> Any:
-    text = str(raw)
+    # (a TOML list where a comma-separated string is expected)
+    text = ",".join(map(str, raw)) if isinstance(raw, list) else str(raw)
     try:
         if kind in (Path, "Path", "Path | None"):
             return Path(text) if text else None

@@ -37,6 +37,7 @@ from ..web import (
 from ..web.console import without_session
 from ..web.hosts import upstream_host
 from ..web.routing import SandboxRouting
+from . import envd_gate
 
 log = logging.getLogger(__name__)
 # envd's Connect route that starts a command (the e2b SDK's commands.run).
@@ -121,6 +122,11 @@ class SandboxProxy:
             await send_error(scope, send, 403, f"sandbox {sandbox_id}: port {port} is private; "
                              f"send the sandbox's traffic access token in the {TRAFFIC_HEADER} "
                              "header", sandbox_id)
+            return
+        # Only a request envd could accept may thaw or wake it (envd_gate.py).
+        if port == ENVD_PORT and record.state is SandboxState.RUNNING and \
+                not envd_gate.may_wake(scope, record):
+            await envd_gate.answer_without_waking(scope, send, record)
             return
         if record.state is SandboxState.PAUSED and not await self._resumed(
                 scope, send, record, port):
@@ -211,9 +217,10 @@ class SandboxProxy:
             await send_error(scope, send, 502, f"The sandbox {sid} is not running: {exc}", sid)
             return False
         except AgentenvError as exc:
-            status = exc.status if exc.status in (503, 507) else 502
+            status = exc.status if exc.status in (429, 503, 507) else 502
             await send_error(scope, send, status,
-                             f"The sandbox {sid} is paused and could not be resumed: {exc}", sid)
+                             f"The sandbox {sid} is paused and could not be resumed: {exc}", sid,
+                             getattr(exc, "headers", None))  # a 429's Retry-After
             return False
         except Exception as exc:  # the node goes on serving; the cause goes to the log
             log.exception("resume of %s on traffic failed", sid)

@@ -421,7 +421,7 @@ def diff(
     """What changed in the files from BEFORE to AFTER: + added, - removed, ~ changed."""
     with Client() as c:
         refs = [quote(_diff_ref(c, ref), safe="") for ref in (before, after)]
-        data = c.json("GET", f"/snapshots/{refs[0]}/diff/{refs[1]}",
+        data = c.json("POST", f"/snapshots/{refs[0]}/diff/{refs[1]}",
                       params={"text": "true"} if text else None)
     if as_json:
         output.print_json(data)

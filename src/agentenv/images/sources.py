@@ -79,7 +79,9 @@ class RegistrySource:
             doc = load_json(data, f"manifest {digest}")
         kind = media_type_of(doc, ctype)
         if kind not in MANIFEST_TYPES:
-            raise HostileInput(f"{self.ref}: unsupported manifest type {kind[:100]!r}")
+            # (not echoed: the type may be what another host answered, after a redirect)
+            raise HostileInput(f"{self.ref}: not an image manifest this node reads (an OCI "
+                               "or Docker v2 manifest, or an index of them)")
         cfg_digest, cfg_size, _ = descriptor(doc.get("config") or {}, f"config of {self.ref}")
         if cfg_size > MAX_CONFIG_BYTES:
             raise HostileInput(f"{self.ref}: image config of {cfg_size} bytes refused")

@@ -16,6 +16,12 @@ DNS servers (``dnsServers``, default 8.8.8.8) are allowed as E2B does.
 Never overridable by any policy (router rules placed before it): link-local
 (metadata-style) addresses, loopback, every slot of the node's pool, and the host
 itself (its INPUT chain drops everything new from sandbox links).
+
+Refused by default, but open to a policy (``allowOut`` entries) and to the operator
+(``egress_private_open``): the private networks beyond the host where a cloud's
+internal services live, RFC 1918 and carrier-grade NAT (``PRIVATE_NETS``; issue 29).
+Sandboxes have no IPv6 (disabled in every slot's netns, nothing forwards it), so
+unique-local (fc00::/7) and IPv6 link-local addresses have no route at all.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import socket
 from dataclasses import dataclass, field
 
 from .rules import EGRESS_CHAIN as CHAIN
+from .rules import PRIVATE_CHAIN
 
 ALL_TRAFFIC = "0.0.0.0/0"
 _ALL_SPELLINGS = {"0.0.0.0/0", "0.0.0.0/0.0.0.0", "::/0"}
@@ -33,6 +40,33 @@ DEFAULT_DNS = ("8.8.8.8",)
 MAX_ENTRIES = 256
 MAX_DNS = 10
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+
+
+PRIVATE_NETS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
+
+
+def parse_opened(raw: str) -> tuple[str, ...]:
+    """The operator's ``egress_private_open``: IPv4 CIDRs, comma-separated."""
+    out = []
+    for item in (x.strip() for x in raw.split(",")):
+        if item:
+            try:
+                out.append(str(ipaddress.IPv4Network(item, strict=False)))
+            except ValueError:
+                raise PolicyError(f"egress_private_open entry {item!r} is not an IPv4 "
+                                  "address or CIDR") from None
+    return tuple(out)
+
+
+def private_rules(opened: tuple[str, ...]) -> list[str]:
+    """The router's ``AENV-PRIVATE`` chain: what the operator opened goes on (RETURN to
+    the final ACCEPT), the rest of PRIVATE_NETS is refused as ``denyOut`` is."""
+    lines = [f"-A {PRIVATE_CHAIN} -d {net} -j RETURN" for net in opened]
+    lines += [f"-A {PRIVATE_CHAIN} -d {d} -p tcp -j REJECT --reject-with tcp-reset"
+              for d in PRIVATE_NETS]
+    lines += [f"-A {PRIVATE_CHAIN} -d {d} -j REJECT --reject-with icmp-admin-prohibited"
+              for d in PRIVATE_NETS]
+    return lines
 
 
 class PolicyError(ValueError):

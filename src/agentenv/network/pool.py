@@ -27,7 +27,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from . import nsutil
 from .host import install_host_rules, leftovers, others_in_cidr, remove_host_rules
-from .policy import CompiledPolicy
+from .policy import CompiledPolicy, private_rules
 from .slot import (
     Slot,
     SlotError,
@@ -55,7 +55,11 @@ class SlotPoolClosed(RuntimeError):
 
 
 class SlotPool:
-    def __init__(self, prefix: str, pool_cidr: str, low: int, high: int, capacity: int) -> None:
+    def __init__(self, prefix: str, pool_cidr: str, low: int, high: int, capacity: int,
+                 private_open: tuple[str, ...] | None = None) -> None:
+        """``private_open``: the private networks (policy.PRIVATE_NETS) sandboxes may
+        reach without a policy saying so; None: no private network is refused (the
+        node always gives its configured list, empty by default)."""
         if not 0 <= low <= high:
             raise ValueError("need 0 <= low <= high")
         if capacity < 1:
@@ -66,6 +70,7 @@ class SlotPool:
         self.prefix = prefix
         self.pool_cidr = self.layout.pool_cidr
         self.low, self.high, self.capacity = low, high, capacity
+        self.private = private_rules(private_open) if private_open is not None else None
         self._free: deque[Slot] = deque()
         self._acquired: dict[int, Slot] = {}
         self._busy: set[int] = set()  # indices under construction, reset or teardown
@@ -221,7 +226,7 @@ class SlotPool:
     async def apply_policy(self, slot: Slot, compiled: CompiledPolicy) -> None:
         """Put an egress policy in force on an acquired slot (released slots lose it)."""
         t0 = time.perf_counter()
-        await nsutil.run_in_thread(apply_policy, slot, self.pool_cidr, compiled)
+        await nsutil.run_in_thread(apply_policy, slot, self.pool_cidr, compiled, self.private)
         self._timings["apply_policy"].append(time.perf_counter() - t0)
 
     async def egress_by_address(self) -> Counter[str]:
@@ -304,7 +309,8 @@ class SlotPool:
         index = self._reserve_index()
         self._direct += 1
         slot = self.layout.slot(index, internet)
-        job = asyncio.ensure_future(self._timed("create", create_slot, slot, self.pool_cidr))
+        job = asyncio.ensure_future(self._timed("create", create_slot, slot, self.pool_cidr,
+                                       self.private))
 
         def keep_or_drop() -> None:
             self._busy.discard(index)
@@ -364,7 +370,8 @@ class SlotPool:
                 slot = self.layout.slot(index, True)
                 self._pending += 1
                 try:
-                    await self._timed("create", create_slot, slot, self.pool_cidr)
+                    await self._timed("create", create_slot, slot, self.pool_cidr,
+                                       self.private)
                 except Exception:
                     self._counts["failures"] += 1
                     log.exception("network: building warm slot %d", index)

@@ -23,24 +23,32 @@ ROUTER_UP_IF = "up0"
 LINK_LOCAL = "169.254.0.0/16"
 LOOPBACK_NET = "127.0.0.0/8"
 EGRESS_CHAIN = "AENV-EGRESS"
+PRIVATE_CHAIN = "AENV-PRIVATE"
 
 
-def router_rules(slot_address: str, pool_cidr: str, egress: list[str] | None = None) -> str:
+def router_rules(slot_address: str, pool_cidr: str, egress: list[str] | None = None,
+                 private: list[str] | None = None) -> str:
     """The complete rule set of a router netns (applied with a flushing restore).
 
     The all-off internet switch is not here but in policy routing (see
     ``slot.set_egress``): flipping it is one netlink message instead of an
     iptables transaction. Finer egress policy is the ``AENV-EGRESS`` chain
     (``egress``: its lines, from ``policy.chain_rules``), consulted after the
-    fixed isolation drops, so no policy can open those.
+    fixed isolation drops, so no policy can open those. ``private`` (the lines of
+    ``AENV-PRIVATE``, from ``policy.private_rules``) comes after it: private networks
+    are refused unless the policy allowed them (its ACCEPT ends the walk first) or
+    the operator opened them.
     """
     up, dn = ROUTER_UP_IF, ROUTER_DOWN_IF
-    chain = "\n".join(egress or [])
+    chain = "\n".join([*(egress or []), *(private or [])])
+    ctdir = f"-i {dn} -o {up} -s {SANDBOX_IP}/32 -m conntrack --ctdir ORIGINAL"
+    jump_private = f"-A FORWARD {ctdir} -j {PRIVATE_CHAIN}\n" if private else ""
     return f"""*filter
 :INPUT DROP [0:0]
 :FORWARD DROP [0:0]
 :OUTPUT ACCEPT [0:0]
 :{EGRESS_CHAIN} - [0:0]
+:{PRIVATE_CHAIN} - [0:0]
 {chain}
 -A INPUT -i lo -j ACCEPT
 -A INPUT -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
@@ -52,8 +60,8 @@ def router_rules(slot_address: str, pool_cidr: str, egress: list[str] | None = N
 -A FORWARD -i {dn} -o {up} -d {LINK_LOCAL} -j DROP
 -A FORWARD -i {dn} -o {up} -d {LOOPBACK_NET} -j DROP
 -A FORWARD -i {dn} -o {up} -d {pool_cidr} -j DROP
--A FORWARD -i {dn} -o {up} -s {SANDBOX_IP}/32 -m conntrack --ctdir ORIGINAL -j {EGRESS_CHAIN}
--A FORWARD -i {dn} -o {up} -s {SANDBOX_IP}/32 -m conntrack --ctdir ORIGINAL -j ACCEPT
+-A FORWARD {ctdir} -j {EGRESS_CHAIN}
+{jump_private}-A FORWARD {ctdir} -j ACCEPT
 COMMIT
 *nat
 :PREROUTING ACCEPT [0:0]

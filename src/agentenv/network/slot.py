@@ -200,14 +200,16 @@ def slot_exists_partly(slot: Slot) -> bool:
         return _ifindex(ipr, slot.host_link) is not None
 
 
-def create_slot(slot: Slot, pool_cidr: str) -> None:
-    """Build every piece of ``slot`` from scratch (removing leftovers of a crash first)."""
+def create_slot(slot: Slot, pool_cidr: str, private: list[str] | None = None) -> None:
+    """Build every piece of ``slot`` from scratch (removing leftovers of a crash first);
+    ``private``: the router's AENV-PRIVATE chain (``policy.private_rules``)."""
     if slot_exists_partly(slot):
         destroy_slot(slot)
     try:
         with nsutil.created(slot.router_netns):
             _isolate_sysctls(router=True)
-            nsutil.iptables_restore(router_rules(slot.address, pool_cidr), noflush=False)
+            nsutil.iptables_restore(router_rules(slot.address, pool_cidr, private=private),
+                                    noflush=False)
             ipr_router = IPRoute()
         try:
             with IPRoute() as ipr:
@@ -272,7 +274,8 @@ def set_egress(slot: Slot, allowed: bool) -> None:
         _set_blackhole(ipr, not allowed)
 
 
-def apply_policy(slot: Slot, pool_cidr: str, compiled: CompiledPolicy | None) -> None:
+def apply_policy(slot: Slot, pool_cidr: str, compiled: CompiledPolicy | None,
+                 private: list[str] | None = None) -> None:
     """Put an egress policy in force in the slot's router (None: everything goes out).
 
     One flushing iptables-restore of the router's whole rule set (atomic, and it
@@ -282,8 +285,8 @@ def apply_policy(slot: Slot, pool_cidr: str, compiled: CompiledPolicy | None) ->
     """
     blackhole = compiled.blocks_everything if compiled is not None else not slot.internet
     with nsutil.entered(slot.router_netns):
-        nsutil.iptables_restore(router_rules(slot.address, pool_cidr, chain_rules(compiled)),
-                                noflush=False)
+        nsutil.iptables_restore(router_rules(slot.address, pool_cidr, chain_rules(compiled),
+                                             private), noflush=False)
         with IPRoute() as ipr:
             _set_blackhole(ipr, blackhole)
     slot.internet = not blackhole

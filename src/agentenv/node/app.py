@@ -22,7 +22,9 @@ from ..api.signed_files import SignedFileRouter
 from ..api.terminal import router as terminal_router
 from ..builds import ImageSources, TemplateBuilder, TemplateCleanup
 from ..config import Config
+from ..images.registry_hosts import RegistryPolicy, set_default_policy
 from ..network import SlotPool
+from ..network.policy import parse_opened
 from ..orchestrator import SandboxManager, SandboxState, SandboxStore
 from ..runtime import GVisorRuntime
 from ..snapshot import SnapshotStore, open_repository
@@ -42,12 +44,16 @@ API_BODY_LIMIT = 1 << 20  # 1 MiB: far above any sandbox request, far below harm
 def build_manager(config: Config) -> SandboxManager:
     config.home.mkdir(parents=True, exist_ok=True, mode=0o755)
     runtime = GVisorRuntime(config.run_dir, cgroup_parent=config.net_prefix)
+    # Where image pulls may send requests (registry, token realm, redirects).
+    set_default_policy(RegistryPolicy(tuple(
+        x.strip() for x in config.registry_private.split(",") if x.strip())))
     slots = SlotPool(
         prefix=config.net_prefix,
         pool_cidr=config.net_pool_cidr,
         low=config.net_pool_low,
         high=config.net_pool_high,
         capacity=config.max_sandboxes,
+        private_open=parse_opened(config.egress_private_open),
     )
     repository = open_repository(config.snapshot_repository())
     if config.peer_transfer and config.scheduler_url:

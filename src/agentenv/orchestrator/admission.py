@@ -12,6 +12,13 @@ slot, only its place; it is woken when something frees room (``wake``), and past
 
 An admitted create holds a *reservation* until its record exists (``Ticket.release``),
 so several admitted at once cannot overshoot the room they were counted against.
+
+Every path that makes a sandbox run asks here, not only creates (issue 29): batches,
+fork children, resumes (``connect`` and resume on traffic included), the reset of a
+paused sandbox and a diff's temporary sandboxes. Those that do not boot anything new
+at once (fork children, restored in parallel by design; a thaw in place) pass
+``starting=False``: they count against the node's room and the owner's quotas but
+not against the limit of sandboxes starting at once.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class _Bucket:
 class _Waiter:
     owner: str
     admitted: asyncio.Future[None]
+    starting: bool = True
 
 
 class Ticket:
@@ -103,11 +111,12 @@ class Ticket:
 
 class Admission:
     def __init__(self, *, timeout_s: float, max_waiting: int,
-                 no_room: Callable[[int], str | None],
+                 no_room: Callable[[int, bool], str | None],
                  owned: Callable[[str], int],
                  quotas: Callable[[str], Quota]) -> None:
-        """``no_room(reserved)``: why the node has no room for one more create with
-        ``reserved`` creates admitted but not yet recorded (None: it has room).
+        """``no_room(reserved, starting)``: why the node has no room for one more create
+        with ``reserved`` creates admitted but not yet recorded (None: it has room;
+        ``starting``: counting the limit of sandboxes starting at once).
         ``owned(owner)``: the owner's sandboxes holding resources. ``quotas(owner)``:
         its limits."""
         self.timeout_s = timeout_s
@@ -136,10 +145,12 @@ class Admission:
                 "reserved": sum(self._reserved.values())}
 
     async def admit(self, owner: str = "",
-                    gone: Callable[[], Awaitable[bool]] | None = None) -> Ticket:
+                    gone: Callable[[], Awaitable[bool]] | None = None,
+                    starting: bool = True) -> Ticket:
         """Wait for room (at most ``timeout_s``); the ticket must be released once the
-        create's record exists. Raises TooManyRequests or ClientGone."""
-        if not self._waiting and self._why_not(owner) is None:
+        create's record exists (or the resumed sandbox runs). Raises TooManyRequests or
+        ClientGone."""
+        if not self._waiting and self._why_not(owner, starting) is None:
             self._counts["admitted"] += 1
             return self._grant(owner)
         if self._waiting >= self.max_waiting:
@@ -148,7 +159,7 @@ class Admission:
             raise TooManyRequests(
                 f"{self._waiting} creates are already waiting for room on this node (the "
                 f"most it queues); retry later", self._retry_after(owner))
-        waiter = _Waiter(owner, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(owner, asyncio.get_running_loop().create_future(), starting)
         self._queues.setdefault(owner, deque()).append(waiter)
         self._waiting += 1
         try:
@@ -165,6 +176,21 @@ class Admission:
             raise
         self._counts["waited"] += 1
         return Ticket(self, owner)
+
+    def try_admit(self, owner: str = "", starting: bool = True) -> Ticket | None:
+        """A ticket now, or None (no room, a quota, or others waiting): never queues."""
+        if self._waiting or self._why_not(owner, starting) is not None:
+            return None
+        self._counts["admitted"] += 1
+        return self._grant(owner)
+
+    def refusal(self, owner: str = "", starting: bool = True) -> TooManyRequests:
+        """The 429 for one that ``try_admit`` turned away."""
+        self._counts["refused"] += 1
+        REFUSALS.labels("no_room").inc()
+        why = self._why_not(owner, starting) or "others are waiting for room"
+        return TooManyRequests(f"no room for another sandbox now ({why}); retry after the "
+                               "time in Retry-After", self._retry_after(owner))
 
     def wake(self) -> None:
         """Something freed room (a sandbox gone, paused or failed; a slot released)."""
@@ -189,7 +215,7 @@ class Admission:
         while True:
             left = end - time.monotonic()
             if left <= 0:
-                raise TooManyRequests(self._timeout_message(waiter.owner),
+                raise TooManyRequests(self._timeout_message(waiter.owner, waiter.starting),
                                       self._retry_after(waiter.owner))
             step = min(left, GONE_POLL_S) if gone is not None else left
             with contextlib.suppress(TimeoutError):
@@ -200,14 +226,14 @@ class Admission:
             if gone is not None and await gone():
                 raise ClientGone("the client hung up while its create waited for room")
 
-    def _timeout_message(self, owner: str) -> str:
-        why = self._why_not(owner) or "others were ahead in the queue"
+    def _timeout_message(self, owner: str, starting: bool = True) -> str:
+        why = self._why_not(owner, starting) or "others were ahead in the queue"
         return (f"no room for a new sandbox within {self.timeout_s:g}s ({why}); "
                 "retry after the time in Retry-After")
 
-    def _why_not(self, owner: str) -> str | None:
+    def _why_not(self, owner: str, starting: bool = True) -> str | None:
         """Why a create of ``owner`` cannot go now (None: it can)."""
-        why = self._no_room(sum(self._reserved.values()))
+        why = self._no_room(sum(self._reserved.values()), starting)
         if why is not None:
             return why
         quota = self._quotas(owner)
@@ -260,9 +286,9 @@ class Admission:
                 if not queue:
                     del self._queues[owner]
                     continue
-                if self._no_room(sum(self._reserved.values())) is not None:
+                if self._no_room(sum(self._reserved.values()), False) is not None:
                     return  # nothing frees by itself: wake() comes when room does
-                if self._why_not(owner) is not None:
+                if self._why_not(owner, queue[0].starting) is not None:
                     continue  # this owner's quota: the others go on
                 waiter = queue.popleft()
                 self._waiting -= 1
@@ -298,7 +324,7 @@ class Admission:
         quota = self._quotas(owner)
         if quota.creates_per_s > 0:
             wait = self._bucket(owner, quota).wait_s(time.monotonic())
-            if wait > 0 and self._no_room(0) is None:
+            if wait > 0 and self._no_room(0, True) is None:
                 return math.ceil(wait)
         now = time.monotonic()
         recent = [t for t in self._admits if t >= now - _RATE_WINDOW_S]

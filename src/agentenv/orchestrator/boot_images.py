@@ -87,6 +87,7 @@ class BootImages:
         self.manager = manager
         self.pool_size = pool_size
         self._images: dict[str, BootImage] = {}
+        self._pooled_templates: dict[str, Template] = {}
         # Restores reading each image's files now, and images forgotten meanwhile
         # (deleted when their last restore ends), by snapshot ID.
         self._users: collections.Counter[str] = collections.Counter()
@@ -333,8 +334,27 @@ class BootImages:
         self._refill(template)
         return member
 
+    async def member_exited(self, sandbox_id: str, reason: str) -> bool:
+        """A pooled sandbox's runtime ended unasked: out of the pool at once (before any
+        create is handed it), its slot freed, and the pool refilled. False: not ours."""
+        for tid, members in self._pool.items():
+            member = next((m for m in members if m.sandbox_id == sandbox_id), None)
+            if member is None:
+                continue
+            members.remove(member)
+            log.warning("warm pool of %s: pooled sandbox %s %s; replacing it", tid,
+                        sandbox_id, reason)
+            await self._destroy(member)
+            template = self._pooled_templates.get(tid)
+            if template is not None:
+                self._refill(template)
+            self.on_freed()
+            return True
+        return False
+
     def _refill(self, template: Template) -> None:
         tid = template.template_id
+        self._pooled_templates[tid] = template  # (to refill after a member died)
         if self._closed or self.pool_size <= 0 or tid in self._refilling:
             return
         task = asyncio.create_task(self._fill(template), name=f"pool-{tid}")

@@ -35,6 +35,7 @@ from ..templates import Template, TemplateNotFound, TemplateRegistry
 from .admission import Admission, Quota, Ticket
 from .boot_images import BootImages
 from .collect import SnapshotCollector
+from .diffing import DiffGate
 from .disk_pause import TemplateListings
 from .envd_client import EnvdClient
 from .exits import ExitHandler
@@ -45,7 +46,6 @@ from .local_cache import LocalCache
 from .models import (
     TRANSITIONS,
     BadRequest,
-    CapacityExceeded,
     Conflict,
     NotFound,
     OrchestratorError,
@@ -114,6 +114,8 @@ class ManagerCore:
         self.admission = Admission(
             timeout_s=config.admission_queue_timeout_s, max_waiting=config.admission_queue_max,
             no_room=self._no_room, owned=self._owned, quotas=self._quota)
+        # Diffs in flight, per key and in all (diffing.py: each may restore snapshots).
+        self.diff_gate = DiffGate()
         # Runs own sandboxes: their leases, persisted beside the records (runs.py).
         self.runbook = RunBook(store.path)
         # Answers of creates sent with an Idempotency-Key (idempotency.py).
@@ -211,12 +213,6 @@ class ManagerCore:
     async def make_room(self) -> bool:
         """Free a slot something idle holds (pausing.py: a resident paused sandbox)."""
         return False
-
-    def _check_capacity(self) -> None:
-        """For fork children (not queued: their restores run in parallel by design)."""
-        why = self._no_room(0, starting=False)
-        if why is not None:
-            raise CapacityExceeded(f"{why}; retry later")
 
     def _no_room(self, reserved: int, starting: bool = True) -> str | None:
         """Why one more sandbox does not fit now, with ``reserved`` creates admitted but
@@ -468,6 +464,9 @@ class ManagerCore:
         """A running sandbox's runtime ended unasked: the record goes to ``error``
         with the reason, and what the sandbox held is freed (exits.py)."""
         record = self._records.get(sandbox_id)
+        if record is None and self.boot_images is not None:
+            await self.boot_images.member_exited(sandbox_id, reason)  # a pooled one
+            return
         if record is not None and record.state is SandboxState.PAUSED:
             await self._resident_exited(record, reason)
             return

@@ -16,7 +16,6 @@ path on this host.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import shutil
 import tarfile
@@ -25,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..textdiff import MAX_DIFF_LINES, Item, diff_all, unified
+from .admission import TooManyRequests
 from .disk_pause import MAX_ENTRIES, MAX_LINE
 from .models import OrchestratorError
+
+__all__ = ["MAX_DIFF_LINES", "diff_all", "unified"]
 
 # Kind, mode, uid, gid, size, mtime_ns, link target.
 Entry = tuple[str, int, int, int, int, int, str]
@@ -34,8 +37,79 @@ Entry = tuple[str, int, int, int, int, int, str]
 MAX_LISTED = 10_000  # entries of each of added / removed / changed in an answer
 MAX_TEXT_FILES = 50  # files given a unified diff
 MAX_TEXT_BYTES = 256 << 10  # per version of a file given a unified diff
-MAX_DIFF_LINES = 2_000  # per unified diff
 EXPORT_LIMIT = 2 * MAX_TEXT_FILES * MAX_TEXT_BYTES + (4 << 20)
+# The text diffs' work (issue 29): difflib is quadratic in lines at worst, so lines
+# bound it, per version of a file (longer ones are listed, not diffed) and in all (a
+# 413); a child process does it and is killed at DIFF_TIMEOUT_S (a 413 too). 5 000 x
+# 5 000 shuffled short lines: 0.2-0.4 s here, so 50 000 in all is ~2 s at worst.
+MAX_TEXT_LINES = 5_000
+MAX_TOTAL_LINES = 50_000
+DIFF_TIMEOUT_S = 20.0
+# Diffs in flight: per API key, and on the node (each may restore two snapshots).
+MAX_DIFFS_PER_KEY = 1
+MAX_DIFFS = 2
+
+
+class DiffTooLarge(OrchestratorError):
+    status = 413
+
+
+class DiffGate:
+    """At most MAX_DIFFS_PER_KEY diffs of one key and MAX_DIFFS in all at once; more
+    are a 429 at once (a diff holds sandboxes, so it does not queue)."""
+
+    def __init__(self, per_key: int = MAX_DIFFS_PER_KEY, total: int = MAX_DIFFS) -> None:
+        self.per_key, self.total = per_key, total
+        self._running: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, owner: str):
+        mine = self._running.get(owner, 0)
+        if mine >= self.per_key:
+            raise TooManyRequests(f"this API key already has {mine} diff(s) running (the "
+                                  "most at once); retry once it is done", 5)
+        if sum(self._running.values()) >= self.total:
+            raise TooManyRequests(f"{self.total} diffs are running on this node (the most at "
+                                  "once); retry later", 5)
+        self._running[owner] = mine + 1
+        try:
+            yield
+        finally:
+            left = self._running.pop(owner) - 1
+            if left:
+                self._running[owner] = left
+
+
+def text_work(paths: list[str], versions: list[dict[str, bytes]], listings: list[Listing]
+              ) -> tuple[list[Item], dict[str, str]]:
+    """What the text diffs compare, and the files left out with why; a DiffTooLarge
+    when all of it is more lines than MAX_TOTAL_LINES."""
+    items: list[Item] = []
+    skipped: dict[str, str] = {}
+    total = 0
+    for path in paths:
+        pair = [versions[i].get(path) if path in listings[i].entries else None
+                for i in (0, 1)]
+        lines = [data.count(b"\n") + 1 if data else 0 for data in pair]
+        if max(lines) > MAX_TEXT_LINES:
+            skipped[path] = f"more than {MAX_TEXT_LINES} lines: not diffed"
+            continue
+        total += sum(lines)
+        items.append((path, pair[0], pair[1]))
+    if total > MAX_TOTAL_LINES:
+        raise DiffTooLarge(f"the text diffs would compare {total} lines (at most "
+                           f"{MAX_TOTAL_LINES}): ask without text=true, or compare fewer "
+                           "changed files")
+    return items, skipped
+
+
+def diffs(items: list[Item]) -> dict[str, str]:
+    """The unified diffs, in a child process bounded by DIFF_TIMEOUT_S (blocking)."""
+    try:
+        return diff_all(items, DIFF_TIMEOUT_S)
+    except TimeoutError:
+        raise DiffTooLarge(f"the text diffs took more than {DIFF_TIMEOUT_S:g} s: ask "
+                           "without text=true, or compare fewer changed files") from None
 
 
 @dataclass
@@ -102,29 +176,6 @@ def read_export(tar_path: Path, wanted: list[str]) -> dict[str, bytes]:
             if f is not None:
                 out[path] = f.read(MAX_TEXT_BYTES + 1)[:MAX_TEXT_BYTES]
     return out
-
-
-def unified(path: str, old: bytes | None, new: bytes | None) -> str | None:
-    """A unified diff of two versions (None: the file is absent), or None if either is
-    not text."""
-    texts: list[list[str]] = []
-    for data in (old, new):
-        if data is None:
-            texts.append([])
-            continue
-        if b"\0" in data:
-            return None
-        try:
-            texts.append(data.decode().splitlines(keepends=True))
-        except UnicodeDecodeError:
-            return None
-    lines = list(difflib.unified_diff(texts[0], texts[1],
-                                      fromfile=f"a{path}" if old is not None else "/dev/null",
-                                      tofile=f"b{path}" if new is not None else "/dev/null"))
-    if len(lines) > MAX_DIFF_LINES:
-        lines = [*lines[:MAX_DIFF_LINES], f"... {len(lines) - MAX_DIFF_LINES} more lines\n"]
-    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                   for line in lines)
 
 
 def paths_body(paths: list[str], dest: Path) -> None:

@@ -18,6 +18,7 @@ from ..metrics import LIFECYCLE
 from ..snapshot import Manifest, SnapshotError
 from ..templates import Template, TemplateNotFound
 from . import disk_pause
+from .admission import Ticket, TooManyRequests
 from .core import ManagerCore
 from .lineage import fork_origin
 from .models import (
@@ -47,16 +48,17 @@ async def as_they_come(starts: list[asyncio.Task[SandboxRecord]], failed: str
 
 
 class Forking(ManagerCore):
-    async def fork(self, sandbox_id: str, count: int, ttl: int | None = None
-                   ) -> list[SandboxRecord | OrchestratorError]:
+    async def fork(self, sandbox_id: str, count: int, ttl: int | None = None,
+                   owner: str | None = None) -> list[SandboxRecord | OrchestratorError]:
         """Branch a running sandbox into ``count`` children that continue its exact state.
 
         One result per child, in the order they came up: its record, or the error
         that stopped it (``fork_each`` hands each over as soon as it is up).
         """
-        return [result async for result in self.fork_each(sandbox_id, count, ttl)]
+        return [result async for result in self.fork_each(sandbox_id, count, ttl, owner)]
 
-    async def fork_each(self, sandbox_id: str, count: int, ttl: int | None = None
+    async def fork_each(self, sandbox_id: str, count: int, ttl: int | None = None,
+                        owner: str | None = None
                         ) -> AsyncIterator[SandboxRecord | OrchestratorError]:
         """The children of a fork as each comes up (a record, or the error that
         stopped it). The source is stopped only while its state is captured, then
@@ -67,27 +69,50 @@ class Forking(ManagerCore):
         raised before the first child. Children are tasks of their own: one the
         caller stops waiting for still comes up (its TTL bounds it), and the capture
         is removed once every child is done with it.
+
+        Children are admitted as creates are (admission.py), against the node's room
+        and the quotas of ``owner`` (the caller; default the source's owner), before
+        the source is touched: the first waits its turn (a 429 for the whole fork if
+        it finds none), the others go only if there is room now, else are 429 results.
         """
         check_fork_count(count)
         seconds = self._check_timeout(ttl)
+        owner = self.get(sandbox_id).owner if owner is None else owner
+        tickets, refused = await self._admit_children(owner, count)
         image = self.config.run_dir / "images" / f"fork-{new_sandbox_id()}"
         started = time.perf_counter()
         # Its children's slots are kept warm when released: a next fork reuses them
         # instead of building netns beside its restores (0.5-0.9 s a child at 16).
-        self.slots.expect(count)
+        self.slots.expect(len(tickets))
         try:
             source = await self._capture_for_fork(sandbox_id, image)
-            children = [asyncio.create_task(self._fork_child(source, image, seconds))
-                        for _ in range(count)]
         except BaseException:
+            for ticket in tickets:
+                ticket.release()
             await asyncio.to_thread(shutil.rmtree, image, True)
             raise
+        children = [asyncio.create_task(self._fork_child(source, image, seconds, owner, t))
+                    for t in tickets]
+        for error in refused:
+            yield error
         cleanup = asyncio.create_task(self._remove_when_done(children, image, started))
         self._tasks.add(cleanup)
         cleanup.add_done_callback(self._tasks.discard)
         async for result in as_they_come(children, "child failed to start"):
             yield result
         await asyncio.shield(cleanup)  # every child is up: the capture is gone on return
+
+    async def _admit_children(self, owner: str, count: int
+                              ) -> tuple[list[Ticket], list[TooManyRequests]]:
+        first = await self.admission.admit(owner, starting=False)  # raises the fork's 429
+        tickets, refused = [first], []
+        for _ in range(count - 1):
+            ticket = self.admission.try_admit(owner, starting=False)
+            if ticket is None:
+                refused.append(self.admission.refusal(owner, starting=False))
+            else:
+                tickets.append(ticket)
+        return tickets, refused
 
     async def _capture_for_fork(self, sandbox_id: str, image: Path) -> SandboxRecord:
         async with self._lock(sandbox_id):
@@ -114,8 +139,16 @@ class Forking(ManagerCore):
         finally:  # a node stopping cancels this; a crash leaves it to reconcile
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, image, True))
 
-    async def _fork_child(self, source: SandboxRecord, image: Path, ttl: int) -> SandboxRecord:
-        self._check_capacity()
+    async def _fork_child(self, source: SandboxRecord, image: Path, ttl: int, owner: str,
+                          ticket: Ticket) -> SandboxRecord:
+        try:
+            record = self._child_record(source, ttl, owner)
+        finally:
+            ticket.release()
+        return await self._as_task(record, self._restore_new(
+            record, image, source_token=source.envd_token, hostname_of=source.sandbox_id))
+
+    def _child_record(self, source: SandboxRecord, ttl: int, owner: str) -> SandboxRecord:
         record = new_record(
             node_id=self.config.node_id, template_id=source.template_id, alias=source.alias,
             resources=Resources(source.cpu_count, source.memory_mb, source.disk_size_mb),
@@ -124,13 +157,12 @@ class Forking(ManagerCore):
             network=source.network, private_ports=bool(source.traffic_token),
             metadata=source.metadata, env_vars=source.env_vars,
             auto_resume=source.auto_resume, resume_timeout=ttl,
-            mask_request_host=source.mask_request_host, owner=source.owner,
+            mask_request_host=source.mask_request_host, owner=owner,
             # Children belong to their source's run while it goes on (they end with it).
             run_id=source.run_id if self.runbook.joinable(source.run_id) else "",
             origin=fork_origin(source))
         self._add(record)
-        return await self._as_task(record, self._restore_new(
-            record, image, source_token=source.envd_token, hostname_of=source.sandbox_id))
+        return record
 
     async def _create_from_snapshot(self, req: CreateRequest, manifest: Manifest, ttl: int,
                                     template: Template | None = None) -> SandboxRecord:

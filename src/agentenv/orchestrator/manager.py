@@ -25,6 +25,7 @@ from ..templates import Template, TemplateNotFound
 from ..templates.registry import InvalidTemplateRef
 from . import diffing, disk_pause
 from .boot_images import BootImage, PooledSandbox
+from .connecting import Connecting
 from .egress import Egress
 from .envd_client import EnvdUnavailable
 from .forking import Forking, as_they_come
@@ -51,7 +52,8 @@ COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
-class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, SnapshotUse, Runs):
+class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking, Egress,
+                     SnapshotUse, Runs):
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -277,12 +279,16 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
                 "tree": graph.tree(key)}
 
     async def diff(self, before: str, after: str, text: bool = False,
-                   owner: str = "") -> dict:
+                   owner: str = "", may_restore: bool = True) -> dict:
         """What changed in the files from ``before`` to ``after`` (diffing.py): each a
         running sandbox of this node, or a snapshot (ID or name), restored for the
         purpose into a sandbox of its own that is killed afterwards."""
         async with contextlib.AsyncExitStack() as stack:
+            stack.enter_context(self.diff_gate.hold(owner))  # a 429 past its limits
             work = stack.enter_context(diffing.scratch_dir(self.config.run_dir / "diffs"))
+            if not may_restore:
+                for ref in (before, after):
+                    self._check_no_restore(ref)
             sides = [await self._diff_side(ref, stack, owner) for ref in (before, after)]
             listings = []
             for i, (address, token) in enumerate(sides):
@@ -309,10 +315,10 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
                         raise OrchestratorError(f"reading files of '{(before, after)[i]}' "
                                                 f"failed: {exc}") from exc
                     versions.append(await asyncio.to_thread(diffing.read_export, tar, paths))
-                result["diffs"] = await asyncio.to_thread(
-                    lambda: {p: d for p in paths if (d := diffing.unified(
-                        p, versions[0].get(p) if p in listings[0].entries else None,
-                        versions[1].get(p) if p in listings[1].entries else None))})
+                items, skipped = diffing.text_work(paths, versions, listings)
+                result["diffs"] = await asyncio.to_thread(diffing.diffs, items)
+                if skipped:
+                    result["notDiffed"] = skipped
         return {"from": before, "to": after, **result}
 
     async def _diff_side(self, ref: str, stack: contextlib.AsyncExitStack,
@@ -332,6 +338,16 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking, Egress, Sn
                            "files can be compared (resume it first)")
         address, _ = self.endpoint(record.sandbox_id, ENVD_PORT)
         return address, record.envd_token
+
+    def _check_no_restore(self, ref: str) -> None:
+        record = self._records.get(ref)
+        if record is None or record.state is SandboxState.KILLED:
+            err = OrchestratorError(
+                f"'{ref}' is no running sandbox of this node: comparing a snapshot restores "
+                "it into a temporary sandbox, which a GET does not do; send the same "
+                "request as a POST")
+            err.status, err.headers = 405, {"Allow": "POST"}
+            raise err
 
     async def _kill_quietly(self, sandbox_id: str) -> None:
         with contextlib.suppress(OrchestratorError):

@@ -289,8 +289,25 @@ class Pausing(Captures):
                      auto_pause: bool | None = None, memory: bool = True) -> SandboxRecord:
         """Bring a paused sandbox back, same ID, from its pause snapshot: restored as it
         was, or rebooted with its files when the pause kept no memory. On failure it
-        stays paused, holding nothing."""
+        stays paused, holding nothing.
+
+        Admitted as a create is (admission.py), against the node's room and its
+        owner's quotas, whoever asks (``connect``, resume on traffic): a 429 with
+        Retry-After when none comes within the queue time."""
         seconds = self._check_timeout(ttl)
+        record = self.get(sandbox_id)
+        if record.state is not SandboxState.PAUSED:
+            raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
+        # A thaw in place boots nothing: it does not wait for the starting limit.
+        thaw = self._resident is not None and self._resident.get(sandbox_id) is not None
+        ticket = await self.admission.admit(record.owner, starting=not thaw)
+        try:
+            return await self._resume_admitted(sandbox_id, seconds, auto_pause, memory)
+        finally:
+            ticket.release()  # after the state changed: the room is counted as running
+
+    async def _resume_admitted(self, sandbox_id: str, seconds: int,
+                               auto_pause: bool | None, memory: bool) -> SandboxRecord:
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is not SandboxState.PAUSED:
@@ -353,48 +370,6 @@ class Pausing(Captures):
         self.store.put(record)
         self.freezer.touch(record.sandbox_id)  # active now (memory pressure picks the idle)
         return record
-
-    async def connect(self, sandbox_id: str, ttl: int | None = None,
-                      memory: bool = True) -> SandboxRecord:
-        """A running sandbox as it is (a given TTL extends it); a paused one is resumed."""
-        record = self.get(sandbox_id)
-        if record.state is SandboxState.PAUSED:
-            return await self.resume(sandbox_id, ttl, memory=memory)
-        if ttl is not None:
-            return await self.set_timeout(sandbox_id, ttl)
-        return record
-
-    async def ensure_running(self, sandbox_id: str) -> SandboxRecord:
-        """The sandbox, running: a paused one created with auto-resume is resumed first
-        (E2B's resume on traffic). Concurrent callers share one resume; a sandbox that
-        cannot run raises as ``endpoint`` does (NotFound, Conflict), a failed resume
-        as ``resume`` does (it then stays paused)."""
-        record = self.get(sandbox_id)
-        if record.state is SandboxState.PAUSED and record.auto_resume:
-            task = self._auto_resumes.get(sandbox_id)
-            if task is None:
-                ttl = min(record.resume_timeout or self.config.default_timeout,
-                          self.config.max_timeout)
-                task = asyncio.create_task(self.resume(sandbox_id, ttl))
-                self._auto_resumes[sandbox_id] = task
-                task.add_done_callback(self._auto_resume_done)
-                log.info("sandbox %s: traffic arrived while paused; resuming it", sandbox_id)
-            try:
-                await asyncio.shield(task)
-            except Conflict:
-                pass  # resumed (or killed) by someone else meanwhile: see below
-            record = self.get(sandbox_id)
-        if record.state is not SandboxState.RUNNING or record.error:
-            raise not_running(record)
-        return record
-
-    def _auto_resume_done(self, task: asyncio.Task) -> None:
-        for sid, running in list(self._auto_resumes.items()):
-            if running is task:
-                del self._auto_resumes[sid]
-        # Read here: every request that waited for it may have hung up before it ended.
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("resume on traffic failed: %s", task.exception())
 
     async def _forget_paused(self, record: SandboxRecord) -> None:
         """Kill a paused sandbox: its snapshot (committed or staged) goes too, and a

@@ -2,8 +2,11 @@
 
 Running sandboxes whose runtime still runs and whose envd answers are adopted with
 their slots; paused ones and ones in ``error`` keep their records (a pause whose
-commit did not finish is committed again); anything else a crash left behind (runtime
-sandboxes, slots, fork images, interrupted captures) is removed.
+commit did not finish is committed again); a running one whose runtime died while the
+node was down, or whose envd no longer answers, is kept in ``error`` with that
+reason, as a sandbox whose runtime dies under a running node is (a GET is then a 404
+naming it, and it is listed under ``state=error``); anything else a crash left behind
+(runtime sandboxes, slots, fork images, interrupted captures) is removed.
 """
 
 from __future__ import annotations
@@ -38,6 +41,15 @@ class Reconciling(Pausing):
                 log.info("reconcile: dropping template build sandbox %s", record.sandbox_id)
                 self.store.delete(record.sandbox_id)
             elif record.state is SandboxState.RUNNING and running and running.state == "running":
+                keep[record.sandbox_id] = record
+            elif record.state is SandboxState.RUNNING:  # it died while the node was down
+                record.error = ("ended while the node was down: its runtime was "
+                                f"{running.state if running else 'gone'} at the restart")
+                log.error("reconcile: sandbox %s %s; it is now in state error",
+                          record.sandbox_id, record.error)
+                record.state = SandboxState.ERROR
+                record.slot_index, record.slot_address = 0, ""
+                self.store.put(record)
                 keep[record.sandbox_id] = record
             elif record.state in (SandboxState.PAUSED, SandboxState.ERROR):
                 keep[record.sandbox_id] = record
@@ -134,9 +146,8 @@ class Reconciling(Pausing):
         for record, ok in zip(running, await asyncio.gather(*map(answers, running)),
                               strict=True):
             if not ok:
-                log.warning("reconcile: sandbox %s does not answer; removing it",
-                            record.sandbox_id)
-                await self._teardown(record, True)
+                await self._runtime_exited(record.sandbox_id, "ended while the node was "
+                                           "down: its envd did not answer at the restart")
 
     def _remove_stale_captures(self, keep: dict[str, SandboxRecord]) -> None:
         """Captures a crash interrupted: fork images, and staged snapshots that no

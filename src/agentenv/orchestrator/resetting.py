@@ -60,15 +60,26 @@ class Resetting(Pausing):
         manifest = await (self._resolve_snapshot(snapshot) if snapshot
                           else self._last_snapshot(record))
         self._check_resettable(record, manifest)
-        if record.state is SandboxState.PAUSED:
-            # Frozen in memory: out first (once its capture is made), so that the reset
-            # restores into a fresh slot and a failure leaves it paused, as for any other.
-            await self.evict(sandbox_id)
-        image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
-        # A client hanging up must not stop a reset half-way: it runs as its own task.
-        task = asyncio.create_task(self._reset_locked(sandbox_id, manifest, image, seconds))
+        # A paused sandbox's reset makes it run: admitted as a resume is (a running
+        # one keeps its slot and its place in the counts, so it asks nothing).
+        ticket = await self.admission.admit(record.owner) \
+            if record.state is SandboxState.PAUSED else None
+        try:
+            if record.state is SandboxState.PAUSED:
+                # Frozen in memory: out first (once its capture is made), so that the
+                # reset restores into a fresh slot and a failure leaves it paused.
+                await self.evict(sandbox_id)
+            image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
+            # A client hanging up must not stop a reset half-way: it runs as its own task.
+            task = asyncio.create_task(self._reset_locked(sandbox_id, manifest, image, seconds))
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if ticket is not None:
+            task.add_done_callback(lambda _: ticket.release())
         return await asyncio.shield(task), manifest
 
     async def _resolve_snapshot(self, name: str) -> Manifest:

@@ -57,6 +57,9 @@ class Node:
             "AENV_NET_POOL_CIDR": cidr,
             "AENV_NET_POOL_LOW": "2",
             "AENV_NET_POOL_HIGH": "4",
+            # The test nets the egress tests' "outside" namespaces use (10.250-251.x):
+            # private networks are refused to sandboxes unless opened.
+            "AENV_EGRESS_PRIVATE_OPEN": "10.250.0.0/15",
             **env,
         }
         self.proc: subprocess.Popen | None = None

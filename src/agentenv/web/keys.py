@@ -158,3 +158,16 @@ async def require_api_key(
         x_api_key, request.app.state.api_key)
     if not ok:
         raise HTTPException(status_code=401, detail="missing or invalid X-API-Key header")
+    # Who calls, resolved once here from the key that matched, whichever header carried
+    # it: quotas, admission and idempotency all take it from ``caller`` (issue 29).
+    request.state.caller = key_id(x_api_key or "")
+
+
+def caller(request: Request) -> str:
+    """The authenticated caller's key ID (set by ``require_api_key``). A route that is
+    reached without that check has no caller: that is a bug, not an anonymous owner."""
+    who = getattr(request.state, "caller", None)
+    if not isinstance(who, str):
+        raise RuntimeError(f"{request.url.path}: no authenticated caller (route outside "
+                           "require_api_key)")
+    return who

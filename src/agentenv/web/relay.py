@@ -211,7 +211,8 @@ def client_host(scope: Scope) -> str | None:
 
 
 async def send_error(scope: Scope, send: Send, status: int, message: str,
-                     sandbox_id: str | None = None) -> None:
+                     sandbox_id: str | None = None,
+                     headers: dict[str, str] | None = None) -> None:
     """An error as the API shapes it (``{"code", "message"}``, and ``sandboxId`` as E2B's
     proxy adds it when one is named); a WebSocket is closed."""
     if scope["type"] == "websocket":
@@ -223,7 +224,9 @@ async def send_error(scope: Scope, send: Send, status: int, message: str,
     body = json.dumps(error).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()),
+                            *((k.encode("latin-1"), v.encode("latin-1"))
+                              for k, v in (headers or {}).items())]})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -27,7 +27,7 @@ from ...snapshot import StorageFull as SnapshotStorageFull
 from ...snapshot.manifest import NAME_MAX_LENGTH, NAME_PATTERN, check_name
 from ...templates import TemplateNotFound
 from ...templates.tags import DEFAULT_TAG
-from ...web.keys import key_id
+from ...web.keys import caller
 from .. import models
 
 router = APIRouter()
@@ -54,7 +54,8 @@ async def fork_sandbox(sandbox_id: str, body: ForkRequest, request: Request
     One result per child, in the order they came up. Asked for NDJSON, each is sent
     as soon as its child is up, so a client can use the first children while the
     others are still being restored."""
-    children = _manager(request).fork_each(sandbox_id, body.count, body.timeout)
+    children = _manager(request).fork_each(sandbox_id, body.count, body.timeout,
+                                          caller(request))
     return await models.children_answer(children, request)
 
 
@@ -255,6 +256,7 @@ async def snapshot_lineage(snapshot_id: str, request: Request) -> dict:
     return await snapshot_call(_manager(request).lineage(snapshot_id))
 
 
+@router.post("/snapshots/{before}/diff/{after}")
 @router.get("/snapshots/{before}/diff/{after}")
 async def snapshot_diff(before: str, after: str, request: Request,
                         text: bool = Query(default=False, description="Unified diffs of "
@@ -262,9 +264,14 @@ async def snapshot_diff(before: str, after: str, request: Request,
                         ) -> dict:
     """Files added, removed and changed from ``before`` to ``after``: each a snapshot
     (ID or name) or a running sandbox of this node. A snapshot is restored for the
-    purpose into a sandbox without network that is killed afterwards."""
-    owner = key_id(request.headers.get("X-API-Key") or "")
-    return await snapshot_call(_manager(request).diff(before, after, text, owner))
+    purpose into a sandbox without network that is killed afterwards: that takes a
+    POST; a GET compares running sandboxes only (it creates nothing; a 405 naming POST
+    otherwise), so a console session's GET cannot start sandboxes. At most one diff
+    per API key and two per node run at once (429), and text diffs are bounded in
+    lines and time (413)."""
+    owner = caller(request)
+    return await snapshot_call(_manager(request).diff(
+        before, after, text, owner, may_restore=request.method == "POST"))
 
 
 @router.get("/lineage")

@@ -25,7 +25,7 @@ from ...orchestrator import query as q
 from ...orchestrator.idempotency import MAX_KEY_CHARS, check_key, fingerprint
 from ...orchestrator.requests import MAX_BATCH
 from ...web import shared_tls
-from ...web.keys import key_id
+from ...web.keys import caller
 from .. import models
 from . import network as network_routes
 
@@ -77,7 +77,7 @@ async def create_sandbox(
     answer; ``X-Aenv-Run`` (or metadata ``aenv.run``) puts it in a run."""
     mgr = manager(request)
     run_id = _run_of(run, body)
-    owner = key_id(request.headers.get("X-API-Key") or "")
+    owner = caller(request)
 
     async def make() -> dict:
         source = await _template_of(body, request)
@@ -117,7 +117,7 @@ async def create_sandboxes(
     if bool(body.template_id or body.image) == bool(body.snapshot_id):
         raise BadRequest("give one of templateID (or image) and snapshotID")
     source = body.model_copy(update={"template_id": body.template_id or body.snapshot_id})
-    req = _create_request(source, request, key_id(request.headers.get("X-API-Key") or ""),
+    req = _create_request(source, request, caller(request),
                           _run_of(run, body), await _template_of(source, request))
     return await models.children_answer(manager(request).create_each(req, body.count),
                                         request)

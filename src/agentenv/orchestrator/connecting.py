@@ -1,0 +1,57 @@
+"""Connecting to a sandbox: a running one as it is, a paused one resumed (by ``connect``
+or, for auto-resume sandboxes, by traffic through the proxy). Resumes are admitted
+like creates (pausing.py's ``resume``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .models import Conflict, SandboxRecord, SandboxState, not_running
+from .pausing import Pausing
+
+log = logging.getLogger(__name__)
+
+
+class Connecting(Pausing):
+    async def connect(self, sandbox_id: str, ttl: int | None = None,
+                      memory: bool = True) -> SandboxRecord:
+        """A running sandbox as it is (a given TTL extends it); a paused one is resumed."""
+        record = self.get(sandbox_id)
+        if record.state is SandboxState.PAUSED:
+            return await self.resume(sandbox_id, ttl, memory=memory)
+        if ttl is not None:
+            return await self.set_timeout(sandbox_id, ttl)
+        return record
+
+    async def ensure_running(self, sandbox_id: str) -> SandboxRecord:
+        """The sandbox, running: a paused one created with auto-resume is resumed first
+        (E2B's resume on traffic). Concurrent callers share one resume; a sandbox that
+        cannot run raises as ``endpoint`` does (NotFound, Conflict), a failed resume
+        as ``resume`` does (it then stays paused)."""
+        record = self.get(sandbox_id)
+        if record.state is SandboxState.PAUSED and record.auto_resume:
+            task = self._auto_resumes.get(sandbox_id)
+            if task is None:
+                ttl = min(record.resume_timeout or self.config.default_timeout,
+                          self.config.max_timeout)
+                task = asyncio.create_task(self.resume(sandbox_id, ttl))
+                self._auto_resumes[sandbox_id] = task
+                task.add_done_callback(self._auto_resume_done)
+                log.info("sandbox %s: traffic arrived while paused; resuming it", sandbox_id)
+            try:
+                await asyncio.shield(task)
+            except Conflict:
+                pass  # resumed (or killed) by someone else meanwhile: see below
+            record = self.get(sandbox_id)
+        if record.state is not SandboxState.RUNNING or record.error:
+            raise not_running(record)
+        return record
+
+    def _auto_resume_done(self, task: asyncio.Task) -> None:
+        for sid, running in list(self._auto_resumes.items()):
+            if running is task:
+                del self._auto_resumes[sid]
+        # Read here: every request that waited for it may have hung up before it ended.
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("resume on traffic failed: %s", task.exception())
