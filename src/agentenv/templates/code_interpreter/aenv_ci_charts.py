@@ -44,8 +44,8 @@ def axes_to_chart(ax: Axes) -> dict[str, Any]:
     kind = _kind(ax)
     chart: dict[str, Any] = {"type": kind, "title": ax.get_title() or None, "elements": []}
     if kind == "pie":
-        chart["elements"] = [{"label": w.get_label(), "angle": _num(w.theta2 - w.theta1),
-                              "radius": _num(w.r)} for w in ax.patches if isinstance(w, Wedge)]
+        chart["elements"] = [{"label": w.get_label(), "angle": _rounded(w.theta2 - w.theta1),
+                              "radius": _rounded(w.r)} for w in ax.patches if isinstance(w, Wedge)]
         return chart
     if kind == "unknown":
         return chart
@@ -137,6 +137,12 @@ def _num(value: Any) -> Any:
         return float(value)
     except (TypeError, ValueError):
         return str(value)
+
+
+def _rounded(value: Any) -> float:
+    """A computed value to 10 significant digits: a pie's 90% wedge is 324 degrees, not
+    the 323.99999999999994 its float angles subtract to (E2B's extractor rounds too)."""
+    return float(f"{float(value):.10g}")
 
 
 def _default_label(label: str, prefix: str, index: int) -> str:
@@ -252,5 +258,6 @@ def _box_stats(lines: list[Line2D], across: Any, along: Any, swap: bool = False)
               and min(xs) >= left - 1e-9 and max(xs) <= right + 1e-9
               and max(xs) - min(xs) > 0 and abs(min(xs) - left) + abs(max(xs) - right) < 1e-6):
             median = ys[0]
-    return {"min": minimum, "first_quartile": low, "median": median,
-            "third_quartile": high, "max": maximum, "outliers": outliers}
+    return {"min": _rounded(minimum), "first_quartile": _rounded(low),
+            "median": _rounded(median), "third_quartile": _rounded(high),
+            "max": _rounded(maximum), "outliers": [_rounded(v) for v in outliers]}
