@@ -175,7 +175,10 @@ def one_arm(arm: str, args: argparse.Namespace) -> dict:
 
                 async def first(sid: str) -> None:
                     async with gate:
-                        await step(await AsyncSandbox.connect(sid), "true", 0)
+                        try:
+                            await step(await AsyncSandbox.connect(sid), "true", 0)
+                        except Exception as exc:
+                            failures.append(f"{sid} first: {type(exc).__name__}: {exc}"[:200])
                 await asyncio.gather(*(first(s) for s in ids))
             asyncio.run(first_steps())
             time.sleep(args.settle)  # idle: frozen (and, in the idle arm, dormant)
@@ -185,7 +188,8 @@ def one_arm(arm: str, args: argparse.Namespace) -> dict:
             row["dormant_end"] = dormant_count(home, ids)
             row["load_1m"] = round(os.getloadavg()[0], 1)
     finally:
-        node.stop()
+        # (a node ends its sandboxes as it stops: hundreds take minutes on 2 cores)
+        node.stop(timeout=900)
         row["failures"] = len(failures)
         row["failure_samples"] = failures[:5]
         row["leaks"] = leaks(prefix, home)
