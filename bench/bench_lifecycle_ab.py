@@ -22,23 +22,28 @@ import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from agentenv.testing import Node, leaks
 from agentenv.testing.nodes import free_cidr
 from common import RESULTS
 from cpu_meter import CpuMeter
+from lifecycle_cpu import wait_dormant
 from same_floor import Floor
 from snapshot_probes import Tracker, until_command
 
 STEPS = ["create (API call)", "create until a command runs", "create CPU-s",
          "snapshot, small sandbox (API call)", "snapshot CPU-s",
          "bare runsc restore of this tree's sandbox (returned)",
-         "bare runsc restore of this tree's sandbox (answered)"]
+         "bare runsc restore of this tree's sandbox (answered)",
+         "fork of 4 from an idle source: all answered",
+         "fork of 4 from an idle source: CPU-s per child"]
+FORK_N = 4
 
 
 def one_round(t: Tracker, meter: CpuMeter, src: str, out: dict[str, list[float]],
-              floor: Floor | None) -> None:
+              floor: Floor | None, fork: bool) -> None:
     c0 = meter.read()
     t0 = time.perf_counter()
     dt, body = t.create("base")
@@ -56,6 +61,25 @@ def one_round(t: Tracker, meter: CpuMeter, src: str, out: dict[str, list[float]]
         returned, each = floor.fan_out(1)
         out[STEPS[5]].append(returned)
         out[STEPS[6]].append(each[0])
+    if fork:
+        fork_idle(t, meter, src, out)
+
+
+def fork_idle(t: Tracker, meter: CpuMeter, src: str, out: dict[str, list[float]]) -> None:
+    """A fork of an idle source (its envd dormant, where the tree has dormancy) until
+    every child ran a command."""
+    with contextlib.suppress(TimeoutError):
+        wait_dormant(t.node, src, timeout=20)
+    c0, t0 = meter.read(), time.perf_counter()
+    r = t.api.post(f"/sandboxes/{src}/fork", json={"count": FORK_N}, timeout=300)
+    kids = [c["sandbox"] for c in r.json() if c.get("sandbox")]
+    with ThreadPoolExecutor(FORK_N) as pool:
+        list(pool.map(lambda c: until_command(t.node, c["sandboxID"], c["envdAccessToken"], t0),
+                      kids))
+    if len(kids) == FORK_N:
+        out[STEPS[7]].append(time.perf_counter() - t0)
+        out[STEPS[8]].append(CpuMeter.delta_s(c0, meter.read())["total"] / FORK_N)
+    t.delete_many([c["sandboxID"] for c in kids])
 
 
 def main() -> None:
@@ -64,6 +88,8 @@ def main() -> None:
     ap.add_argument("--new", required=True, help="PYTHONPATH of the new tree")
     ap.add_argument("--label", required=True)
     ap.add_argument("-n", type=int, default=8)
+    ap.add_argument("--fork-idle", action="store_true",
+                    help="also a fork of 4 from the idle source sandbox per round")
     ap.add_argument("--bare", action="store_true",
                     help="also bare runsc restores of a capture of each tree's sandbox, "
                          "with that tree's spec and flags (same_floor)")
@@ -112,7 +138,7 @@ def main() -> None:
                 loads.append(os.getloadavg()[0])
                 for side in order:
                     one_round(trackers[side], meters[side], srcs[side], samples[side],
-                              floors[side])
+                              floors[side], args.fork_idle)
     finally:
         for t in trackers.values():
             t.cleanup([])  # type: ignore[arg-type]

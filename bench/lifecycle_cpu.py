@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from agentenv.envd.dormancy import DORMANT_LINE, WOKEN_LINE
 from agentenv.network.slot import reset_slot
 from agentenv.testing import Node, leaks
 from agentenv.testing.nodes import free_cidr
@@ -34,6 +35,9 @@ from same_floor import MASK, Floor, answered
 from snapshot_probes import Tracker, until_command
 
 HZ = os.sysconf("SC_CLK_TCK")
+SNAPSHOT = "leave-running snapshot, small sandbox (envd awake)"
+RESET_AWAKE = "reset to a snapshot of it (envd awake at the capture)"
+RESET_DORMANT = "reset to a snapshot taken while its envd was dormant"
 PARTS = ["node process", "node's commands (runsc CLI, ip, ...)", "sentry", "gofer", "total"]
 
 
@@ -83,6 +87,18 @@ class Window:
         return out
 
 
+def wait_dormant(node: Node, sid: str, timeout: float = 60) -> None:
+    """Until the sandbox's envd has gone dormant (the stub's line last on its console)."""
+    console = node.home / "run" / "sandboxes" / sid / "console.log"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = console.read_text(errors="replace") if console.exists() else ""
+        if text.rfind(DORMANT_LINE) > text.rfind(WOKEN_LINE):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{sid}: envd did not go dormant within {timeout:.0f}s")
+
+
 def med(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
 
@@ -105,6 +121,7 @@ def floor_cpu(floor: Floor, sid: str, token: str, prefix: str, n: int) -> dict[s
         return r.ru_utime + r.ru_stime
 
     for _ in range(n):
+        until_command(floor.node, sid, token, time.perf_counter())  # envd awake, as above
         r0, s0, t0 = reaped(), usage(src_group), time.perf_counter()
         floor.capture()
         wall = time.perf_counter() - t0
@@ -151,8 +168,8 @@ def run(n: int) -> None:
     node.start()
     meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
     samples: dict[str, list] = {k: [] for k in (
-        "create from the template's boot image", "reset (to its snapshot)",
-        "fork child (fork of 1)", "fork of 4, per child", "leave-running snapshot, small sandbox")}
+        "create from the template's boot image", RESET_AWAKE, RESET_DORMANT,
+        "fork child (fork of 1)", "fork of 4, per child", SNAPSHOT)}
     loads: list[float] = []
     try:
         with node.client() as api, httpx.Client(base_url=node.url, timeout=60) as http:
@@ -162,10 +179,21 @@ def run(n: int) -> None:
             _, src = t.create("base")
             sid, token = src["sandboxID"], src["envdAccessToken"]
             t.snapshot(sid)  # the first snapshot stores every chunk; later ones are measured
-            time.sleep(8)
+            wait_dormant(node, sid)
+            _, dormant = t.snapshot(sid)
             c0 = meter.read()
             time.sleep(3)
             idle_rate = CpuMeter.delta_s(c0, meter.read())["sandboxes"] / 3
+
+            def reset(key: str, snapshot_id: str) -> None:
+                w, t0 = Window(meter, node), time.perf_counter()
+                r = api.post(f"/sandboxes/{sid}/reset", json={"snapshotID": snapshot_id})
+                if r.status_code != 200:
+                    raise RuntimeError(f"reset: {r.status_code} {r.text[:200]}")
+                until_command(node, sid, token, t0, http=http)
+                samples[key].append(w.close(prefix, sid, idle_rate, time.perf_counter() - t0))
+                time.sleep(0.5)
+
             for _ in range(n):
                 loads.append(os.getloadavg()[0])
                 w, t0 = Window(meter, node), time.perf_counter()
@@ -175,19 +203,13 @@ def run(n: int) -> None:
                     w.close(prefix, body["sandboxID"], idle_rate, time.perf_counter() - t0))
                 t.delete(body["sandboxID"])
                 time.sleep(0.5)
+                until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
                 w, t0 = Window(meter, node), time.perf_counter()
-                dt, _ = t.snapshot(sid)
-                samples["leave-running snapshot, small sandbox"].append(
-                    w.close(prefix, None, idle_rate, dt))
+                dt, awake = t.snapshot(sid)
+                samples[SNAPSHOT].append(w.close(prefix, None, idle_rate, dt))
                 time.sleep(0.5)
-                w, t0 = Window(meter, node), time.perf_counter()
-                r = api.post(f"/sandboxes/{sid}/reset", json={})
-                if r.status_code != 200:
-                    raise RuntimeError(f"reset: {r.status_code} {r.text[:200]}")
-                until_command(node, sid, token, t0, http=http)
-                samples["reset (to its snapshot)"].append(
-                    w.close(prefix, sid, idle_rate, time.perf_counter() - t0))
-                time.sleep(0.5)
+                reset(RESET_AWAKE, awake["snapshotID"])
+                reset(RESET_DORMANT, dormant["snapshotID"])
                 for count, key in ((1, "fork child (fork of 1)"), (4, "fork of 4, per child")):
                     w, t0 = Window(meter, node), time.perf_counter()
                     kids = [c["sandbox"] for c in api.post(
@@ -202,6 +224,7 @@ def run(n: int) -> None:
                     samples[key].append({k: v / count for k, v in row.items()})
                     t.delete_many([c["sandboxID"] for c in kids])
                     time.sleep(0.5)
+            until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
             with Floor(work / "floor", node, sid, token, int(free_cidr(100, 30, 5).split(".")[1]),
                        1) as floor:
                 floor.capture()
