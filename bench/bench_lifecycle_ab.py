@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--new", required=True, help="PYTHONPATH of the new tree")
     ap.add_argument("--label", required=True)
     ap.add_argument("-n", type=int, default=8)
+    ap.add_argument("--tag", default="lab", help="network and cgroup prefix of the nodes "
+                    "(two runs at once need two)")
     ap.add_argument("--fork-idle", action="store_true",
                     help="also a fork of 4 from the idle source sandbox per round")
     ap.add_argument("--bare", action="store_true",
@@ -97,7 +99,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-lab-"))
     trees = {"old": args.old, "new": args.new}
     bare = args.bare  # a frozen (idle) sandbox cannot be checkpointed by bare runsc
-    nodes = {side: Node(work / side, f"lab{k}", free_cidr(40, 40, k * 7), PYTHONPATH=path,
+    # 10.90-119: no test node takes it (tests/conftest.py)
+    seed = sum(map(ord, args.tag))
+    nodes = {side: Node(work / side, f"{args.tag}{k}", free_cidr(90, 30, k * 7 + seed),
+                        PYTHONPATH=path,
                         AENV_MAX_SANDBOXES="20", AENV_NET_POOL_LOW="3",
                         AENV_NET_POOL_HIGH="6", AENV_WARM_POOL_SIZE="0",
                         **({"AENV_IDLE_FREEZE_S": "0"} if bare else {}))
@@ -131,7 +136,7 @@ def main() -> None:
                 for k, side in enumerate(trees):
                     floors[side] = stack.enter_context(Floor(
                         work / f"floor-{side}", nodes[side], srcs[side], tokens[side],
-                        int(free_cidr(100, 40, 11 + k * 5).split(".")[1]), 1))
+                        int(free_cidr(90, 30, 20 + k * 5).split(".")[1]), 1))
                     floors[side].capture()  # type: ignore[union-attr]
             for k in range(args.n):
                 order = list(trees) if k % 2 == 0 else list(reversed(trees))

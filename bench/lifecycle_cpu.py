@@ -161,7 +161,7 @@ def bare_restore(floor: Floor, usage, reaped) -> dict[str, float]:
 def run(n: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
     prefix = "lcpu"
-    node = Node(work / "home", prefix, free_cidr(60, 30, 3), AENV_MAX_SANDBOXES="20",
+    node = Node(work / "home", prefix, free_cidr(90, 30, 3), AENV_MAX_SANDBOXES="20",
                 AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8", AENV_WARM_POOL_SIZE="0",
                 # bare runsc cannot checkpoint a frozen (idle) sandbox: no idle freezing
                 AENV_IDLE_FREEZE_S="0")
@@ -225,7 +225,7 @@ def run(n: int) -> None:
                     t.delete_many([c["sandboxID"] for c in kids])
                     time.sleep(0.5)
             until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
-            with Floor(work / "floor", node, sid, token, int(free_cidr(100, 30, 5).split(".")[1]),
+            with Floor(work / "floor", node, sid, token, int(free_cidr(90, 30, 15).split(".")[1]),
                        1) as floor:
                 floor.capture()
                 floor_rows = floor_cpu(floor, sid, token, prefix, n)

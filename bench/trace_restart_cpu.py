@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--op", choices=["create", "reset"], default="create")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="trace-restart-"))
-    node = Node(work / "home", "trc", free_cidr(130, 30, 1), AENV_WARM_POOL_SIZE="0",
+    node = Node(work / "home", "trc", free_cidr(90, 30, 25), AENV_WARM_POOL_SIZE="0",
                 AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8")
     node.start()
     out = work / "stacks.txt"
