@@ -114,8 +114,8 @@ def main() -> None:
     meters: dict[str, CpuMeter] = {}
     try:
         for side, node in nodes.items():
+            started.append(node)  # stopped in every case, even if it never answers
             node.start(wait=300)  # an old tree at load 30 took 92 s
-            started.append(node)
             assert node.proc is not None
             meters[side] = CpuMeter(node.prefix, node.proc.pid)
             trackers[side] = Tracker(node, node.client())

@@ -165,7 +165,11 @@ def run(n: int) -> None:
                 AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8", AENV_WARM_POOL_SIZE="0",
                 # bare runsc cannot checkpoint a frozen (idle) sandbox: no idle freezing
                 AENV_IDLE_FREEZE_S="0")
-    node.start()
+    try:
+        node.start()
+    except BaseException:
+        node.stop()  # a node that never answered is stopped too
+        raise
     meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
     samples: dict[str, list] = {k: [] for k in (
         "create from the template's boot image", RESET_AWAKE, RESET_DORMANT,

@@ -55,9 +55,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="trace-restart-"))
     node = Node(work / "home", "trc", free_cidr(90, 30, 25), AENV_WARM_POOL_SIZE="0",
                 AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8")
-    node.start()
     out = work / "stacks.txt"
     try:
+        node.start()
         with node.client() as api, httpx.Client(base_url=node.url, timeout=60) as http:
             t = Tracker(node, api)
             _, body = t.create("base")
