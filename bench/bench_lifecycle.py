@@ -4,6 +4,8 @@ bare runsc measured in the same run (`runsc do /bin/true`, bare restore), as a r
 
 Run one round per tree, alternately, several rounds (the node runs the tree on
 PYTHONPATH):  cd bench && PYTHONPATH=<tree>/src python bench_lifecycle.py --name <label>
+With --cpu: CPU-seconds per create, reset, fork child and snapshot beside bare runsc
+(lifecycle_cpu.py; results/lifecycle_cpu.md).
 Each round writes results/lifecycle_<label>.json (raw samples and p50s); the medians
 over rounds go into the before/after table.
 """
@@ -17,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import lifecycle_cpu
 from agentenv.testing import Node, leaks
 from bench_node import runsc_do_true
 from bench_snapshots import (
@@ -91,7 +94,12 @@ def main() -> None:
     ap.add_argument("--name")
     ap.add_argument("-n", type=int, default=5)
     ap.add_argument("--forks", type=int, default=1)
+    ap.add_argument("--cpu", action="store_true",
+                    help="CPU-seconds per operation beside bare runsc (lifecycle_cpu.py)")
     args = ap.parse_args()
+    if args.cpu:
+        lifecycle_cpu.run(args.n)
+        return
     if args.summarize:
         summarize(*args.summarize)
         return

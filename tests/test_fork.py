@@ -9,6 +9,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from agentenv.runtime.gvisor import console_says_dormant
 from agentenv.testing import Node
 from sandbox_helpers import COUNTER, counting
 
@@ -235,3 +236,29 @@ def test_boot_id_is_one_per_boot(node: Node, api: httpx.Client) -> None:
     finally:
         for sid in (a.sandbox_id, b.sandbox_id, *children):
             api.delete(f"/sandboxes/{sid}")
+
+
+def test_a_fork_of_a_dormant_source_gives_children_an_awake_envd(node: Node,
+                                                                 api: httpx.Client) -> None:
+    """The source's envd is woken for the capture: a child restored from a capture of
+    the dormant stub would run envd's whole start on its first request (about a
+    CPU-second inside gVisor, in every child)."""
+    sid = api.post("/sandboxes", json={"templateID": "base", "timeout": 300}).json()["sandboxID"]
+    kids: list[str] = []
+    try:
+        console = node.home / "run" / "sandboxes" / sid / "console.log"
+        deadline = time.monotonic() + 60
+        while not console_says_dormant(console):  # idle: envd goes dormant (5 s)
+            assert time.monotonic() < deadline, "the source's envd did not go dormant"
+            time.sleep(0.2)
+        r = api.post(f"/sandboxes/{sid}/fork", json={"count": 1})
+        assert r.status_code == 201, r.text
+        kids = [c["sandbox"]["sandboxID"] for c in r.json()]
+        child = Sandbox.connect(kids[0])
+        assert child.commands.run("echo child").stdout == "child\n"
+        child_console = node.home / "run" / "sandboxes" / kids[0] / "console.log"
+        assert "envd woken" not in child_console.read_text(errors="replace")
+        assert console.read_text(errors="replace").count("envd woken") == 1  # at the fork
+    finally:
+        for cid in [*kids, sid]:
+            api.delete(f"/sandboxes/{cid}")

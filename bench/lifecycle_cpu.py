@@ -1,0 +1,267 @@
+"""CPU-seconds per restart, host-wide (issue 28): what a create, a reset, a fork child and
+a leave-running snapshot cost the machine, beside bare `runsc restore` / `runsc
+checkpoint` of the same capture with the same flags and spec, in the same run.
+
+Operations run one at a time. Each one's CPU is read from cgroup v1 cpuacct (cpu_meter):
+the node's own Python process, the processes it starts (runsc commands, `ip`,
+`iptables`, the unshare wrapper) and its sandboxes (sentry, gofer); a new sandbox's
+processes are split by name. A window runs from the call until a command has run in
+the restored sandbox (creates, resets, forks) or until the call returns (snapshots).
+The idle CPU of the node's other sandboxes over a window is measured apart and named.
+
+    cd bench && PYTHONPATH=<tree>/src:. python bench_lifecycle.py --cpu [-n 5]
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from agentenv.envd.dormancy import DORMANT_LINE, WOKEN_LINE
+from agentenv.network.slot import reset_slot
+from agentenv.testing import Node, leaks
+from agentenv.testing.nodes import free_cidr
+from common import write
+from cpu_meter import ACCT, CpuMeter
+from same_floor import MASK, Floor, answered
+from snapshot_probes import Tracker, until_command
+
+HZ = os.sysconf("SC_CLK_TCK")
+SNAPSHOT = "leave-running snapshot, small sandbox (envd awake)"
+RESET_AWAKE = "reset to a snapshot of it (envd awake at the capture)"
+RESET_DORMANT = "reset to a snapshot taken while its envd was dormant"
+PARTS = ["node process", "node's commands (runsc CLI, ip, ...)", "sentry", "gofer", "total"]
+
+
+def proc_s(pid: int | str) -> float:
+    """CPU-seconds of a live process (all its threads) so far."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / HZ
+
+
+def sandbox_split(prefix: str, sid: str) -> dict[str, float]:
+    """A live sandbox's processes' CPU so far, by kind (its sentry, its gofer)."""
+    out = {"sentry": 0.0, "gofer": 0.0}
+    for group in ("cpuacct",):
+        try:
+            pids = (Path("/sys/fs/cgroup") / group / prefix / sid / "cgroup.procs"
+                    ).read_text().split()
+        except OSError:
+            return out
+        for pid in pids:
+            try:
+                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+                # runsc-gofer; the rest is the sentry (runsc-sandbox) and its stubs
+                out["gofer" if argv0.endswith(b"gofer") else "sentry"] += proc_s(pid)
+            except OSError:
+                continue
+    return out
+
+
+class Window:
+    """CPU of one operation on one node, split into PARTS."""
+
+    def __init__(self, meter: CpuMeter, node: Node):
+        self.meter, self.pid = meter, node.proc.pid  # type: ignore[union-attr]
+        self.c0, self.p0 = meter.read(), proc_s(self.pid)
+
+    def close(self, prefix: str, new_sandbox: str | None, idle_rate: float,
+              wall: float) -> dict[str, float]:
+        c1, p1 = self.meter.read(), proc_s(self.pid)
+        d = CpuMeter.delta_s(self.c0, c1)
+        split = sandbox_split(prefix, new_sandbox) if new_sandbox else {}
+        out = {"node process": p1 - self.p0,
+               "node's commands (runsc CLI, ip, ...)": d["node"] - (p1 - self.p0),
+               "sentry": split.get("sentry", 0.0), "gofer": split.get("gofer", 0.0),
+               "sandboxes, other": d["sandboxes"] - sum(split.values()) - idle_rate * wall,
+               "total": d["total"] - idle_rate * wall, "wall": wall}
+        return out
+
+
+def wait_dormant(node: Node, sid: str, timeout: float = 60) -> None:
+    """Until the sandbox's envd has gone dormant (the stub's line last on its console)."""
+    console = node.home / "run" / "sandboxes" / sid / "console.log"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = console.read_text(errors="replace") if console.exists() else ""
+        if text.rfind(DORMANT_LINE) > text.rfind(WOKEN_LINE):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{sid}: envd did not go dormant within {timeout:.0f}s")
+
+
+def med(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+
+
+def floor_cpu(floor: Floor, sid: str, token: str, prefix: str, n: int) -> dict[str, list]:
+    """Bare checkpoint (leave-running) of the node's sandbox and bare restores of it:
+    CPU of the runsc commands (reaped by this process) and of the sandboxes' cgroups."""
+    out: dict[str, list] = {"bare runsc checkpoint --leave-running": [],
+                            "bare runsc restore (until a command ran)": []}
+    src_group = ACCT / prefix / sid
+
+    def usage(g: Path) -> float:
+        try:
+            return int((g / "cpuacct.usage").read_text()) / 1e9
+        except OSError:
+            return 0.0
+
+    def reaped() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    for _ in range(n):
+        until_command(floor.node, sid, token, time.perf_counter())  # envd awake, as above
+        r0, s0, t0 = reaped(), usage(src_group), time.perf_counter()
+        floor.capture()
+        wall = time.perf_counter() - t0
+        out["bare runsc checkpoint --leave-running"].append(
+            {"runsc commands": reaped() - r0, "sentry": usage(src_group) - s0,
+             "total": reaped() - r0 + usage(src_group) - s0, "wall": wall})
+        time.sleep(0.3)
+        out["bare runsc restore (until a command ran)"].append(bare_restore(floor, usage, reaped))
+        time.sleep(0.3)
+    return out
+
+
+def bare_restore(floor: Floor, usage, reaped) -> dict[str, float]:
+    """One bare restore into the floor's slot, as Floor.fan_out runs it, read before
+    the restored sandbox is deleted (its reaped sentry would count twice after)."""
+    cid = f"fl-{uuid.uuid4().hex[:6]}"
+    slot = floor.slots[0]
+    bundle = floor._bundle(cid, slot.netns_path)
+    fl_group = ACCT / floor.cgroup
+    with httpx.Client(base_url=f"http://{slot.address}:49983", timeout=10) as http:
+        r0, f0, t0 = reaped(), usage(fl_group), time.perf_counter()
+        with open(bundle / "console.log", "ab") as out:
+            subprocess.run(["unshare", "--mount", "--propagation", "private", "--",
+                            "/bin/sh", "-c", MASK, *floor.flags(floor.state),
+                            f"--log={bundle / 'runsc.log'}", "restore", "--detach",
+                            f"--image-path={floor.image}", f"--bundle={bundle}", cid],
+                           stdin=subprocess.DEVNULL, stdout=out, stderr=out, check=True,
+                           timeout=120)
+        wall = answered(http, floor.sid, floor.token, t0)
+        row = {"runsc commands": reaped() - r0, "sentry": usage(fl_group) - f0}
+    row["total"], row["wall"] = row["runsc commands"] + row["sentry"], wall
+    floor.delete_all()
+    reset_slot(slot, internet=True)
+    return row
+
+
+def run(n: int) -> None:
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
+    prefix = "lcpu"
+    node = Node(work / "home", prefix, free_cidr(90, 30, 3), AENV_MAX_SANDBOXES="20",
+                AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8", AENV_WARM_POOL_SIZE="0",
+                # bare runsc cannot checkpoint a frozen (idle) sandbox: no idle freezing
+                AENV_IDLE_FREEZE_S="0")
+    try:
+        node.start()
+    except BaseException:
+        node.stop()  # a node that never answered is stopped too
+        raise
+    meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
+    samples: dict[str, list] = {k: [] for k in (
+        "create from the template's boot image", RESET_AWAKE, RESET_DORMANT,
+        "fork child (fork of 1)", "fork of 4, per child", SNAPSHOT)}
+    loads: list[float] = []
+    try:
+        with node.client() as api, httpx.Client(base_url=node.url, timeout=60) as http:
+            t = Tracker(node, api)
+            _, body = t.create("base")  # builds the boot image
+            t.delete(body["sandboxID"])
+            _, src = t.create("base")
+            sid, token = src["sandboxID"], src["envdAccessToken"]
+            t.snapshot(sid)  # the first snapshot stores every chunk; later ones are measured
+            wait_dormant(node, sid)
+            _, dormant = t.snapshot(sid)
+            c0 = meter.read()
+            time.sleep(3)
+            idle_rate = CpuMeter.delta_s(c0, meter.read())["sandboxes"] / 3
+
+            def reset(key: str, snapshot_id: str) -> None:
+                w, t0 = Window(meter, node), time.perf_counter()
+                r = api.post(f"/sandboxes/{sid}/reset", json={"snapshotID": snapshot_id})
+                if r.status_code != 200:
+                    raise RuntimeError(f"reset: {r.status_code} {r.text[:200]}")
+                until_command(node, sid, token, t0, http=http)
+                samples[key].append(w.close(prefix, sid, idle_rate, time.perf_counter() - t0))
+                time.sleep(0.5)
+
+            for _ in range(n):
+                loads.append(os.getloadavg()[0])
+                w, t0 = Window(meter, node), time.perf_counter()
+                _, body = t.create("base")
+                until_command(node, body["sandboxID"], body["envdAccessToken"], t0, http=http)
+                samples["create from the template's boot image"].append(
+                    w.close(prefix, body["sandboxID"], idle_rate, time.perf_counter() - t0))
+                t.delete(body["sandboxID"])
+                time.sleep(0.5)
+                until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
+                w, t0 = Window(meter, node), time.perf_counter()
+                dt, awake = t.snapshot(sid)
+                samples[SNAPSHOT].append(w.close(prefix, None, idle_rate, dt))
+                time.sleep(0.5)
+                reset(RESET_AWAKE, awake["snapshotID"])
+                reset(RESET_DORMANT, dormant["snapshotID"])
+                for count, key in ((1, "fork child (fork of 1)"), (4, "fork of 4, per child")):
+                    w, t0 = Window(meter, node), time.perf_counter()
+                    kids = [c["sandbox"] for c in api.post(
+                        f"/sandboxes/{sid}/fork", json={"count": count}, timeout=300).json()]
+                    for c in kids:
+                        until_command(node, c["sandboxID"], c["envdAccessToken"], t0, http=http)
+                    row = w.close(prefix, None, idle_rate, time.perf_counter() - t0)
+                    for c in kids:
+                        for part, v in sandbox_split(prefix, c["sandboxID"]).items():
+                            row[part] += v
+                    row["sandboxes, other"] -= row["sentry"] + row["gofer"]
+                    samples[key].append({k: v / count for k, v in row.items()})
+                    t.delete_many([c["sandboxID"] for c in kids])
+                    time.sleep(0.5)
+            until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
+            with Floor(work / "floor", node, sid, token, int(free_cidr(90, 30, 15).split(".")[1]),
+                       1) as floor:
+                floor.capture()
+                floor_rows = floor_cpu(floor, sid, token, prefix, n)
+            t.cleanup([])  # type: ignore[arg-type]
+    finally:
+        node.stop()
+        meter.close()
+    left = leaks(prefix, node.home)
+    report(samples, floor_rows, loads, idle_rate, left, n)
+
+
+def report(samples: dict, floor_rows: dict, loads: list[float], idle_rate: float,
+           left: list, n: int) -> None:
+    cols = ["node process", "node's commands (runsc CLI, ip, ...)", "sentry", "gofer",
+            "sandboxes, other", "total", "wall"]
+    lines = ["### CPU-seconds per operation, host-wide (one node, operations one at a time)", "",
+             f"n = {n} each, medians; load 1m {min(loads):.1f}-{max(loads):.1f}. CPU in "
+             "seconds (cgroup cpuacct), wall in seconds. Windows end when a command ran in "
+             "the new sandbox (snapshot: when the call returned). The node's other sandboxes' "
+             f"idle CPU ({idle_rate * 1000:.1f} ms/s) is taken out.", "",
+             "| operation | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
+    rows = {}
+    for key, rs in samples.items():
+        rows[key] = m = med(rs)
+        lines.append(f"| {key} | " + " | ".join(f"{m.get(c, 0):.3f}" for c in cols) + " |")
+    for key, rs in floor_rows.items():
+        rows[key] = m = med(rs)
+        lines.append(f"| floor: {key} | | {m['runsc commands']:.3f} | {m['sentry']:.3f} "
+                     f"(+gofer) | | | {m['total']:.3f} | {m['wall']:.3f} |")
+    if left:
+        lines.append(f"\nLeft behind: {left}")
+    text = "\n".join(lines) + "\n"
+    write("lifecycle_cpu", {"rows": rows, "samples": samples, "floor": floor_rows,
+                            "loads": loads, "idle_rate_s_per_s": idle_rate, "leaks": left}, text)
+    print(text)
