@@ -22,14 +22,20 @@ from e2b import Sandbox
 from agentenv.config import ConfigError, load_config
 from agentenv.resources import host_capacity, host_memory_mb
 from agentenv.runtime.gvisor import console_says_dormant
-from agentenv.testing import Node, leaks, sdk_env, serving
+from agentenv.testing import Node, free_cidr, leaks, sdk_env, serving
 
 PREFIX = f"fz{os.getpid() % 4096:03x}"
 
 
+def cidr(k: int) -> str:
+    """10.90-99, one unused now: fixed ones met other files' nodes (a rehearsal's crowd
+    test found 10.103 taken by test_images_lazy's band on the other worker)."""
+    return free_cidr(90, 10, os.getpid() + k)
+
+
 @pytest.fixture(scope="module")
 def fnode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    with serving(Node(tmp_path_factory.mktemp("freeze"), PREFIX, "10.101.0.0/16",
+    with serving(Node(tmp_path_factory.mktemp("freeze"), PREFIX, cidr(0),
                       AENV_IDLE_FREEZE_S="1", AENV_MAX_SANDBOXES="8")) as node:
         yield node
 
@@ -292,7 +298,7 @@ def test_memory_pressure_pauses_the_idle_to_disk_and_they_resume(tmp_path: Path)
     """A watermark above any host's memory: the node is always short of it, so every
     idle sandbox is paused to disk (its files and processes kept) and resumes."""
     prefix = f"fp{os.getpid() % 4096:03x}"
-    node = Node(tmp_path / "home", prefix, "10.102.0.0/16", AENV_MEMORY_PRESSURE_MB="100000000",
+    node = Node(tmp_path / "home", prefix, cidr(3), AENV_MEMORY_PRESSURE_MB="100000000",
                 AENV_MAX_SANDBOXES="4")
     node.start()
     try:
@@ -324,7 +330,7 @@ def test_a_crowd_of_awake_sandboxes_is_frozen_within_seconds(tmp_path: Path) -> 
     sandboxes does not leave them all awake, and their envds go dormant before they are
     frozen. Each still answers at once afterwards."""
     prefix = f"fc{os.getpid() % 4096:03x}"
-    node = Node(tmp_path / "home", prefix, "10.103.0.0/16", AENV_IDLE_FREEZE_S="60",
+    node = Node(tmp_path / "home", prefix, cidr(6), AENV_IDLE_FREEZE_S="60",
                 AENV_IDLE_FREEZE_CROWD="2", AENV_MAX_SANDBOXES="6",
                 AENV_ENVD_DORMANT_AFTER_S="5")
     node.start()

@@ -284,3 +284,28 @@ def test_many_layers(tmp_path: Path, svc: ImageService) -> None:
     assert (root / "top").read_text() == "99"  # the top layer wins
     assert len([p for p in root.iterdir() if p.name.startswith("f")]) == 100
     assert list((tmp_path / "cache/tmp").iterdir()) == []
+
+
+def test_docker_archive_layers_read_at_once_stay_whole(tmp_path: Path) -> None:
+    """A pull fetches layers in several threads; an archive's layers share one file."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agentenv.images.reference import parse_reference
+    from agentenv.images.sources import ArchiveSource
+
+    layers = [tar_layer([Entry(f"blob{i}", os.urandom(3 << 20))]) for i in range(4)]
+    archive = write_docker_archive(tmp_path / "saved.tar", layers)
+    source = ArchiveSource(parse_reference(f"docker-archive:{archive}"))  # type: ignore[arg-type]
+    image = source.resolve()
+
+    def digest(layer) -> str:
+        h = hashlib.sha256()
+        with source.layer(layer) as chunks:
+            for chunk in chunks:
+                h.update(chunk)
+        return "sha256:" + h.hexdigest()
+
+    for _ in range(3):
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(digest, image.layers)) == [x.digest for x in image.layers]

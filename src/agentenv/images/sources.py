@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import tarfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -186,6 +187,11 @@ class ArchiveSource:
         except (tarfile.TarError, OSError) as exc:
             raise BadReference(f"{ref.path} is not a readable tar archive: {exc}") from exc
         self._paths: dict[str, str] = {}
+        # Layers are fetched by several threads at once, and every member's reader
+        # seeks the archive's one file object before it reads: each seek-and-read is
+        # done under this lock, or a thread reads at another's offset (seen: "corrupt or
+        # truncated layer" for a docker-archive pull under load).
+        self._read_lock = threading.Lock()
 
     def _member_bytes(self, name: str, limit: int, what: str) -> bytes:
         try:
@@ -197,9 +203,10 @@ class ArchiveSource:
         if member.size > limit:
             raise HostileInput(f"{self.ref}: {what} is {member.size} bytes; at most {limit} "
                                "are accepted")
-        f = self.tar.extractfile(member)
-        assert f is not None
-        return f.read()
+        with self._read_lock:
+            f = self.tar.extractfile(member)
+            assert f is not None
+            return f.read()
 
     def resolve(self) -> Image:
         what = str(self.ref)
@@ -235,12 +242,17 @@ class ArchiveSource:
     def layer(self, layer: Layer) -> Iterator[Iterator[bytes]]:
         if layer.digest not in self._paths:
             self.resolve()
-        f = self.tar.extractfile(self._paths[layer.digest])
+        with self._read_lock:
+            f = self.tar.extractfile(self._paths[layer.digest])
         if f is None:
             raise HostileInput(f"{self.ref}: layer {layer.digest} is not a file")
 
         def chunks() -> Iterator[bytes]:
-            while chunk := f.read(CHUNK):
+            while True:
+                with self._read_lock:
+                    chunk = f.read(CHUNK)
+                if not chunk:
+                    return
                 yield chunk
         yield chunks()
 
