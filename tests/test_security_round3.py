@@ -23,7 +23,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from agentenv.testing import Node, leaks, sdk_env
+from agentenv.testing import Node, serving
 from agentenv.textdiff import diff_all
 
 PREFIX = f"r3{os.getpid() % 1000:03d}"
@@ -45,17 +45,11 @@ def wait_for(what: str, check, within: float = 30.0, step: float = 0.1):
 
 @pytest.fixture(scope="module")
 def qnode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    node = Node(tmp_path_factory.mktemp("round3"), PREFIX, CIDR,
-                AENV_KEY_MAX_SANDBOXES="2", AENV_ADMISSION_QUEUE_TIMEOUT_S=str(QUEUE_S),
-                AENV_IDLE_FREEZE_S="1", AENV_WARM_POOL_SIZE="1", AENV_MAX_SANDBOXES="8",
-                AENV_EGRESS_PRIVATE_OPEN="172.31.231.0/30")
-    node.start()
-    try:
-        with sdk_env(node.e2b_env()):
-            yield node
-    finally:
-        node.stop()
-    assert not leaks(PREFIX, node.home), leaks(PREFIX, node.home)
+    with serving(Node(tmp_path_factory.mktemp("round3"), PREFIX, CIDR,
+                      AENV_KEY_MAX_SANDBOXES="2", AENV_ADMISSION_QUEUE_TIMEOUT_S=str(QUEUE_S),
+                      AENV_IDLE_FREEZE_S="1", AENV_WARM_POOL_SIZE="1", AENV_MAX_SANDBOXES="8",
+                      AENV_EGRESS_PRIVATE_OPEN="172.31.231.0/30")) as node:
+        yield node
 
 
 def bearer(node: Node) -> httpx.Client:
