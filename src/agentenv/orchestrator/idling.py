@@ -73,31 +73,34 @@ class IdleFreezer:
         self._watch.pop(sandbox_id, None)
 
     @contextlib.contextmanager
-    def awake(self, sandbox_id: str) -> Iterator[None]:
-        """Thawed, and never frozen while the block runs (a request, a stream)."""
+    def _kept_thawed(self, sandbox_id: str) -> Iterator[None]:
+        """Never frozen while the block runs."""
         self._in_flight[sandbox_id] = self._in_flight.get(sandbox_id, 0) + 1
         try:
-            self.touch(sandbox_id)
             yield
         finally:
             left = self._in_flight.pop(sandbox_id) - 1
             if left > 0:
                 self._in_flight[sandbox_id] = left
-            self._watch.pop(sandbox_id, None)
-            self._last_active[sandbox_id] = time.time()
+
+    @contextlib.contextmanager
+    def awake(self, sandbox_id: str) -> Iterator[None]:
+        """Thawed, and never frozen while the block runs (a request, a stream)."""
+        with self._kept_thawed(sandbox_id):
+            try:
+                self.touch(sandbox_id)
+                yield
+            finally:
+                self._watch.pop(sandbox_id, None)
+                self._last_active[sandbox_id] = time.time()
 
     @contextlib.contextmanager
     def thawed(self, sandbox_id: str) -> Iterator[None]:
         """Thawed and never frozen while the block runs, but no activity: the node's
         own housekeeping (asking envd to sleep) leaves the sandbox as idle as it was."""
-        self._in_flight[sandbox_id] = self._in_flight.get(sandbox_id, 0) + 1
-        try:
+        with self._kept_thawed(sandbox_id):
             self.runtime.thaw(sandbox_id)
             yield
-        finally:
-            left = self._in_flight.pop(sandbox_id) - 1
-            if left > 0:
-                self._in_flight[sandbox_id] = left
 
     def in_flight(self, sandbox_id: str) -> bool:
         return bool(self._in_flight.get(sandbox_id))
