@@ -123,6 +123,15 @@ class Config:
     # flight and nothing running in the sandbox, whatever the memory (shorter than
     # idle_freeze_s, or a frozen envd never gets to sleep). 0: only when asked.
     envd_dormant_after_s: float = 0.0
+    # A sandbox frozen this many seconds has its memory moved out of RAM to the host's
+    # compressed swap (orchestrator/cold_memory.py): ~2-3 MiB stay resident plus ~1/4
+    # of its pages compressed, envd stays awake, and the next command faults back what
+    # it touches (tens of ms, not envd's 0.3-0.7 s start). 0: never.
+    cold_memory_after_s: float = 5.0
+    # Size (MiB of pages held) of the zram swap device the node sets up for that when
+    # the host has none: 0: a quarter of the host's memory; -1: set none up (an
+    # operator's own swap is used if there is one).
+    cold_swap_mb: int = 0
     # When the host's available memory falls below memory_pressure_mb, running
     # sandboxes are paused to disk (captured, memory and slot freed; resumable),
     # least recently active first, instead of the OOM killer ending any. 0: 5 % of
@@ -350,6 +359,10 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("idle_freeze_crowd must be 0 (16 per CPU) or 1..100000 sandboxes")
     if not 0 <= cfg.idle_freeze_cpu_pct <= 100:
         raise ConfigError("idle_freeze_cpu_pct must be between 0 and 100")
+    if cfg.cold_memory_after_s != 0 and not 1 <= cfg.cold_memory_after_s <= 86400:
+        raise ConfigError("cold_memory_after_s must be 0 (never) or 1..86400 seconds")
+    if cfg.cold_swap_mb < -1:
+        raise ConfigError("cold_swap_mb must be -1 (none), 0 (derived) or more MiB")
     if cfg.envd_dormancy_mb < -1:
         raise ConfigError("envd_dormancy_mb must be -1 (never), 0 (derived) or more")
     if cfg.memory_pressure_mb < -1:

@@ -90,6 +90,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self.admission.close()
+        self.cold_memory.close()
         if self._relief is not None:
             self._relief.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -403,6 +404,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                 await self._freeze_idle()
             except Exception:
                 log.exception("idle freezing failed")
+            self.cold_memory.tend()
             self._tend_envd_sleep()
             self._tend_pressure()
 
@@ -423,7 +425,8 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
             if slot is not None and held[slot.address]:
                 self.freezer.working(sandbox_id)
                 continue
-            self.freezer.freeze(sandbox_id)
+            if self.freezer.freeze(sandbox_id):
+                self.cold_memory.frozen(sandbox_id)
 
     async def _ttl_loop(self) -> None:
         ticks = 0
