@@ -127,6 +127,28 @@ def test_a_sandbox_at_its_limit_is_not_swapped(tmp_path: Path) -> None:
     assert not (cg / "memory.force_empty").exists()
 
 
+def test_short_of_memory_the_delay_is_a_second() -> None:
+    async def scenario() -> None:
+        runtime = FakeRuntime()
+        await runtime.start(SandboxSpec("a", Path("/"), "a", 1, 512, "", Path("/"), "/b",
+                                        ["envd"]))
+        short = [False]
+        cold = ColdMemory(runtime, after_s=60, running=lambda: ["a"], short=lambda: short[0])
+        runtime.freeze("a")
+        cold.frozen("a")
+        await asyncio.sleep(1.1)
+        cold.tend()
+        await asyncio.sleep(0.05)
+        assert ("reclaim", "a") not in runtime.calls  # plentiful: 60 s
+        short[0] = True
+        cold.tend()
+        await asyncio.sleep(0.05)
+        assert ("reclaim", "a") in runtime.calls
+        cold.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_policy_reclaims_once_per_freeze_after_the_delay() -> None:
     async def scenario() -> None:
         runtime = FakeRuntime()

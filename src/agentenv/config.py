@@ -123,11 +123,13 @@ class Config:
     # flight and nothing running in the sandbox, whatever the memory (shorter than
     # idle_freeze_s, or a frozen envd never gets to sleep). 0: only when asked.
     envd_dormant_after_s: float = 0.0
-    # A sandbox frozen this many seconds has its memory moved out of RAM to the host's
-    # compressed swap (orchestrator/cold_memory.py): ~2-3 MiB stay resident plus ~1/4
-    # of its pages compressed, envd stays awake, and the next command faults back what
-    # it touches (tens of ms, not envd's 0.3-0.7 s start). 0: never.
-    cold_memory_after_s: float = 5.0
+    # A sandbox frozen this many seconds (or one second, below envd_dormancy_mb's
+    # watermark) has its memory moved out of RAM to the host's compressed swap
+    # (orchestrator/cold_memory.py): ~2-3 MiB stay resident plus ~1/4 of its pages
+    # compressed, envd stays awake, and the next command faults back what it touches
+    # (tens of ms, not envd's 0.3-0.7 s start). With a swap, envds are then never
+    # asked to sleep. 0: never.
+    cold_memory_after_s: float = 60.0
     # Size (MiB of pages held) of the zram swap device the node sets up for that when
     # the host has none: 0: a quarter of the host's memory; -1: set none up (an
     # operator's own swap is used if there is one).

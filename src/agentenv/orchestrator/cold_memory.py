@@ -3,9 +3,15 @@
 Issue 27's trade: an idle sandbox either kept envd awake (~36 MiB, next command
 ~40-60 ms) or put it to sleep (~14 MiB, next command 0.3-0.7 s for envd's start,
 seconds under load). Here neither: once a sandbox has stayed frozen (idling.py) for
-``cold_memory_after_s``, the runtime moves its memory to the host's compressed swap
-(runtime/reclaim.py, runtime/swap.py). envd never stops; the next command thaws the
-sandbox and faults back only the pages it touches.
+``cold_memory_after_s`` (60 s), or for a second while the host is short of memory
+(below the idle-memory watermark, ``envd_dormancy_mb``), the runtime moves its memory
+to the host's compressed swap (runtime/reclaim.py, runtime/swap.py). envd never
+stops; the next command thaws the sandbox and faults back only the pages it touches.
+
+Why not always at once: each reclaim compresses what the last step touched (~50-100
+ms of CPU), so with memory plentiful a short think gap costs CPU for RAM nobody
+needs; past the watermark it is far cheaper than the alternatives (an envd wake ~1
+CPU-s; a pause to disk and its restore).
 
 One reclaim at a time, in one thread: each costs CPU in the kernel's compressor
 (~3 ms a MiB), and a burst of sandboxes going quiet together must not take both cores
@@ -28,31 +34,44 @@ from collections.abc import Callable, Iterable
 from .. import metrics
 from ..runtime import Runtime
 from ..runtime.reclaim import quiet_thread
+from ..runtime.swap import active_swaps
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED = 4  # reclaims handed to the thread at once; the rest wait for the next tick
 RETRY_ABOVE = 8 << 20  # a reclaim that left more resident is tried again, after the delay
 MAX_TRIES = 3  # per freeze
+SHORT_AFTER_S = 1.0  # the delay while the host is short of memory
 
 
 class ColdMemory:
     """Each ``tend`` (the node's quick loop): queue the reclaims that are due."""
 
     def __init__(self, runtime: Runtime, after_s: float,
-                 running: Callable[[], Iterable[str]]) -> None:
+                 running: Callable[[], Iterable[str]],
+                 short: Callable[[], bool] = lambda: False) -> None:
         self.runtime = runtime
         self.after_s = after_s  # <= 0: never
         self._running = running  # IDs of the sandboxes that may be frozen
+        self._short = short  # the host is short of memory: the delay is SHORT_AFTER_S
         self._frozen_since: dict[str, float] = {}
         self._cold: set[str] = set()  # reclaimed, frozen ever since
         self._queued: set[str] = set()
         self._tries: dict[str, int] = {}  # reclaims of this freeze that left much behind
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._swap_seen = (-1e9, False)
 
     @property
     def enabled(self) -> bool:
         return self.after_s > 0
+
+    @property
+    def has_swap(self) -> bool:
+        """Whether the host has a swap to move memory to (looked at once a minute)."""
+        now = time.monotonic()
+        if now - self._swap_seen[0] > 60:
+            self._swap_seen = (now, bool(active_swaps()))
+        return self._swap_seen[1]
 
     def is_cold(self, sandbox_id: str) -> bool:
         return sandbox_id in self._cold
@@ -68,6 +87,7 @@ class ColdMemory:
         if not self.enabled:
             return
         now = time.monotonic()
+        after = min(self.after_s, SHORT_AFTER_S) if self._short() else self.after_s
         frozen = {sid for sid in self._running() if self.runtime.is_frozen(sid)}
         for sid in set(self._frozen_since) - frozen:  # thawed (or gone) since last look
             del self._frozen_since[sid]
@@ -77,7 +97,7 @@ class ColdMemory:
             self._frozen_since.setdefault(sid, now)
         due = sorted((since, sid) for sid, since in self._frozen_since.items()
                      if sid not in self._cold and sid not in self._queued
-                     and now - since >= self.after_s)
+                     and now - since >= after)
         room = MAX_QUEUED - len(self._queued)
         for _since, sid in due[:max(0, room)]:
             self._start(sid)

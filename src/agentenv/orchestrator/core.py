@@ -133,7 +133,8 @@ class ManagerCore:
                                    if config.envd_dormant_after_s else 0)
         self.envd.awake_at = self.freezer.awake_at
         # Frozen sandboxes' memory moved to the host's compressed swap (cold_memory.py).
-        self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids)
+        self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids,
+                                      self._short_for_idle)
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
                                       config.resident_pause_idle_s)
@@ -200,6 +201,10 @@ class ManagerCore:
     def awake(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
         """Kept thawed while a request to the sandbox is in flight (the proxy)."""
         return self.freezer.awake(sandbox_id)
+
+    def _short_for_idle(self) -> bool:
+        """Below the idle-memory watermark (pressure.py)."""
+        raise NotImplementedError
 
     def _running_ids(self) -> builtins.list[str]:
         return [r.sandbox_id for r in self._records.values() if r.state is SandboxState.RUNNING]
