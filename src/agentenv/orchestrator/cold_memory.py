@@ -49,11 +49,13 @@ class ColdMemory:
 
     def __init__(self, runtime: Runtime, after_s: float,
                  running: Callable[[], Iterable[str]],
-                 short: Callable[[], bool] = lambda: False) -> None:
+                 short: Callable[[], bool] = lambda: False,
+                 busy: Callable[[str], bool] = lambda sid: False) -> None:
         self.runtime = runtime
         self.after_s = after_s  # <= 0: never
         self._running = running  # IDs of the sandboxes that may be frozen
         self._short = short  # the host is short of memory: the delay is SHORT_AFTER_S
+        self._busy = busy  # an operation holds the sandbox (a pause capturing it, say)
         self._frozen_since: dict[str, float] = {}
         self._cold: set[str] = set()  # reclaimed, frozen ever since
         self._queued: set[str] = set()
@@ -97,7 +99,7 @@ class ColdMemory:
             self._frozen_since.setdefault(sid, now)
         due = sorted((since, sid) for sid, since in self._frozen_since.items()
                      if sid not in self._cold and sid not in self._queued
-                     and now - since >= after)
+                     and now - since >= after and not self._busy(sid))
         room = MAX_QUEUED - len(self._queued)
         for _since, sid in due[:max(0, room)]:
             self._start(sid)

@@ -134,7 +134,7 @@ class ManagerCore:
         self.envd.awake_at = self.freezer.awake_at
         # Frozen sandboxes' memory moved to the host's compressed swap (cold_memory.py).
         self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids,
-                                      self._short_for_idle)
+                                      self._short_for_idle, self._held)
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
                                       config.resident_pause_idle_s)
