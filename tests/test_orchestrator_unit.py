@@ -22,12 +22,11 @@ from agentenv.orchestrator import (
     NotFound,
     OrchestratorError,
     SandboxState,
-    StorageFull,
 )
 from agentenv.orchestrator.admission import TooManyRequests
 from agentenv.orchestrator.envd_client import EnvdUnavailable
 from agentenv.runtime import RuntimeFailure
-from agentenv.snapshot import SnapshotNotFound
+from agentenv.snapshot import SnapshotNotFound, StorageFull
 from unit_nodes import Node, started
 
 

@@ -18,12 +18,10 @@ from ...orchestrator import (
     NotFound,
     OrchestratorError,
     SandboxManager,
-    StorageFull,
 )
 from ...orchestrator.requests import MAX_FORK
 from ...orchestrator.snapshots import resolve_snapshot
-from ...snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound
-from ...snapshot import StorageFull as SnapshotStorageFull
+from ...snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound, StorageFull
 from ...snapshot.manifest import NAME_MAX_LENGTH, NAME_PATTERN, check_name
 from ...templates import TemplateNotFound
 from ...templates.tags import DEFAULT_TAG
@@ -307,7 +305,7 @@ async def snapshot_call(awaitable):
         return await awaitable
     except SnapshotNotFound as exc:
         raise NotFound(str(exc)) from exc
-    except SnapshotStorageFull as exc:
+    except StorageFull as exc:
         raise StorageFull(f"snapshot storage is full: {exc}") from exc
     except RepositoryUnavailable as exc:
         raise Unavailable(f"snapshot repository unavailable: {exc}") from exc
