@@ -20,6 +20,11 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
+def public_message(exc: AgentenvError) -> str:
+    """What a client is told of an error: its class's prefix, then its own message."""
+    return f"{exc.message_prefix}: {exc}" if exc.message_prefix else str(exc)
+
+
 def _describe(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
@@ -51,7 +56,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _agentenv(_: Request, exc: AgentenvError) -> JSONResponse:
         if exc.status >= 500:
             log.error("request failed: %s", exc)
-        response = error_response(exc.status, str(exc))
+        response = error_response(exc.status, public_message(exc))
         response.headers.update(exc.headers or {})  # e.g. Retry-After
         return response
 

@@ -25,10 +25,10 @@ from ...builds import (
     tagging,
 )
 from ...orchestrator import BadRequest, NotFound
+from ...snapshot import SnapshotNotFound
 from ...templates import Template, TemplateNotFound, TemplateRegistry
 from ...templates.tags import MAX_TAGS, TAG_MAX_LENGTH
 from .. import models
-from .lifecycle import snapshot_call
 
 router = APIRouter()
 # Context uploads carry a signed URL instead of the API key (the SDKs send them
@@ -283,8 +283,8 @@ async def delete_template(template_id: str, request: Request) -> Response:
         if exc.status != 404:
             raise _fail(exc) from exc
         try:
-            await snapshot_call(request.app.state.manager.delete_snapshot(template_id))
-        except NotFound:
+            await request.app.state.manager.delete_snapshot(template_id)
+        except (NotFound, SnapshotNotFound):
             raise NotFound(f"template or snapshot '{template_id}' not found") from None
     return Response(status_code=204)
 
