@@ -8,6 +8,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from agentenv.builds import BuildError
 from agentenv.orchestrator import Conflict
 from agentenv.snapshot import (
     CorruptSnapshot,
@@ -25,6 +26,7 @@ RAISED = {
     "corrupt": CorruptSnapshot("chunk abc does not match its hash"),
     "exists": SnapshotExists("snapshot s1 already exists"),
     "conflict": Conflict("sandbox 'x' is paused"),
+    "too-large": BuildError("the context archive is larger than 2 GiB", 413),
 }
 
 
@@ -48,6 +50,7 @@ def app() -> FastAPI:
     ("corrupt", 500, "snapshot: chunk abc does not match its hash"),
     ("exists", 409, "snapshot: snapshot s1 already exists"),
     ("conflict", 409, "sandbox 'x' is paused"),
+    ("too-large", 413, "the context archive is larger than 2 GiB"),
 ])
 async def test_an_error_is_answered_with_its_class_s_status_and_prefix(
         app: FastAPI, what: str, status: int, message: str) -> None:
@@ -56,3 +59,5 @@ async def test_an_error_is_answered_with_its_class_s_status_and_prefix(
         r = await client.get(f"/raise/{what}")
     assert r.status_code == status
     assert r.json() == {"code": status, "message": message}
+    # A body refused unread is not read to its end: the connection closes instead.
+    assert (r.headers.get("connection") == "close") == (status == 413)

@@ -51,6 +51,13 @@ def _allowed_methods(request: Request) -> str:
     return ", ".join(sorted(methods))
 
 
+def _close_if_body_unread(response: JSONResponse) -> JSONResponse:
+    if response.status_code in (408, 413):
+        # The rest of the body is not wanted: close rather than read it to its end.
+        response.headers["Connection"] = "close"
+    return response
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AgentenvError)
     async def _agentenv(_: Request, exc: AgentenvError) -> JSONResponse:
@@ -58,7 +65,7 @@ def install_error_handlers(app: FastAPI) -> None:
             log.error("request failed: %s", exc)
         response = error_response(exc.status, public_message(exc))
         response.headers.update(exc.headers or {})  # e.g. Retry-After
-        return response
+        return _close_if_body_unread(response)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -71,10 +78,7 @@ def install_error_handlers(app: FastAPI) -> None:
         response.headers.update(exc.headers or {})
         if exc.status_code == 405:
             response.headers["Allow"] = _allowed_methods(request)
-        if exc.status_code in (408, 413):
-            # The rest of the body is not wanted: close rather than read it to its end.
-            response.headers["Connection"] = "close"
-        return response
+        return _close_if_body_unread(response)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
