@@ -454,16 +454,10 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                         await self.kill(record.sandbox_id)
 
     async def _expire(self, record: SandboxRecord) -> None:
-        """Pause (or kill) an expired sandbox; a pause that fails kills it, so an
-        expired sandbox never goes on holding the node's resources."""
+        """Pause (or kill) an expired sandbox; a pause that fails kills it."""
         if record.auto_pause:
-            try:
-                await self.pause(record.sandbox_id, memory=record.auto_pause_memory)
-                return
-            except NotFound:
-                return
-            except Exception as exc:
-                log.error("pause of expired sandbox %s failed (%s); killing it",
-                          record.sandbox_id, exc)
+            await self.pause_else_kill(record.sandbox_id, memory=record.auto_pause_memory,
+                                       why="its timeout")
+            return
         with contextlib.suppress(NotFound, Conflict):
             await self.kill(record.sandbox_id)

@@ -55,10 +55,6 @@ class CapacityExceeded(OrchestratorError):
     status = 503
 
 
-class StorageFull(OrchestratorError):
-    status = 507
-
-
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 
