@@ -62,6 +62,7 @@ test: system venv
 	@status=0; $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" || status=$$?; \
 	$(VENV)/bin/pytest -m serial || status=$$?; exit $$status
 
+# The headline benchmarks, each beside its floor, then one summary table (bench/README.md).
 bench: setup
 	$(PY) bench/run.py
 
