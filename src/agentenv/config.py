@@ -31,7 +31,7 @@ class Config:
     # Domain of sandbox URLs, `<port>-<sandboxID>.<domain>` (the SDKs' get_host), which
     # the proxy routes by. Default `localhost:<port>`: curl and browsers resolve
     # *.localhost to loopback themselves, so on the node's machine those URLs open
-    # with no DNS set-up. A real domain needs wildcard DNS (README, "Sandbox URLs").
+    # with no DNS set-up. A real domain needs wildcard DNS (docs/configuration.md, "Sandbox URLs").
     domain: str = ""
     node_id: str = ""
     # Where templates (rootfs trees) live; shared between homes in tests.
@@ -182,7 +182,7 @@ class Config:
     # connection is closed (408 for a body); a trickling client holds nothing long.
     http_head_timeout: int = 10
     http_body_timeout: int = 30
-    # Cluster (docs: README "Cluster"). A node with scheduler_url set registers and
+    # Cluster (docs/cluster.md). A node with scheduler_url set registers and
     # heartbeats there, advertising advertise_url (default http://host:port).
     scheduler_url: str = ""
     advertise_url: str = ""
@@ -194,7 +194,7 @@ class Config:
     # A node may fetch snapshot chunks from a peer that caches them (digest-verified;
     # the repository stays the source of truth).
     peer_transfer: bool = False
-    # Admission (README "For RL trainers"): a create beyond the node's room waits up to
+    # Admission (docs/rl.md): a create beyond the node's room waits up to
     # admission_queue_timeout_s (below the SDKs' 60 s request timeout) in a queue of at
     # most admission_queue_max creates, fair across API keys; past either, 429 with
     # Retry-After. Per-key quotas (0: none): concurrent sandboxes and creates per
