@@ -211,3 +211,42 @@ def test_the_policy_reclaims_once_per_freeze_after_the_delay() -> None:
         assert len(runtime.calls) == calls
 
     asyncio.run(scenario())
+
+
+def test_a_warm_pool_waits_frozen_and_cold_and_hands_out_at_once(tmp_path: Path) -> None:
+    """Pooled sandboxes cost no CPU and little RAM while they wait (frozen, memory in
+    swap), and a create that takes one thaws it: its first command answers."""
+    prefix = f"cp{os.getpid() % 4096:03x}"
+    node = Node(tmp_path / "home", prefix, free_cidr(150, 10, os.getpid() + 1),
+                AENV_WARM_POOL_SIZE="2", AENV_MAX_SANDBOXES="4")
+    root = MEMORY_CG / prefix
+
+    def pooled() -> dict[str, int]:
+        """Sandboxes of the node's cgroups that no listing shows, and their RAM."""
+        listed = {s["sandboxID"] for s in httpx.get(
+            node.url + "/sandboxes", headers={"X-API-Key": node.api_key}, timeout=10).json()}
+        return {c.name: int((c / "memory.usage_in_bytes").read_text())
+                for c in (root.iterdir() if root.is_dir() else [])
+                if (c / "memory.usage_in_bytes").is_file() and c.name not in listed}
+
+    with serving(node), sdk_env(node.e2b_env()):
+        first = Sandbox.create(template="base", timeout=60)  # builds the image, fills the pool
+        first.kill()
+        deadline = time.monotonic() + 120
+        while True:
+            waiting = pooled()
+            frozen = [sid for sid in waiting
+                      if (Path("/sys/fs/cgroup/freezer") / prefix / sid / "freezer.state")
+                      .read_text().strip() == "FROZEN"]
+            if len(waiting) == 2 and len(frozen) == 2 and \
+                    all(ram < COLD_MIB * MIB for ram in waiting.values()):
+                break
+            assert time.monotonic() < deadline, f"pool not frozen and cold: {waiting}"
+            time.sleep(0.5)
+        sbx = Sandbox.create(template="base", timeout=60, envs={"FROM": "pool"})
+        try:
+            assert sbx.sandbox_id in waiting  # a pooled one, handed out
+            assert sbx.commands.run("echo $FROM").stdout == "pool\n"
+        finally:
+            sbx.kill()
+        assert "from the warm pool" in node.log_path.read_text()
