@@ -331,8 +331,6 @@ class BootImages:
             return None
         members = self._pool.get(template.template_id) or []
         member = members.pop(0) if members else None
-        if member is not None:  # (frozen while it waited: envd must answer the init)
-            self.manager.runtime.thaw(member.sandbox_id)
         self._refill(template)
         return member
 
@@ -385,11 +383,6 @@ class BootImages:
             if member is None:
                 return
             members.append(member)
-            if m.config.idle_freeze_s > 0:
-                # Waiting, a member costs no CPU, and its memory goes to compressed swap
-                # a second later (cold_memory.py): a pool costs ~14 MiB a member, not
-                # ~40 MiB and 2-4 % of a core. Taking it thaws it.
-                m.runtime.freeze(member.sandbox_id)
 
     async def _restore_member(self, template: Template, image: BootImage
                               ) -> PooledSandbox | None:
@@ -453,9 +446,6 @@ class BootImages:
 
     def pooled(self) -> int:
         return sum(len(v) for v in self._pool.values())
-
-    def pooled_ids(self) -> set[str]:
-        return {member.sandbox_id for members in list(self._pool.values()) for member in members}
 
     def stats(self) -> dict:
         return {"images": len(self._images), "building": len(self._building),

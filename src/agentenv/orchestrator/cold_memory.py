@@ -50,15 +50,12 @@ class ColdMemory:
     def __init__(self, runtime: Runtime, after_s: float,
                  running: Callable[[], Iterable[str]],
                  short: Callable[[], bool] = lambda: False,
-                 busy: Callable[[str], bool] = lambda sid: False,
-                 waiting: Callable[[], set[str]] = set) -> None:
+                 busy: Callable[[str], bool] = lambda sid: False) -> None:
         self.runtime = runtime
         self.after_s = after_s  # <= 0: never
         self._running = running  # IDs of the sandboxes that may be frozen
         self._short = short  # the host is short of memory: the delay is SHORT_AFTER_S
         self._busy = busy  # an operation holds the sandbox (a pause capturing it, say)
-        # Sandboxes nobody uses yet (the warm pool's): reclaimed after SHORT_AFTER_S.
-        self._waiting = waiting
         self._frozen_since: dict[str, float] = {}
         self._cold: set[str] = set()  # reclaimed, frozen ever since
         self._queued: set[str] = set()
@@ -93,8 +90,7 @@ class ColdMemory:
             return
         now = time.monotonic()
         after = min(self.after_s, SHORT_AFTER_S) if self._short() else self.after_s
-        waiting = self._waiting()
-        frozen = {sid for sid in (*self._running(), *waiting) if self.runtime.is_frozen(sid)}
+        frozen = {sid for sid in self._running() if self.runtime.is_frozen(sid)}
         for sid in set(self._frozen_since) - frozen:  # thawed (or gone) since last look
             del self._frozen_since[sid]
             self._cold.discard(sid)
@@ -103,8 +99,7 @@ class ColdMemory:
             self._frozen_since.setdefault(sid, now)
         due = sorted((since, sid) for sid, since in self._frozen_since.items()
                      if sid not in self._cold and sid not in self._queued
-                     and now - since >= (SHORT_AFTER_S if sid in waiting else after)
-                     and not self._busy(sid))
+                     and now - since >= after and not self._busy(sid))
         room = MAX_QUEUED - len(self._queued)
         for _since, sid in due[:max(0, room)]:
             self._start(sid)

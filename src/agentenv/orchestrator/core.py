@@ -134,7 +134,7 @@ class ManagerCore:
         self.envd.awake_at = self.freezer.awake_at
         # Frozen sandboxes' memory moved to the host's compressed swap (cold_memory.py).
         self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids,
-                                      self._short_for_idle, self._held, self._pooled_ids)
+                                      self._short_for_idle, self._held)
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
                                       config.resident_pause_idle_s)
@@ -205,9 +205,6 @@ class ManagerCore:
     def _short_for_idle(self) -> bool:
         """Below the idle-memory watermark (pressure.py)."""
         raise NotImplementedError
-
-    def _pooled_ids(self) -> set[str]:
-        return self.boot_images.pooled_ids() if self.boot_images is not None else set()
 
     def _running_ids(self) -> builtins.list[str]:
         return [r.sandbox_id for r in self._records.values() if r.state is SandboxState.RUNNING]
