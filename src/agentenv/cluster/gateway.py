@@ -38,8 +38,7 @@ from starlette.types import ASGIApp
 
 from .. import __version__
 from .. import metrics as prometheus
-from ..orchestrator import NotFound
-from ..orchestrator.query import parse_states
+from ..sandbox_api import NotFound, parse_states
 from ..web import connect_websocket, relay_websocket
 from ..web.console import ConsoleSessions, console_router
 from ..web.errors import error_response, install_error_handlers

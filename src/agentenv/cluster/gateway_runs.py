@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response
 
-from ..orchestrator import NotFound
+from ..sandbox_api import NotFound
 from .common import ClusterError
 from .node_registry import NodeStatus, Registry
 from .routing import Gateway, error_message
