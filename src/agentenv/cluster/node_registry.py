@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .common import NodeStatus as NodeStatus
@@ -49,6 +50,16 @@ redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
 """
+
+
+def _entry(node_id: str, state: str, snapshot_id: str, committed: bool,
+           item: dict[str, Any] | None) -> dict[str, str]:
+    """A sandbox's ``sbx:<id>`` hash."""
+    mapping = {"node": node_id, "state": state, "snapshot": snapshot_id,
+               "committed": "1" if committed else "0"}
+    if item:
+        mapping["item"] = json.dumps(item)
+    return mapping
 
 
 class Registry:
@@ -92,21 +103,39 @@ class Registry:
         if reported:
             pipe.sadd(self._k("node-sbx", nid), *reported)
         await pipe.execute()
+        # A round trip per step, not per sandbox: a node holds hundreds of them.
+        sids = list(reported)
+        owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node") for sid in sids])
+        others = sorted({o for o in owners if o and o != nid})
+        alive = await self._each(lambda p: [p.exists(self._k("alive", o)) for o in others])
+        up = {o for o, a in zip(others, alive, strict=True) if a}
         disown = []
-        for entry in reported.values():
-            owner = await self.redis.hget(self._k("sbx", entry.sandbox_id), "node")
+        writes = self.redis.pipeline(transaction=False)
+        for entry, owner in zip(reported.values(), owners, strict=True):
             # A sandbox another live node has taken over (from its last pause, this
             # node being lost meanwhile) stays with that node: this one drops its copy.
-            if owner and owner != nid and await self.is_up(owner):
+            if owner and owner != nid and owner in up:
                 if entry.state in ("paused", "running"):
                     disown.append(entry.sandbox_id)
                 continue
-            await self.set_sandbox(entry.sandbox_id, nid, entry.state, entry.snapshot_id,
-                                   entry.committed, entry.item)
-        for sid in previous - set(reported):
-            if await self.redis.hget(self._k("sbx", sid), "node") == nid:
-                await self.redis.delete(self._k("sbx", sid))
+            writes.hset(self._k("sbx", entry.sandbox_id),
+                        mapping=_entry(nid, entry.state, entry.snapshot_id, entry.committed,
+                                       entry.item))
+        gone = sorted(previous - set(reported))
+        gone_owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node")
+                                                  for sid in gone])
+        for sid, owner in zip(gone, gone_owners, strict=True):
+            if owner == nid:
+                writes.delete(self._k("sbx", sid))
+        await writes.execute()
         return disown
+
+    async def _each(self, queue: Callable[[Any], list[Any]]) -> list[Any]:
+        """The answers of the commands ``queue`` puts on a pipeline, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        if not queue(pipe):
+            return []
+        return list(await pipe.execute())
 
     async def is_up(self, node_id: str) -> bool:
         return bool(await self.redis.exists(self._k("alive", node_id)))
@@ -127,11 +156,26 @@ class Registry:
         return status
 
     async def nodes(self) -> list[NodeStatus]:
+        """Every registered node, in one round trip after the set's (every placement
+        reads them all), as of one moment (MULTI: no heartbeat lands halfway)."""
+        ids = sorted(await self.redis.smembers(self._k("nodes")))
+        pipe = self.redis.pipeline()
+        for nid in ids:
+            pipe.get(self._k("node", nid))
+            pipe.exists(self._k("alive", nid))
+            pipe.get(self._k("reserved", nid))
+            pipe.get(self._k("released", nid))
+        flat = await pipe.execute() if ids else []
         out = []
-        for nid in sorted(await self.redis.smembers(self._k("nodes"))):
-            status = await self.node(nid)
-            if status is not None:
-                out.append(status)
+        for i in range(len(ids)):
+            raw, alive, reserved, released = flat[4 * i:4 * i + 4]
+            if raw is None:
+                continue
+            status = NodeStatus.from_dict(json.loads(raw))
+            status.state = "up" if alive else "down"
+            status.reserved = int(reserved or 0)
+            status.released = int(released or 0)
+            out.append(status)
         return out
 
     async def mark_down(self, node_id: str) -> bool:
@@ -181,11 +225,8 @@ class Registry:
     async def set_sandbox(self, sandbox_id: str, node_id: str, state: str,
                           snapshot_id: str = "", committed: bool = False,
                           item: dict[str, Any] | None = None) -> None:
-        mapping = {"node": node_id, "state": state, "snapshot": snapshot_id,
-                   "committed": "1" if committed else "0"}
-        if item:
-            mapping["item"] = json.dumps(item)
-        await self.redis.hset(self._k("sbx", sandbox_id), mapping=mapping)
+        await self.redis.hset(self._k("sbx", sandbox_id),
+                              mapping=_entry(node_id, state, snapshot_id, committed, item))
 
     async def lost(self) -> list[tuple[dict[str, str], NodeStatus]]:
         """The sandboxes of nodes that are down (past their heartbeat TTL), as their
