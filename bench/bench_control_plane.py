@@ -233,8 +233,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              "| nodes | creates/s | burst create p50 / p99 ms | create direct p50 / p99 ms "
              "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
              "| list v2 page p50 / p99 ms | list v1 all p50 ms (items) "
-             "| Redis cmds / bytes per heartbeat (idle) | same, holding (sandboxes/node) |",
-             "| " + " | ".join(["---"] * 11) + " |"]
+             "| Redis cmds / bytes per heartbeat (idle) | same, holding (sandboxes/node) "
+             "| heartbeats/s recorded, idle / holding (sent: nodes/s) |",
+             "| " + " | ".join(["---"] * 12) + " |"]
     for r in rows:
         b, lst, i, h = r["burst"], r["list"], r["idle"], r["idle_holding"]
         lines.append(
@@ -244,10 +245,12 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {r['create_added_ms']['p50']} / {r['create_added_ms']['p99']} "
             f"| {b['redis_commands_per_create']} / {b['redis_bytes_per_create']} "
             f"| {lst['v2_first_page']['p50_ms']} / {lst['v2_first_page']['p99_ms']} "
-            f"| {lst['v1_all']['p50_ms']} ({lst['v1_items']}) "
+            f"| {lst['v1_all']['p50_ms']} ({lst['v1_items']} of {lst['sandboxes_held']}) "
             f"| {i['commands_per_heartbeat']} / {i['bytes_per_heartbeat']} "
             f"| {h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
-            f"({h['sandboxes_per_node']}) |")
+            f"({h['sandboxes_per_node']}) "
+            f"| {i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
+            f"({r['nodes'] / HEARTBEAT_S:g}) |")
     if len(rows) > 1:
         lines += ["", "Growth from the smallest to the largest size:", "",
                   f"- creates/s: {growth(rows, lambda r: r['burst']['creates_per_s'])}",
@@ -261,7 +264,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                   f"{growth(rows, lambda r: r['list']['v2_first_page']['p50_ms'])}",
                   f"- Redis commands per heartbeat (idle): "
                   f"{growth(rows, lambda r: r['idle']['commands_per_heartbeat'])}"]
-    lines += ["", "Redis commands per create, the most frequent (largest size): "
+    lines += ["", "A node is listed while it is up: one whose heartbeats the scheduler did not "
+              "record within the TTL (5 s) is down, and its sandboxes are missing from "
+              "`list v1 all` (items of those held).", "",
+              "Redis commands per create, the most frequent (largest size): "
               + ", ".join(f"{k} {v}" for k, v in rows[-1]["burst"]["top_commands_per_create"]
                           .items())]
     return "\n".join(lines) + "\n"

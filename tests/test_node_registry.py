@@ -70,13 +70,14 @@ def test_heartbeats_own_sandboxes_and_nodes_are_read_whole(redis_url: str) -> No
         try:
             many = [SandboxEntry(f"a{i}", "running", item={"sandboxID": f"a{i}"})
                     for i in range(300)]
-            assert await registry.heartbeat(_status("n1", *many, load=300), 5000) == []
+            assert await registry.heartbeat(_status("n1", *many, load=300), 5000) == ([], True)
+            assert await registry.heartbeat(_status("n1", *many, load=300), 5000) == ([], False)
             assert (await registry.sandbox("a7"))["node"] == "n1"
             # a5 was taken over by n2 (n1 was lost, now back): n1 is told to drop it.
             await registry.heartbeat(_status("n2"), 5000)
             await registry.set_sandbox("a5", "n2", "running", "snap", True)
             back = [SandboxEntry("a5", "paused", "snap", True), *many[6:]]
-            assert await registry.heartbeat(_status("n1", *back), 5000) == ["a5"]
+            assert await registry.heartbeat(_status("n1", *back), 5000) == (["a5"], False)
             assert (await registry.sandbox("a5"))["node"] == "n2"
             # What n1 no longer lists is gone, what it lists is its own.
             assert [await registry.sandbox(f"a{i}") for i in (0, 1, 2, 3, 4)] == [None] * 5
@@ -94,6 +95,16 @@ def test_heartbeats_own_sandboxes_and_nodes_are_read_whole(redis_url: str) -> No
                 ("up", 2, 1)
             assert nodes["n2"].state == "down" and nodes["n1"].sandboxes == []
             assert nodes["n1"].to_dict() == (await registry.node("n1")).to_dict()
+            # A new heartbeat is read at once, here and by another scheduler.
+            other = Registry(redis_url, prefix="hb-test:")
+            try:
+                for load in (3, 5):
+                    await registry.heartbeat(_status("n1", load=load), 5000)
+                    for reader in (registry, other):
+                        n1 = next(n for n in await reader.nodes() if n.node_id == "n1")
+                        assert (n1.load, n1.reserved, n1.released) == (load, 0, 0)
+            finally:
+                await other.close()
         finally:
             await registry.redis.flushdb()
             await registry.close()

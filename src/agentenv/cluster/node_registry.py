@@ -20,6 +20,7 @@ one started, sees the same cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -68,6 +69,8 @@ class Registry:
         # (they give bytes | str), so the client is untyped here.
         self.redis: Any = connect(url)
         self.prefix = prefix
+        # node ID -> (its heartbeat's number, its status as that heartbeat said): nodes().
+        self._bodies: dict[str, tuple[str, NodeStatus]] = {}
         self._route = self.redis.register_script(_ROUTE)
         self._release = self.redis.register_script(_RELEASE)
 
@@ -82,10 +85,11 @@ class Registry:
 
     # -- nodes ------------------------------------------------------------------
 
-    async def heartbeat(self, status: NodeStatus, ttl_ms: int) -> list[str]:
+    async def heartbeat(self, status: NodeStatus, ttl_ms: int) -> tuple[list[str], bool]:
         """Record a heartbeat: the node is up for ``ttl_ms`` more, and owns what it lists.
         Returns the paused sandboxes it lists that another up node has taken over
-        (the node drops its stale records of them)."""
+        (the node drops its stale records of them), and whether the node was down (or
+        new) until this heartbeat."""
         status.state, status.last_seen, status.reserved, status.released = "up", time.time(), 0, 0
         body = status.to_dict()
         body.pop("sandboxes")
@@ -93,6 +97,7 @@ class Registry:
         reported = {s.sandbox_id: s for s in status.sandboxes}
         previous = await self.redis.smembers(self._k("node-sbx", nid))
         pipe = self.redis.pipeline()
+        pipe.exists(self._k("alive", nid))
         pipe.sadd(self._k("nodes"), nid)
         pipe.set(self._k("node", nid), json.dumps(body))
         pipe.set(self._k("alive", nid), "1", px=ttl_ms)
@@ -102,7 +107,7 @@ class Registry:
         pipe.delete(self._k("node-sbx", nid))
         if reported:
             pipe.sadd(self._k("node-sbx", nid), *reported)
-        await pipe.execute()
+        was_alive, *_ = await pipe.execute()
         # A round trip per step, not per sandbox: a node holds hundreds of them.
         sids = list(reported)
         owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node") for sid in sids])
@@ -128,7 +133,7 @@ class Registry:
             if owner == nid:
                 writes.delete(self._k("sbx", sid))
         await writes.execute()
-        return disown
+        return disown, not was_alive
 
     async def _each(self, queue: Callable[[Any], list[Any]]) -> list[Any]:
         """The answers of the commands ``queue`` puts on a pipeline, in one round trip."""
@@ -156,22 +161,40 @@ class Registry:
         return status
 
     async def nodes(self) -> list[NodeStatus]:
-        """Every registered node, in one round trip after the set's (every placement
-        reads them all), as of one moment (MULTI: no heartbeat lands halfway)."""
+        """Every registered node, with its liveness and the counts of room taken and
+        freed since its heartbeat, as of one moment (MULTI: no heartbeat lands halfway).
+
+        Every placement reads every node, so a node's body (its heartbeat, ~0.5 KB) is
+        read only when its heartbeat number changed since this process last read it;
+        otherwise the small counts alone. A body read just after a new heartbeat may be
+        newer than the counts read with it: its room is undercounted for that read only.
+        """
         ids = sorted(await self.redis.smembers(self._k("nodes")))
         pipe = self.redis.pipeline()
         for nid in ids:
-            pipe.get(self._k("node", nid))
+            pipe.get(self._k("beat", nid))
             pipe.exists(self._k("alive", nid))
             pipe.get(self._k("reserved", nid))
             pipe.get(self._k("released", nid))
         flat = await pipe.execute() if ids else []
-        out = []
-        for i in range(len(ids)):
-            raw, alive, reserved, released = flat[4 * i:4 * i + 4]
+        counts = {nid: flat[4 * i:4 * i + 4] for i, nid in enumerate(ids)}
+        stale = [nid for nid in ids
+                 if nid not in self._bodies or self._bodies[nid][0] != (counts[nid][0] or "0")]
+        bodies = await self._each(lambda p: [p.get(self._k("node", nid)) for nid in stale])
+        for nid, raw in zip(stale, bodies, strict=True):
             if raw is None:
+                self._bodies.pop(nid, None)
+            else:
+                self._bodies[nid] = (counts[nid][0] or "0",
+                                     NodeStatus.from_dict(json.loads(raw)))
+        for nid in set(self._bodies) - set(ids):
+            del self._bodies[nid]  # forgotten
+        out = []
+        for nid in ids:
+            if nid not in self._bodies:
                 continue
-            status = NodeStatus.from_dict(json.loads(raw))
+            _, alive, reserved, released = counts[nid]
+            status = dataclasses.replace(self._bodies[nid][1])
             status.state = "up" if alive else "down"
             status.reserved = int(reserved or 0)
             status.released = int(released or 0)

@@ -55,9 +55,8 @@ async def heartbeat(request: Request) -> dict[str, Any]:
         status = NodeStatus.from_dict(await request.json())
     except (TypeError, ValueError) as exc:
         raise ClusterError(400, f"invalid heartbeat: {exc}") from exc
-    was = await registry.node(status.node_id)
-    disown = await registry.heartbeat(status, request.app.state.node_ttl_ms)
-    if was is None or was.state == "down":
+    disown, rejoined = await registry.heartbeat(status, request.app.state.node_ttl_ms)
+    if rejoined:
         log.info("node %s is up at %s (%d/%d sandboxes)", status.node_id, status.url,
                  status.load, status.capacity)
     return {"disown": disown}
