@@ -1,6 +1,6 @@
 """The control plane at fleet scale: the real gateway, scheduler and Redis over simulated
 nodes (agentenv.testing.sim_nodes, its own process: the cluster protocol, no sandboxes),
-at 10 and 100 nodes (``--nodes 10,100,1000``).
+at 10, 100 and 300 nodes (``--nodes``; a thousand overruns one scheduler on 2 cores).
 
 Per size:
 - Redis commands and bytes per heartbeat (nodes idle, then holding the creates'
@@ -130,14 +130,20 @@ async def timed_gets(client: httpx.AsyncClient, url: str, params: dict[str, Any]
     return out, count
 
 
-def wait_up(cluster: Cluster, nodes: int, wait: float = 120) -> None:
-    end = time.monotonic() + wait
+def up_count(cluster: Cluster) -> int:
     with cluster.client(cluster.scheduler_url) as c:
-        while time.monotonic() < end:
-            if len(c.get("/nodes", params={"state": "up"}).json()) >= nodes:
-                return
-            time.sleep(0.5)
-    raise RuntimeError(f"{nodes} simulated nodes did not all come up")
+        return len(c.get("/nodes", params={"state": "up"}).json())
+
+
+def wait_up(cluster: Cluster, nodes: int, wait: float = 120) -> None:
+    """Until nine in ten are up at once (past a few hundred, a node whose heartbeats
+    the scheduler records late goes down and comes back: counted in the results)."""
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        if up_count(cluster) >= 0.9 * nodes:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"fewer than 9 in 10 of {nodes} simulated nodes came up")
 
 
 def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: int
@@ -157,7 +163,7 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
         time.sleep(2 * HEARTBEAT_S)  # every node past its first heartbeat
         meter = RedisMeter(cluster.redis_port, nodes)
         out: dict[str, Any] = {"nodes": nodes}
-        out["idle"] = idle_cost(meter)
+        out["idle"] = {"nodes_up": up_count(cluster), **idle_cost(meter)}
 
         with cluster.client(cluster.scheduler_url) as c:
             a_node = c.get("/nodes").json()[0]["url"]
@@ -193,10 +199,12 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
                         for k in sorted(top_after, key=lambda k: top_before.get(k, 0)
                                         - top_after[k])[:6]}}
                 held = creates + 2 * (sequential + 1)
+                # Fewer at a thousand nodes: each asks every node.
+                reps = 20 if nodes <= 100 else 5
                 page, n_page = await timed_gets(client, cluster.gateway_url + "/v2/sandboxes",
-                                                {"limit": 100}, 20)
+                                                {"limit": 100}, reps)
                 whole, n_whole = await timed_gets(client, cluster.gateway_url + "/sandboxes",
-                                                  {}, 10)
+                                                  {}, reps // 2)
                 out["list"] = {"sandboxes_held": held, "v2_first_page": lat(page),
                                "v2_page_items": n_page, "v1_all": lat(whole),
                                "v1_items": n_whole}
@@ -204,13 +212,20 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
         asyncio.run(run())
         time.sleep(2 * HEARTBEAT_S)
         out["idle_holding"] = {"sandboxes_per_node": round(
-            (creates + 2 * (sequential + 1)) / nodes, 1), **idle_cost(meter)}
+            (creates + 2 * (sequential + 1)) / nodes, 1), "nodes_up": up_count(cluster),
+            **idle_cost(meter)}
         return out
     finally:
-        if sim is not None:
-            sim.terminate()
-            sim.wait(30)
-        cluster.stop()
+        try:
+            if sim is not None:
+                sim.terminate()
+                try:
+                    sim.wait(30)
+                except subprocess.TimeoutExpired:
+                    sim.kill()
+                    sim.wait()
+        finally:
+            cluster.stop()
 
 
 def growth(rows: list[dict[str, Any]], pick: Any) -> str:
@@ -234,7 +249,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
              "| list v2 page p50 / p99 ms | list v1 all p50 ms (items) "
              "| Redis cmds / bytes per heartbeat (idle) | same, holding (sandboxes/node) "
-             "| heartbeats/s recorded, idle / holding (sent: nodes/s) |",
+             "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) |",
              "| " + " | ".join(["---"] * 12) + " |"]
     for r in rows:
         b, lst, i, h = r["burst"], r["list"], r["idle"], r["idle_holding"]
@@ -250,7 +265,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
             f"({h['sandboxes_per_node']}) "
             f"| {i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
-            f"({r['nodes'] / HEARTBEAT_S:g}) |")
+            f"({r['nodes'] / HEARTBEAT_S:g}; up {i['nodes_up']} / {h['nodes_up']}) |")
     if len(rows) > 1:
         lines += ["", "Growth from the smallest to the largest size:", "",
                   f"- creates/s: {growth(rows, lambda r: r['burst']['creates_per_s'])}",

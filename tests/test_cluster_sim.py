@@ -29,7 +29,9 @@ from agentenv.testing.sim_nodes import Behaviour, InThread, running
 NODES = 10
 CAPACITY = 4
 HEARTBEAT_S = 0.3
-NODE_TTL_MS = 1500
+# Ten heartbeats: a loaded machine delays some, and a node falsely down would fail
+# the listings asserted here.
+NODE_TTL_MS = 3000
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ T = TypeVar("T")
 Answer = tuple[int, Any, dict[str, str]]
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 ENVD_VERSION = "0.6.4"
+HEARTBEATS_IN_FLIGHT = 32
 
 
 @dataclass
@@ -153,6 +154,9 @@ class SimNodes:
         self._server: uvicorn.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
+        # Heartbeats in flight at once: more wait here, not in the HTTP pool (a pool
+        # hundreds of requests wait on, each with its deadline, sent none at 300 nodes).
+        self._sending = asyncio.Semaphore(HEARTBEATS_IN_FLIGHT)
         self._routes = self._route_table()
 
     # -- start / stop ---------------------------------------------------------------
@@ -170,8 +174,9 @@ class SimNodes:
             self._sockets.append(sock)
             self.nodes.append(node)
             self.by_port[port] = node
+        # Stopped within 2 s: the gateway's kept-alive connections would hold it open.
         config = uvicorn.Config(self, lifespan="off", log_level="warning", access_log=False,
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         self._tasks.append(asyncio.create_task(self._server.serve(sockets=self._sockets)))
         # uvicorn says it has started by a flag only, no event to wait on.
@@ -182,7 +187,8 @@ class SimNodes:
         self._http = httpx.AsyncClient(
             headers={"X-API-Key": self.api_key}, trust_env=False,
             timeout=max(self.behaviour.heartbeat_s, 1.0),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+            limits=httpx.Limits(max_connections=HEARTBEATS_IN_FLIGHT,
+                                max_keepalive_connections=HEARTBEATS_IN_FLIGHT))
         for node in self.nodes:
             self._tasks.append(asyncio.create_task(self._heartbeats(node)))
 
@@ -222,18 +228,19 @@ class SimNodes:
         """One heartbeat of ``node``, as the real node's (``node/heartbeat.py``) sends it."""
         assert self._http is not None
         schedulers = schedulers or Failover(self.scheduler_url)
-        body = node.status().to_dict()
         order = schedulers.order()
-        for url in order:
-            try:
-                r = await self._http.post(url + "/nodes/heartbeat", json=body)
-                r.raise_for_status()
-            except httpx.HTTPError:
-                if url == order[-1]:
-                    raise
-                continue
-            schedulers.answered(url)
-            break
+        async with self._sending:
+            body = node.status().to_dict()
+            for url in order:
+                try:
+                    r = await self._http.post(url + "/nodes/heartbeat", json=body)
+                    r.raise_for_status()
+                except httpx.HTTPError:
+                    if url == order[-1]:
+                        raise
+                    continue
+                schedulers.answered(url)
+                break
         node.beats += 1
         self.requests["heartbeat"] += 1
         for sandbox_id in r.json().get("disown", []):
