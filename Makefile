@@ -6,7 +6,7 @@ AENV_HOME ?= /var/lib/aenv
 export AENV_HOME
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 
-.PHONY: setup system venv template templates js ui run run-cluster test bench soak lint clean-state
+.PHONY: setup system venv template templates js ui run run-cluster test bench soak lint docs clean-state
 
 setup: system venv template
 
@@ -62,6 +62,7 @@ test: system venv
 	@status=0; $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" || status=$$?; \
 	$(VENV)/bin/pytest -m serial || status=$$?; exit $$status
 
+# The headline benchmarks, each beside its floor, then one summary table (bench/README.md).
 bench: setup
 	$(PY) bench/run.py
 
@@ -69,8 +70,18 @@ bench: setup
 soak: setup
 	cd bench && ../$(PY) soak.py
 
-# Style, types, and the one-way rule between packages (docs/architecture.md).
+# Style, types, the one-way rule between packages (docs/architecture.md), and the
+# docs: the site built with --strict (a broken link or anchor between pages, or a
+# page missing from mkdocs.yml's nav, fails it; not --quiet, which hides the warnings
+# --strict counts) and the README's links into docs/.
 lint: venv
-	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	@site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && \
+	$(VENV)/bin/mkdocs build --strict --site-dir "$$site"
+	$(PY) scripts/check_readme_links.py
+
+# The docs as a website, into site/ (mkdocs.yml).
+docs: venv
+	$(VENV)/bin/mkdocs build --strict --site-dir site

@@ -9,15 +9,16 @@ with no gap (always awake): the floor a step after a gap is measured against.
 Recorded per arm (a node configuration):
 - step latency after a gap, p50 / p99 / max, per kind and overall, and the warm floor;
 - idle cost once every sandbox has had its first step and sat idle (before the
-  episodes): host PSS per sandbox over all runsc processes (each address space once),
-  the memory-file and runsc-heap counts of the memory cgroups, and the CPU of all
-  sandboxes together over ``--window`` s in % of one core;
-- PSS per sandbox sampled during the episodes (median), envds dormant at the end;
+  episodes): the RAM the host holds for each (its memory cgroup, plus its share of
+  the zram swap's RAM), host PSS over all runsc processes (each address space once),
+  and the CPU of all sandboxes together over ``--window`` s in % of one core;
+- the same per sandbox sampled during the episodes (median), the node process's own
+  CPU (reclaims run in it), envds dormant at the end;
 - failures (any step that raised), which must be 0.
 
-Arms: ``memory`` (the node's default: envds sleep only when the host needs the
-memory) and ``idle`` (the previous default: envd sleeps after 5 s idle, whatever
-the memory), run one after the other on the same machine.
+Arms (``ARMS``), run one after the other on the same machine: ``cold`` (memory to
+compressed swap 5 s after a freeze), ``default`` (after 60 s, or 1 s when memory is
+short) and ``idle`` (envd sleeps after 5 s idle, two defaults ago).
 
     PYTHONPATH=src:bench python bench/bench_episodes.py            # quick (make bench)
     PYTHONPATH=src:bench python bench/bench_episodes.py --sandboxes 300 --steps 1000 \
@@ -38,13 +39,19 @@ from pathlib import Path
 from e2b import AsyncSandbox
 
 from agentenv.runtime.gvisor import console_says_dormant
+from agentenv.runtime.swap import swap_stats
 from agentenv.testing import Node, free_cidr, leaks, sdk_env
-from bench_density import MIB, cgroup_memory, cgroup_pss, cpu_ns, create_many
+from bench_density import CG, MIB, cgroup_memory, cgroup_pss, cpu_ns, create_many
 from common import write
 
 ARMS = {
-    "memory": {},  # the default
-    "idle": {"AENV_ENVD_DORMANT_AFTER_S": "5", "AENV_ENVD_DORMANCY_MB": "-1"},
+    # frozen sandboxes' memory to compressed swap 5 s after their freeze, envd awake
+    "cold": {"AENV_COLD_MEMORY_AFTER_S": "5"},
+    # the default: the same after 60 s frozen, or 1 s while memory is short
+    "default": {},
+    # envd sleeps after 5 s idle (the default two versions ago)
+    "idle": {"AENV_ENVD_DORMANT_AFTER_S": "5", "AENV_ENVD_DORMANCY_MB": "-1",
+             "AENV_COLD_MEMORY_AFTER_S": "0"},
 }
 KINDS = ("true", "python", "file")
 
@@ -78,26 +85,52 @@ def dormant_count(home: Path, ids: list[str]) -> int:
                for sid in ids)
 
 
-def idle_cost(prefix: str, n: int, window: float) -> dict:
+def zram_used() -> int:
+    stats = swap_stats()
+    return stats.used if stats else 0
+
+
+def cgroup_usage(prefix: str) -> int:
+    root = CG / "memory" / prefix
+    return sum(int((c / "memory.usage_in_bytes").read_text())
+               for c in root.iterdir() if (c / "memory.usage_in_bytes").is_file()) \
+        if root.is_dir() else 0
+
+
+def idle_cost(prefix: str, n: int, window: float, zram_before: int) -> dict:
     pss, _naive, counted = cgroup_pss(prefix)
     shmem, rss, _ = cgroup_memory(prefix)
+    usage = cgroup_usage(prefix)
+    zram = max(0, zram_used() - zram_before)
     a, t = cpu_ns(prefix), time.monotonic()
     time.sleep(window)
     cpu = (cpu_ns(prefix) - a) / 1e9 / (time.monotonic() - t) * 100
     return {"pss_MiB_per_sandbox": round(pss / MIB / max(1, counted), 1),
+            # what the host holds for each: its cgroup's RAM plus its share of zram
+            "usage_MiB_per_sandbox": round(usage / MIB / max(1, n), 1),
+            "zram_MiB_per_sandbox": round(zram / MIB / max(1, n), 1),
+            "host_MiB_per_sandbox": round((usage + zram) / MIB / max(1, n), 1),
             "memfile_MiB_per_sandbox": round(shmem / MIB / max(1, n), 1),
             "runsc_anon_MiB_per_sandbox": round(rss / MIB / max(1, n), 1),
             "idle_cpu_pct_all": round(cpu, 2)}
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its reaped children (the node: its reclaims run in
+    its own thread, in the kernel)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 async def episodes(ids: list[str], warm_ids: list[str], args: argparse.Namespace,
-                   prefix: str, failures: list[str]) -> dict:
+                   prefix: str, failures: list[str], zram_before: int, node_pid: int) -> dict:
     rng = random.Random(args.seed)
     gmin, gmax = args.gap
     budget = {"left": args.steps}
     after_gap: dict[str, list[float]] = {k: [] for k in KINDS}
     warm: list[float] = []
     pss_samples: list[float] = []
+    host_samples: list[float] = []
     stop = asyncio.Event()
 
     async def one(sid: str) -> None:
@@ -136,10 +169,13 @@ async def episodes(ids: list[str], warm_ids: list[str], args: argparse.Namespace
             pss, _n, counted = await asyncio.to_thread(cgroup_pss, prefix)
             if counted:
                 pss_samples.append(pss / MIB / counted)
+                host = cgroup_usage(prefix) + max(0, zram_used() - zram_before)
+                host_samples.append(host / MIB / counted)
             await asyncio.sleep(10)
 
     t0 = time.monotonic()
     cpu0 = cpu_ns(prefix)
+    node_cpu0 = process_cpu_s(node_pid)
     side = [asyncio.create_task(reference(s)) for s in warm_ids]
     side.append(asyncio.create_task(sampler()))
     await asyncio.gather(*(one(s) for s in ids))
@@ -150,6 +186,9 @@ async def episodes(ids: list[str], warm_ids: list[str], args: argparse.Namespace
     return {"after_gap": stats(every), **{f"after_gap_{k}": stats(v) for k, v in after_gap.items()},
             "warm": stats(warm), "episode_wall_s": round(wall, 1),
             "cpu_pct_all_during": round((cpu_ns(prefix) - cpu0) / 1e9 / wall * 100, 1),
+            "node_cpu_pct_during": round((process_cpu_s(node_pid) - node_cpu0) / wall * 100, 1),
+            "host_MiB_per_sandbox_during": round(statistics.median(host_samples), 1)
+            if host_samples else None,
             "pss_MiB_per_sandbox_during": round(statistics.median(pss_samples), 1)
             if pss_samples else None}
 
@@ -157,6 +196,7 @@ async def episodes(ids: list[str], warm_ids: list[str], args: argparse.Namespace
 def one_arm(arm: str, args: argparse.Namespace) -> dict:
     home = Path(tempfile.mkdtemp(prefix=f"bench-ep-{arm}-"))
     prefix = f"bep{arm[0]}"
+    zram_before = zram_used()  # (the device is the host's: other tenants' pages are in it)
     node = Node(home, prefix, free_cidr(200, 20, os.getpid()),
                 AENV_MAX_SANDBOXES=str(args.sandboxes + args.warm + 8), **ARMS[arm])
     node.start()
@@ -182,9 +222,11 @@ def one_arm(arm: str, args: argparse.Namespace) -> dict:
                 await asyncio.gather(*(first(s) for s in ids))
             asyncio.run(first_steps())
             time.sleep(args.settle)  # idle: frozen (and, in the idle arm, dormant)
-            row["idle"] = idle_cost(prefix, len(ids), args.window)
+            row["idle"] = idle_cost(prefix, len(ids), args.window, zram_before)
             row["dormant_idle"] = dormant_count(home, ids)
-            row.update(asyncio.run(episodes(ids, warm_ids, args, prefix, failures)))
+            assert node.proc is not None
+            row.update(asyncio.run(episodes(ids, warm_ids, args, prefix, failures, zram_before,
+                                            node.proc.pid)))
             row["dormant_end"] = dormant_count(home, ids)
             row["load_1m"] = round(os.getloadavg()[0], 1)
     finally:
@@ -202,10 +244,11 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--gap", type=lambda s: tuple(float(x) for x in s.split(",")),
-                    default=(5.0, 12.0))
-    ap.add_argument("--settle", type=float, default=15.0)
+                    default=(5.0, 30.0))
+    # (idle_freeze_s 10 + the cold arm's 5 + the reclaims, one at a time)
+    ap.add_argument("--settle", type=float, default=30.0)
     ap.add_argument("--window", type=float, default=10.0)
-    ap.add_argument("--arms", default="memory,idle")
+    ap.add_argument("--arms", default="cold,default")
     ap.add_argument("--seed", type=int, default=27)
     ap.add_argument("--name", default="episodes")
     args = ap.parse_args()
@@ -217,14 +260,17 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     lines = [f"## Agent episodes: {args.sandboxes} sandboxes, {args.steps} steps after think "
              f"gaps of {args.gap[0]:g}-{args.gap[1]:g} s (issue 27)", "",
              f"Beside them, {args.warm} always-awake sandboxes doing the same steps with no gap "
-             "(the warm floor, same run, same load). Arms: `memory` = envds sleep only when "
-             "the host needs the memory (the default); `idle` = envd sleeps after 5 s idle "
-             "(the previous default).", "",
+             "(the warm floor, same run, same load). Arms: `cold` = a sandbox frozen 5 s "
+             "has its memory moved to compressed swap, envd awake; `default` = the same after "
+             "60 s frozen, or 1 s while the host is short of memory (here it is not: envds "
+             "awake and resident, as the previous default); `idle` = envd sleeps after 5 s "
+             "idle (the default two versions ago).", "",
              "| arm | step after gap p50 / p99 / max ms | warm p50 / p99 ms | true p50 "
-             "| python p50 | file p50 | idle PSS MiB each | idle memfile MiB each "
-             "| idle CPU % of a core (all) "
-             "| PSS during MiB each | dormant idle / end | failures | load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| python p50 | file p50 | idle host MiB each (RAM + zram) | idle PSS MiB each "
+             "| idle CPU % of a core (all) | host MiB each during | node CPU % during "
+             "| dormant idle / end | failures | load |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- |"]
     for r in rows:
         g, w, i = r.get("after_gap", {}), r.get("warm", {}), r.get("idle", {})
         lines.append(
@@ -233,13 +279,18 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
             f"| {r.get('after_gap_true', {}).get('p50_ms')} "
             f"| {r.get('after_gap_python', {}).get('p50_ms')} "
             f"| {r.get('after_gap_file', {}).get('p50_ms')} "
-            f"| {i.get('pss_MiB_per_sandbox')} | {i.get('memfile_MiB_per_sandbox')} "
-            f"| {i.get('idle_cpu_pct_all')} | {r.get('pss_MiB_per_sandbox_during')} "
+            f"| {i.get('host_MiB_per_sandbox')} ({i.get('usage_MiB_per_sandbox')} + "
+            f"{i.get('zram_MiB_per_sandbox')}) | {i.get('pss_MiB_per_sandbox')} "
+            f"| {i.get('idle_cpu_pct_all')} | {r.get('host_MiB_per_sandbox_during')} "
+            f"| {r.get('node_cpu_pct_during')} "
             f"| {r.get('dormant_idle')} / {r.get('dormant_end')} | {r['failures']} "
             f"| {r.get('load_1m')} |")
-    lines += ["", "PSS: all runsc processes of the sandboxes' memory cgroups, each address "
-              "space once, per sandbox. memfile: the sentry's memory file (guest memory). "
-              "idle CPU: all sandboxes together over the idle window, % of one core.", ""]
+    lines += ["", "host MiB: the sandboxes' memory cgroups (RAM they are charged) plus the "
+              "zram device's RAM grown since the arm began, per sandbox. PSS: all runsc "
+              "processes, each address space once, per sandbox (it cannot see swapped "
+              "pages, nor memory-file pages no process maps). idle CPU: all sandboxes "
+              "together over the idle window, % of one core; node CPU: the node process "
+              "and its reaped children (runsc calls; reclaims run in its thread).", ""]
     write(args.name, {"args": {k: v for k, v in vars(args).items()}, "rows": rows},
           "\n".join(lines))
 

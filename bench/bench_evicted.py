@@ -43,7 +43,7 @@ from bench_fork import ROOTFS, BareRunsc
 from bench_node import run_native
 from bench_pause_modes import pause_snapshot
 from common import report, summary
-from same_floor import Floor
+from restore_floor import Floor
 
 MIB = 1 << 20
 STEP = re.compile(r"resume of (\w+): slot (\d+) ms, resume (\d+) ms, envd (\d+) ms")

@@ -36,7 +36,7 @@ import httpx
 from agentenv.testing import Node, leaks
 from bench_node import run_native
 from common import report, summary
-from same_floor import Floor
+from restore_floor import Floor
 
 CAPTURE = re.compile(r"fork of \w+: source stopped (\d+) ms")
 STEP = re.compile(r"^(\S+ \S+) DEBUG \S+: restore of (\w+): slot (\d+) ms, restore (\d+) ms, "

@@ -1,13 +1,16 @@
-"""Lifecycle speed (issue 15), for before/after runs of two trees on a shared machine:
-cold create, resume, create from the template's boot image, fork of 16, each beside
-bare runsc measured in the same run (`runsc do /bin/true`, bare restore), as a ratio.
+"""Lifecycle speed: cold create, resume, create from the template's boot image and fork
+of 16, each beside bare runsc measured in the same run (`runsc do /bin/true` for a
+boot, a bare `runsc restore --detach` for a restore), as a ratio. `make bench` runs it
+and reads its headline (a boot-image create until a command runs) from
+results/lifecycle.json.
 
-Run one round per tree, alternately, several rounds (the node runs the tree on
-PYTHONPATH):  cd bench && PYTHONPATH=<tree>/src python bench_lifecycle.py --name <label>
-With --cpu: CPU-seconds per create, reset, fork child and snapshot beside bare runsc
-(lifecycle_cpu.py; results/lifecycle_cpu.md).
-Each round writes results/lifecycle_<label>.json (raw samples and p50s); the medians
-over rounds go into the before/after table.
+    cd bench && PYTHONPATH=../src python bench_lifecycle.py [-n 5]
+
+Before/after two trees on a shared machine: one round per tree, alternately, several
+rounds (the node runs the tree on PYTHONPATH), `--name <label>` writing
+results/lifecycle_<label>.json, then `--summarize BEFORE AFTER OUT` for the medians
+over rounds. With --cpu: CPU-seconds per create, reset, fork child and snapshot beside
+bare runsc (lifecycle_cpu.py; results/lifecycle_cpu.md).
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--summarize", nargs=3, metavar=("BEFORE", "AFTER", "OUT"),
                     help="only summarize earlier rounds into results/OUT.json")
-    ap.add_argument("--name")
+    ap.add_argument("--name", default="",
+                    help="a label: results/lifecycle_<label>.json (default results/lifecycle.json)")
     ap.add_argument("-n", type=int, default=5)
     ap.add_argument("--forks", type=int, default=1)
     ap.add_argument("--cpu", action="store_true",
@@ -103,8 +107,6 @@ def main() -> None:
     if args.summarize:
         summarize(*args.summarize)
         return
-    if not args.name:
-        ap.error("--name is required")
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-life-"))
     rows: dict[str, dict] = {}
     raw: dict = {}
@@ -145,7 +147,8 @@ def main() -> None:
     out = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "p50_ms": picked,
            "rows": rows, "failures": list(failures), "leaks": left}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"lifecycle_{args.name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    name = f"lifecycle_{args.name}" if args.name else "lifecycle"
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(picked, indent=1))
 
 

@@ -31,7 +31,7 @@ from agentenv.testing import Node, leaks
 from agentenv.testing.nodes import free_cidr
 from common import write
 from cpu_meter import ACCT, CpuMeter
-from same_floor import MASK, Floor, answered
+from restore_floor import MASK, Floor, answered
 from snapshot_probes import Tracker, until_command
 
 HZ = os.sysconf("SC_CLK_TCK")

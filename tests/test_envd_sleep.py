@@ -54,10 +54,12 @@ def test_an_idle_sandbox_keeps_envd_awake_while_memory_is_plentiful(node: Node) 
 @pytest.fixture(scope="module")
 def short_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """A node whose host is always short of memory for awake envds (but not for
-    pauses: memory_pressure_mb stays derived)."""
+    pauses: memory_pressure_mb stays derived), and that moves no frozen sandbox's
+    memory to swap: envds sleep where the host has no swap for that."""
     cidr = free_cidr(160, 20, os.getpid())
     with serving(Node(tmp_path_factory.mktemp("sleep"), PREFIX, cidr,
-                      AENV_ENVD_DORMANCY_MB=str(1 << 30), AENV_MAX_SANDBOXES="6")) as node:
+                      AENV_ENVD_DORMANCY_MB=str(1 << 30), AENV_MAX_SANDBOXES="6",
+                      AENV_COLD_MEMORY_AFTER_S="0")) as node:
         with sdk_env(node.e2b_env()):
             yield node
 

@@ -22,12 +22,11 @@ from agentenv.orchestrator import (
     NotFound,
     OrchestratorError,
     SandboxState,
-    StorageFull,
 )
 from agentenv.orchestrator.admission import TooManyRequests
 from agentenv.orchestrator.envd_client import EnvdUnavailable
 from agentenv.runtime import RuntimeFailure
-from agentenv.snapshot import SnapshotNotFound
+from agentenv.snapshot import SnapshotNotFound, StorageFull
 from unit_nodes import Node, started
 
 
@@ -306,3 +305,37 @@ async def test_a_sandbox_being_killed_has_no_endpoint_from_the_start(node: Node)
     await kill
     with pytest.raises(NotFound):
         mgr.endpoint(sid, 49983)
+
+
+async def test_a_timeout_and_a_run_s_end_pause_else_kill(node: Node) -> None:
+    """One policy for both (Runs.pause_else_kill): the sandbox is paused; one whose
+    pause fails is killed (it must not go on holding the node); one paused meanwhile
+    stays paused."""
+    mgr = node.manager
+
+    async def state_after_its_timeout(sandbox_id: str) -> SandboxState | None:
+        mgr.get(sandbox_id).end_at = 0
+        for _ in range(100):  # the TTL loop looks every second
+            states = {r.sandbox_id: r.state for r in mgr.list()}
+            if states.get(sandbox_id) is not SandboxState.RUNNING:
+                return states.get(sandbox_id)
+            await asyncio.sleep(0.05)
+        return SandboxState.RUNNING
+
+    timed = await mgr.create(CreateRequest("base", auto_pause=True))
+    assert await state_after_its_timeout(timed.sandbox_id) is SandboxState.PAUSED
+    unpausable = await mgr.create(CreateRequest("base", auto_pause=True))
+    node.runtime.faults.fail("checkpoint", RuntimeFailure("checkpoint broke"))
+    assert await state_after_its_timeout(unpausable.sandbox_id) is None  # killed
+    assert unpausable.sandbox_id not in node.runtime.sandboxes
+
+    run = mgr.create_run("trainer-2", 60, "pause")
+    failing, pausing = [(await mgr.create(CreateRequest("base", run_id=run.run_id))).sandbox_id
+                        for _ in range(2)]
+    node.runtime.faults.fail("checkpoint", RuntimeFailure("checkpoint broke"))  # the first's
+    await mgr.end_run(run.run_id)
+    states = {r.sandbox_id: r.state for r in mgr.list()}
+    assert failing not in states and states[pausing] is SandboxState.PAUSED
+
+    await mgr.pause_else_kill(timed.sandbox_id, memory=True, why="a test")  # paused already
+    assert mgr.get(timed.sandbox_id).state is SandboxState.PAUSED

@@ -31,7 +31,7 @@ class Config:
     # Domain of sandbox URLs, `<port>-<sandboxID>.<domain>` (the SDKs' get_host), which
     # the proxy routes by. Default `localhost:<port>`: curl and browsers resolve
     # *.localhost to loopback themselves, so on the node's machine those URLs open
-    # with no DNS set-up. A real domain needs wildcard DNS (README, "Sandbox URLs").
+    # with no DNS set-up. A real domain needs wildcard DNS (docs/configuration.md, "Sandbox URLs").
     domain: str = ""
     node_id: str = ""
     # Where templates (rootfs trees) live; shared between homes in tests.
@@ -123,6 +123,17 @@ class Config:
     # flight and nothing running in the sandbox, whatever the memory (shorter than
     # idle_freeze_s, or a frozen envd never gets to sleep). 0: only when asked.
     envd_dormant_after_s: float = 0.0
+    # A sandbox frozen this many seconds (or one second, below envd_dormancy_mb's
+    # watermark) has its memory moved out of RAM to the host's compressed swap
+    # (orchestrator/cold_memory.py): ~2-3 MiB stay resident plus ~1/4 of its pages
+    # compressed, envd stays awake, and the next command faults back what it touches
+    # (tens of ms, not envd's 0.3-0.7 s start). With a swap, envds are then never
+    # asked to sleep. 0: never.
+    cold_memory_after_s: float = 60.0
+    # Size (MiB of pages held) of the zram swap device the node sets up for that when
+    # the host has none: 0: a quarter of the host's memory; -1: set none up (an
+    # operator's own swap is used if there is one).
+    cold_swap_mb: int = 0
     # When the host's available memory falls below memory_pressure_mb, running
     # sandboxes are paused to disk (captured, memory and slot freed; resumable),
     # least recently active first, instead of the OOM killer ending any. 0: 5 % of
@@ -171,7 +182,7 @@ class Config:
     # connection is closed (408 for a body); a trickling client holds nothing long.
     http_head_timeout: int = 10
     http_body_timeout: int = 30
-    # Cluster (docs: README "Cluster"). A node with scheduler_url set registers and
+    # Cluster (docs/cluster.md). A node with scheduler_url set registers and
     # heartbeats there, advertising advertise_url (default http://host:port).
     scheduler_url: str = ""
     advertise_url: str = ""
@@ -183,7 +194,7 @@ class Config:
     # A node may fetch snapshot chunks from a peer that caches them (digest-verified;
     # the repository stays the source of truth).
     peer_transfer: bool = False
-    # Admission (README "For RL trainers"): a create beyond the node's room waits up to
+    # Admission (docs/rl.md): a create beyond the node's room waits up to
     # admission_queue_timeout_s (below the SDKs' 60 s request timeout) in a queue of at
     # most admission_queue_max creates, fair across API keys; past either, 429 with
     # Retry-After. Per-key quotas (0: none): concurrent sandboxes and creates per
@@ -350,6 +361,10 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("idle_freeze_crowd must be 0 (16 per CPU) or 1..100000 sandboxes")
     if not 0 <= cfg.idle_freeze_cpu_pct <= 100:
         raise ConfigError("idle_freeze_cpu_pct must be between 0 and 100")
+    if cfg.cold_memory_after_s != 0 and not 1 <= cfg.cold_memory_after_s <= 86400:
+        raise ConfigError("cold_memory_after_s must be 0 (never) or 1..86400 seconds")
+    if cfg.cold_swap_mb < -1:
+        raise ConfigError("cold_swap_mb must be -1 (none), 0 (derived) or more MiB")
     if cfg.envd_dormancy_mb < -1:
         raise ConfigError("envd_dormancy_mb must be -1 (never), 0 (derived) or more")
     if cfg.memory_pressure_mb < -1:

@@ -49,6 +49,12 @@ PRESSURE_PAUSES = Counter(
     "aenv_pressure_pauses_total", "Sandboxes paused to disk because host memory ran low "
     "(memory_pressure_mb)")
 FROZEN = Gauge("aenv_sandboxes_frozen", "Running sandboxes frozen now because idle")
+RECLAIMS = Counter(
+    "aenv_sandbox_reclaims_total", "Frozen sandboxes whose memory moved to the host's "
+    "compressed swap (cold_memory_after_s)")
+RECLAIMED_BYTES = Counter(
+    "aenv_sandbox_reclaimed_bytes_total", "Bytes of frozen sandboxes' memory moved out "
+    "of RAM to the host's compressed swap")
 REFUSALS = Counter(
     "aenv_create_refusals_total", "Creates refused, by reason", ["reason"])
 QUEUE_LENGTH = Gauge(

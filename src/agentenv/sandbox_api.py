@@ -42,10 +42,6 @@ class CapacityExceeded(OrchestratorError):
     status = 503
 
 
-class StorageFull(OrchestratorError):
-    status = 507
-
-
 # -- listings -------------------------------------------------------------------------
 
 # The states a listing shows unless asked otherwise, as the E2B API spells them (the

@@ -39,7 +39,7 @@ class ImageCredentials(_Body):
 class NewSandbox(_Body):
     # One of templateID and image (``templateID: "docker://REF"`` names an image too).
     template_id: str = Field(default="", alias="templateID", max_length=256)
-    # agentenv: start straight from an OCI image, pulled on first use (README "Images").
+    # agentenv: start straight from an OCI image, pulled on first use (docs/templates.md).
     image: str | None = Field(default=None, max_length=1024,
                               description="An image reference in place of templateID")
     image_credentials: ImageCredentials | None = Field(default=None, alias="imageCredentials")

@@ -28,18 +28,15 @@ import re
 import shutil
 import stat
 import threading
-from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING
 
 from .asgi import HTTPError, body_chunks, read_small_body, send_response
+from .fs_walk import NOT_THE_SANDBOXS, walk
 
 if TYPE_CHECKING:
     import tarfile
 
 PREFIX = "/aenv/fs/"
-# Not the sandbox's own files: kernel views, devices, envd's bundle.
-EXCLUDED = frozenset({"/proc", "/sys", "/dev", "/.aenv"})
-KINDS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l", stat.S_IFIFO: "p"}
 MAX_PATHS_BODY = 256 << 20
 CHUNK = 1 << 20
 
@@ -48,7 +45,7 @@ def other_mounts() -> set[str]:
     """Mount points other than the sandbox's own filesystems (the root layer and /tmp):
     /etc/resolv.conf, /dev/shm, the bundle... (st_dev cannot tell: gVisor's overlay
     gives the lower layer's entries devices of their own)."""
-    mounts = set(EXCLUDED)
+    mounts = set(NOT_THE_SANDBOXS)
     with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
         for line in f:
             fields = line.split()
@@ -59,37 +56,6 @@ def other_mounts() -> set[str]:
     mounts.discard("/")
     mounts.discard("/tmp")
     return mounts
-
-
-def walk(skip: set[str]) -> Iterator[list]:
-    """Every entry below / except ``skip`` and what is under it, depth first, without
-    following links."""
-    stack = ["/"]
-    while stack:
-        directory = stack.pop()
-        try:
-            entries = list(os.scandir(directory))
-        except OSError:
-            continue
-        for entry in entries:
-            path = entry.path
-            if path in skip:
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            kind = KINDS.get(stat.S_IFMT(st.st_mode))
-            if kind is None:
-                continue  # sockets, device nodes
-            target = ""
-            if kind == "l":
-                with contextlib.suppress(OSError):
-                    target = os.readlink(path)
-            yield [path, kind, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid,
-                   st.st_size if kind == "f" else 0, st.st_mtime_ns, target]
-            if kind == "d":
-                stack.append(path)
 
 
 class _Exact(io.RawIOBase):
@@ -170,12 +136,11 @@ def import_tar(src: IO[bytes]) -> int:
 def prune(keep: set[str], skip: set[str]) -> int:
     """Remove every entry (but ``skip``) that is not in ``keep``; return how many."""
     removed = 0
-    for entry in walk(skip):
-        path = entry[0]
+    for path, entry in walk("/", skip):
         if path in keep:
             continue
         with contextlib.suppress(OSError):
-            if entry[1] == "d":
+            if entry[0] == "d":
                 shutil.rmtree(path)
             else:
                 os.unlink(path)
@@ -232,8 +197,8 @@ class DiskCapture:
 
         def produce() -> None:
             try:
-                for entry in walk(other_mounts()):
-                    pipe.writer.write(json.dumps(entry).encode() + b"\n")
+                for path, entry in walk("/", other_mounts()):
+                    pipe.writer.write(json.dumps([path, *entry]).encode() + b"\n")
             finally:
                 with contextlib.suppress(OSError):
                     pipe.writer.close()

@@ -26,7 +26,9 @@ from ..images.registry_hosts import RegistryPolicy, set_default_policy
 from ..network import SlotPool
 from ..network.policy import parse_opened
 from ..orchestrator import SandboxManager, SandboxState, SandboxStore
+from ..resources import host_memory_mb
 from ..runtime import GVisorRuntime
+from ..runtime.swap import ensure_compressed_swap
 from ..snapshot import SnapshotStore, open_repository
 from ..snapshot.shared_templates import SharedTemplates
 from ..templates import TemplateRegistry
@@ -44,6 +46,9 @@ API_BODY_LIMIT = 1 << 20  # 1 MiB: far above any sandbox request, far below harm
 def build_manager(config: Config) -> SandboxManager:
     config.home.mkdir(parents=True, exist_ok=True, mode=0o755)
     runtime = GVisorRuntime(config.run_dir, cgroup_parent=config.net_prefix)
+    if config.cold_memory_after_s > 0:  # where frozen sandboxes' memory goes
+        ensure_compressed_swap(-1 if config.cold_swap_mb < 0 else
+                               config.cold_swap_mb or host_memory_mb() // 4)
     # Where image pulls may send requests (registry, token realm, redirects).
     set_default_policy(RegistryPolicy(tuple(
         x.strip() for x in config.registry_private.split(",") if x.strip())))

@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
 from ..api import models
-from ..api.routes.lifecycle import snapshot_call
 from ..envd.protocol import file_signature
 from ..orchestrator import NotFound, SandboxManager, SandboxState
 from .heartbeat import node_status
@@ -39,7 +38,7 @@ async def adopt(sandbox_id: str, body: AdoptRequest, request: Request) -> models
 async def chunk(digest: str, snapshot: str, request: Request) -> Response:
     """A chunk of a snapshot this node caches, zstd-compressed (the caller verifies it)."""
     store = _manager(request).snapshots
-    blob = await snapshot_call(asyncio.to_thread(read_cached_chunk, store, snapshot, digest))
+    blob = await asyncio.to_thread(read_cached_chunk, store, snapshot, digest)
     if blob is None:
         raise NotFound(f"chunk {digest} of snapshot {snapshot} is not cached on this node")
     return Response(blob, media_type="application/octet-stream")

@@ -10,7 +10,6 @@ from .models import (
     OrchestratorError,
     SandboxRecord,
     SandboxState,
-    StorageFull,
 )
 from .requests import CreateRequest
 from .store import SandboxStore
@@ -18,5 +17,4 @@ from .store import SandboxStore
 __all__ = [
     "BadRequest", "CapacityExceeded", "Conflict", "CreateRequest", "NotFound",
     "OrchestratorError", "SandboxManager", "SandboxRecord", "SandboxState", "SandboxStore",
-    "StorageFull",
 ]

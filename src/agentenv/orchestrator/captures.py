@@ -16,10 +16,10 @@ from pathlib import Path
 
 from ..network import Slot
 from ..runtime import RuntimeFailure
-from ..snapshot import SnapshotError, SnapshotNotFound
+from ..snapshot import SnapshotError, SnapshotNotFound, StorageFull
 from . import disk_pause
 from .core import ManagerCore
-from .models import NotFound, OrchestratorError, SandboxRecord, SandboxState, StorageFull
+from .models import NotFound, OrchestratorError, SandboxRecord, SandboxState
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from ..snapshot import SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
 from .admission import Admission, Quota, Ticket
 from .boot_images import BootImages
+from .cold_memory import ColdMemory
 from .collect import SnapshotCollector
 from .diffing import DiffGate
 from .disk_pause import TemplateListings
@@ -131,6 +132,9 @@ class ManagerCore:
                                    early_s=config.envd_dormant_after_s + 1
                                    if config.envd_dormant_after_s else 0)
         self.envd.awake_at = self.freezer.awake_at
+        # Frozen sandboxes' memory moved to the host's compressed swap (cold_memory.py).
+        self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids,
+                                      self._short_for_idle, self._held)
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
                                       config.resident_pause_idle_s)
@@ -197,6 +201,13 @@ class ManagerCore:
     def awake(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
         """Kept thawed while a request to the sandbox is in flight (the proxy)."""
         return self.freezer.awake(sandbox_id)
+
+    def _short_for_idle(self) -> bool:
+        """Below the idle-memory watermark (pressure.py)."""
+        raise NotImplementedError
+
+    def _running_ids(self) -> builtins.list[str]:
+        return [r.sandbox_id for r in self._records.values() if r.state is SandboxState.RUNNING]
 
     def _held(self, sandbox_id: str) -> bool:
         lock = self._locks.get(sandbox_id)
@@ -422,6 +433,7 @@ class ManagerCore:
         await self._release_slot(record)
         self._forget(record)
         self.freezer.forget(record.sandbox_id)
+        self.cold_memory.forget(record.sandbox_id)
         for listener in self.on_removed:
             listener(record.sandbox_id)
 

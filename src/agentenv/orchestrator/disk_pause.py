@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import stat
 import threading
 from pathlib import Path
 
+from ..envd.fs_walk import NOT_THE_SANDBOXS, Entry, walk
 from .envd_client import EnvdClient, EnvdUnavailable
 from .models import OrchestratorError
 
@@ -32,11 +31,9 @@ MAX_ENTRIES = 2_000_000
 MAX_LINE = 64 << 10
 # The archive can be as large as the sandbox's disk may hold, and some.
 ARCHIVE_SLACK = 64 << 20
-_EXCLUDED = frozenset({"/proc", "/sys", "/dev", "/.aenv", "/tmp"})
-_KINDS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l", stat.S_IFIFO: "p"}
-
-# An entry as compared: kind, mode, uid, gid, size, mtime_ns, link target.
-Entry = tuple[str, int, int, int, int, int, str]
+# The sandbox's /tmp is a filesystem of its own, not the template's: every entry of
+# it counts as changed.
+_NOT_LISTED = NOT_THE_SANDBOXS | {"/tmp"}
 
 
 def is_disk_capture(directory: Path) -> bool:
@@ -54,37 +51,8 @@ class TemplateListings:
         with self._lock:
             cached = self._cache.get(rootfs)
             if cached is None:
-                cached = self._cache[rootfs] = _walk_rootfs(rootfs)
+                cached = self._cache[rootfs] = dict(walk(str(rootfs), _NOT_LISTED))
             return cached
-
-
-def _walk_rootfs(rootfs: Path) -> dict[str, Entry]:
-    out: dict[str, Entry] = {}
-    root = str(rootfs)
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        try:
-            entries = list(os.scandir(root + rel if rel else root))
-        except OSError:
-            continue
-        for entry in entries:
-            path = f"{rel}/{entry.name}"
-            if path in _EXCLUDED:
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            kind = _KINDS.get(stat.S_IFMT(st.st_mode))
-            if kind is None:
-                continue
-            target = os.readlink(entry.path) if kind == "l" else ""
-            out[path] = (kind, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid,
-                         st.st_size if kind == "f" else 0, st.st_mtime_ns, target)
-            if kind == "d":
-                stack.append(path)
-    return out
 
 
 def changed_paths(listing: Path, lower: dict[str, Entry], keep_out: Path) -> list[str]:

@@ -184,24 +184,45 @@ class EnvdClient:
         return {**self._unary_headers(token, user),
                 "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
 
-    @_awake
-    async def run(self, address: str, token: str, command: str, user: str = "root",
-                  deadline_s: float = 60.0) -> int:
-        """Run a shell command to its end; return its exit code."""
-        headers, body = self._process_request(token, user, command)
+    @contextlib.asynccontextmanager
+    async def _process_stream(self, address: str, headers: dict[str, str], body: bytes,
+                              timeouts: httpx.Timeout | float, what: str = "the command"
+                              ) -> AsyncIterator[AsyncIterator[dict]]:
+        """``process.Process/Start``'s event stream: its messages, once envd took it.
+        Leaving the block ends the stream, not the process (envd's contract)."""
         url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
         async with self._http.stream("POST", url, headers=headers, content=body,
-                                     timeout=deadline_s) as r:
+                                     timeout=timeouts) as r:
             if r.status_code != 200:
-                raise EnvdUnavailable(f"envd refused the command: HTTP {r.status_code}")
-            exit_code = None
-            async for frame in _frames(r):
-                end = frame.get("event", {}).get("end")
+                raise EnvdUnavailable(f"envd refused {what}: HTTP {r.status_code}")
+            yield _frames(r)
+
+    async def _run_to_end(self, address: str, headers: dict[str, str], body: bytes,
+                          timeouts: httpx.Timeout | float,
+                          on_output: Callable[[str, bytes], None] | None) -> int:
+        """A command's stream read to its end: its output handed on (if anyone wants
+        it), its exit code returned."""
+        exit_code = None
+        async with self._process_stream(address, headers, body, timeouts) as frames:
+            async for frame in frames:
+                event = frame.get("event", {})
+                if on_output is not None:
+                    for stream, data in event.get("data", {}).items():
+                        if stream in ("stdout", "stderr") and data:
+                            on_output(stream, base64.b64decode(data))
+                end = event.get("end")
                 if end is not None:
                     exit_code = int(end.get("exitCode", 0))
         if exit_code is None:
             raise EnvdUnavailable("envd ended the command's stream without an exit code")
         return exit_code
+
+    @_awake
+    async def run(self, address: str, token: str, command: str, user: str = "root",
+                  deadline_s: float = 60.0) -> int:
+        """Run a shell command to its end; return its exit code."""
+        headers, body = self._process_request(token, user, command)
+        return await self._run_to_end(address, headers, body, deadline_s, on_output=None)
 
     @_awake
     async def run_logged(self, address: str, token: str, command: str,
@@ -211,40 +232,22 @@ class EnvdClient:
         """Run a shell command to its end, handing each chunk of its output to
         ``on_output("stdout"|"stderr", data)``; return its exit code."""
         headers, body = self._process_request(token, user, command, cwd, envs)
-        url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
-        timeout = httpx.Timeout(5.0, read=deadline_s)
-        async with self._http.stream("POST", url, headers=headers, content=body,
-                                     timeout=timeout) as r:
-            if r.status_code != 200:
-                raise EnvdUnavailable(f"envd refused the command: HTTP {r.status_code}")
-            exit_code = None
-            async for frame in _frames(r):
-                event = frame.get("event", {})
-                for stream, data in event.get("data", {}).items():
-                    if stream in ("stdout", "stderr") and data:
-                        on_output(stream, base64.b64decode(data))
-                if event.get("end") is not None:
-                    exit_code = int(event["end"].get("exitCode", 0))
-        if exit_code is None:
-            raise EnvdUnavailable("envd ended the command's stream without an exit code")
-        return exit_code
+        return await self._run_to_end(address, headers, body,
+                                      httpx.Timeout(5.0, read=deadline_s), on_output)
 
     @_awake
     async def start(self, address: str, token: str, command: str, user: str = "root",
                     cwd: str = "", envs: dict[str, str] | None = None) -> int:
         """Start a shell command in the background; return its pid once it runs."""
         headers, body = self._process_request(token, user, command, cwd, envs)
-        url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
-        async with self._http.stream("POST", url, headers=headers, content=body) as r:
-            if r.status_code != 200:
-                raise EnvdUnavailable(f"envd refused the command: HTTP {r.status_code}")
-            async for frame in _frames(r):
+        # The client's own timeouts: the stream is left as soon as the process runs.
+        async with self._process_stream(address, headers, body, self._http.timeout) as frames:
+            async for frame in frames:
                 start = frame.get("event", {}).get("start")
                 if start is not None:
                     # Leaving the stream leaves the process running (envd's contract).
                     return int(start.get("pid", 0))
         raise EnvdUnavailable("envd did not start the command")
-
 
     # -- a PTY (the web console's terminal) --------------------------------------------
 
@@ -258,14 +261,11 @@ class EnvdClient:
             "process": {"cmd": "/bin/bash", "args": ["-i", "-l"],
                         "envs": {"TERM": "xterm-256color", "LANG": "C.UTF-8"}},
             "pty": {"size": {"cols": cols, "rows": rows}}})
-        url = f"http://{address}:{ENVD_PORT}/process.Process/Start"
         pid = 0
         with self.awake_at(address):
-            async with self._http.stream("POST", url, headers=self._stream_headers(token, user),
-                                         content=body, timeout=httpx.Timeout(10.0, read=None)) as r:
-                if r.status_code != 200:
-                    raise EnvdUnavailable(f"envd refused the terminal: HTTP {r.status_code}")
-                frames = _frames(r)
+            async with self._process_stream(address, self._stream_headers(token, user), body,
+                                            httpx.Timeout(10.0, read=None),
+                                            what="the terminal") as frames:
                 async for frame in frames:
                     start = frame.get("event", {}).get("start")
                     if start is not None:

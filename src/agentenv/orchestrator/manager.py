@@ -90,6 +90,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self.admission.close()
+        self.cold_memory.close()
         if self._relief is not None:
             self._relief.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -403,6 +404,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                 await self._freeze_idle()
             except Exception:
                 log.exception("idle freezing failed")
+            self.cold_memory.tend()
             self._tend_envd_sleep()
             self._tend_pressure()
 
@@ -423,7 +425,8 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
             if slot is not None and held[slot.address]:
                 self.freezer.working(sandbox_id)
                 continue
-            self.freezer.freeze(sandbox_id)
+            if self.freezer.freeze(sandbox_id):
+                self.cold_memory.frozen(sandbox_id)
 
     async def _ttl_loop(self) -> None:
         ticks = 0
@@ -451,16 +454,10 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                         await self.kill(record.sandbox_id)
 
     async def _expire(self, record: SandboxRecord) -> None:
-        """Pause (or kill) an expired sandbox; a pause that fails kills it, so an
-        expired sandbox never goes on holding the node's resources."""
+        """Pause (or kill) an expired sandbox; a pause that fails kills it."""
         if record.auto_pause:
-            try:
-                await self.pause(record.sandbox_id, memory=record.auto_pause_memory)
-                return
-            except NotFound:
-                return
-            except Exception as exc:
-                log.error("pause of expired sandbox %s failed (%s); killing it",
-                          record.sandbox_id, exc)
+            await self.pause_else_kill(record.sandbox_id, memory=record.auto_pause_memory,
+                                       why="its timeout")
+            return
         with contextlib.suppress(NotFound, Conflict):
             await self.kill(record.sandbox_id)

@@ -15,7 +15,6 @@ from ..sandbox_api import CapacityExceeded as CapacityExceeded
 from ..sandbox_api import Conflict
 from ..sandbox_api import NotFound as NotFound
 from ..sandbox_api import OrchestratorError as OrchestratorError
-from ..sandbox_api import StorageFull as StorageFull
 
 
 class SandboxState(enum.StrEnum):

@@ -75,7 +75,15 @@ class PressureRelief(Pausing):
         with self.freezer.thawed(c.sandbox_id):
             return await self.envd.ask_dormant(c.address, c.token)
 
+    def _short_for_idle(self) -> bool:
+        """Below the idle-memory watermark: frozen sandboxes' memory goes to swap after
+        a second (cold_memory.py), or, on a host with no swap, idle envds sleep."""
+        watermark = self._envd_dormancy_watermark_mb()
+        return watermark > 0 and available_mb() < watermark
+
     def _tend_envd_sleep(self) -> None:
+        if self.cold_memory.enabled and self.cold_memory.has_swap:
+            return  # frozen sandboxes give their memory to swap instead: no wake to pay
         if self._envd_sleeper is None:
             self._envd_sleeper = EnvdSleeper(
                 self._envd_dormancy_watermark_mb, self._envd_sleep_candidates,

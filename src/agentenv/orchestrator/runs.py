@@ -53,7 +53,8 @@ class Runs(Pausing):
                     continue
                 try:
                     if record.state is SandboxState.RUNNING and run.on_expiry == "pause":
-                        await self._pause_or_kill(record)
+                        await self.pause_else_kill(record.sandbox_id, memory=True,
+                                                   why="its run ended")
                     elif record.state is not SandboxState.PAUSED or run.on_expiry == "kill":
                         with contextlib.suppress(NotFound, Conflict):
                             await self.kill(record.sandbox_id)
@@ -65,16 +66,21 @@ class Runs(Pausing):
         self.runbook.forget(run.run_id)
         log.info("run %s (%s) ended (%s)", run.run_id, run.name, why)
 
-    async def _pause_or_kill(self, record: SandboxRecord) -> None:
+    async def pause_else_kill(self, sandbox_id: str, memory: bool, why: str) -> None:
+        """The end of a sandbox that asked to be paused (at its timeout, at its run's
+        end): a pause; if the pause fails, a kill, so it never goes on holding the
+        node's resources. One paused or gone meanwhile is left as it is."""
         try:
-            await self.pause(record.sandbox_id, memory=True)
-        except (NotFound, Conflict):
+            await self.pause(sandbox_id, memory=memory)
             return
         except Exception as exc:
-            log.error("pausing %s of its ended run failed (%s); killing it",
-                      record.sandbox_id, exc)
-            with contextlib.suppress(NotFound, Conflict):
-                await self.kill(record.sandbox_id)
+            record = self._records.get(sandbox_id)
+            if record is None or record.state in (SandboxState.PAUSED, SandboxState.KILLED) \
+                    or sandbox_id in self._killing:
+                return
+            log.error("pausing %s (%s) failed (%s); killing it", sandbox_id, why, exc)
+        with contextlib.suppress(NotFound, Conflict):
+            await self.kill(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:
         raise NotImplementedError  # SandboxManager's

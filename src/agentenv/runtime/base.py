@@ -85,6 +85,12 @@ class Runtime(Protocol):
     def is_frozen(self, sandbox_id: str) -> bool:
         """Whether the sandbox is frozen now (any operation on it thaws it)."""
 
+    def reclaim(self, sandbox_id: str) -> tuple[int, int]:
+        """Move a frozen sandbox's memory out of RAM (to the host's compressed swap)
+        while it stays frozen; its next request faults back what it touches. Returns
+        the bytes that left RAM (0: not frozen, no swap, or at its limit already) and
+        those still in RAM. Blocking: the orchestrator calls it from a thread."""
+
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         """Host CPU time the sandbox used so far (None: unknown)."""
 

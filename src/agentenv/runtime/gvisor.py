@@ -26,6 +26,7 @@ from .exits import memory_file_bytes
 from .freezer import CgroupFreezer
 from .oci import build_spec
 from .reaping import alive, become_subreaper, reap, reap_runsc_orphans
+from .reclaim import reclaim_frozen
 from .watching import Watching
 
 log = logging.getLogger(__name__)
@@ -304,6 +305,10 @@ class GVisorRuntime(Watching):
 
     def is_frozen(self, sandbox_id: str) -> bool:
         return self.freezer.frozen(sandbox_id)
+
+    def reclaim(self, sandbox_id: str) -> tuple[int, int]:
+        return reclaim_frozen(self.memory_cgroup(sandbox_id),
+                              lambda: self.freezer.frozen(sandbox_id))
 
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         return self.freezer.cpu_seconds(sandbox_id)

@@ -149,7 +149,8 @@ def build_spec(spec: SandboxSpec, cgroups_path: str) -> dict[str, Any]:
                 {"type": "network", "path": spec.netns_path},
             ],
             "resources": {
-                "memory": {"limit": host_memory_limit(spec.memory_mb)},
+                # No swap but the node's reclaim of a frozen sandbox (reclaim.py).
+                "memory": {"limit": host_memory_limit(spec.memory_mb), "swappiness": 0},
                 "cpu": {"quota": cpu_quota_us(spec.cpu_count), "period": CPU_PERIOD_US,
                         "shares": CPU_SHARES_PER_CORE * max(1, spec.cpu_count)},
                 "pids": {"limit": PIDS_LIMIT},

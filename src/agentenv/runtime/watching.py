@@ -20,6 +20,7 @@ from .exits import MIB, ExitWatcher, PressureWatcher, exit_reason, working_set
 from .freezer import CgroupFreezer
 from .oci import host_memory_limit, pressure_threshold
 from .oom_hold import OomHold
+from .reclaim import shut_swap
 
 log = logging.getLogger("agentenv.runtime.gvisor")
 
@@ -67,6 +68,7 @@ class Watching:
             return 0
         self._exits.watch(sandbox_id, pid)
         cgroup = self.memory_cgroup(sandbox_id)
+        shut_swap(cgroup)  # (the spec says so too; a restore's cgroup is made anew)
         limit = read_int(cgroup / "memory.limit_in_bytes")
         if not limit:
             return pid

@@ -10,11 +10,14 @@ from ..errors import AgentenvError
 class SnapshotError(AgentenvError):
     """Base class of every snapshot error."""
 
+    message_prefix = "snapshot"
+
 
 class SnapshotNotFound(SnapshotError, KeyError):
     """No committed snapshot has this ID or alias."""
 
     status = 404
+    message_prefix = ""  # the message names the snapshot
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else "snapshot not found"
@@ -34,12 +37,14 @@ class RepositoryUnavailable(SnapshotError):
     """The repository cannot be reached or refused the request (network, credentials, bucket)."""
 
     status = 503
+    message_prefix = "snapshot repository unavailable"
 
 
 class StorageFull(SnapshotError, OSError):
     """A disk ran out of space (ENOSPC / EDQUOT) while writing snapshot data."""
 
     status = 507
+    message_prefix = "snapshot storage is full"
 
 
 class CorruptSnapshot(SnapshotError):

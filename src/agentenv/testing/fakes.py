@@ -58,6 +58,9 @@ class FakeRuntime:
     # Sandboxes frozen in place, and the CPU seconds each used (set by a test).
     frozen: set[str] = field(default_factory=set)
     cpu: dict[str, float] = field(default_factory=dict)
+    # Frozen sandboxes whose memory was reclaimed since they last ran.
+    reclaimed: set[str] = field(default_factory=set)
+    reclaim_leaves: int = 2 << 20
 
     @property
     def version(self) -> str:
@@ -131,6 +134,7 @@ class FakeRuntime:
         if sandbox_id not in self.frozen:
             return False
         self.frozen.discard(sandbox_id)
+        self.reclaimed.discard(sandbox_id)
         return True
 
     def frozen_count(self) -> int:
@@ -138,6 +142,15 @@ class FakeRuntime:
 
     def is_frozen(self, sandbox_id: str) -> bool:
         return sandbox_id in self.frozen
+
+    def reclaim(self, sandbox_id: str) -> tuple[int, int]:
+        """As the driver: only a frozen sandbox, and each page once until it runs again;
+        ``reclaim_leaves`` bytes stay resident (set by a test)."""
+        self.calls.append(("reclaim", sandbox_id))
+        if sandbox_id not in self.frozen or sandbox_id in self.reclaimed:
+            return 0, self.reclaim_leaves
+        self.reclaimed.add(sandbox_id)
+        return 32 << 20, self.reclaim_leaves
 
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         return self.cpu.get(sandbox_id, 0.0) if sandbox_id in self.sandboxes else None

@@ -20,6 +20,11 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
+def public_message(exc: AgentenvError) -> str:
+    """What a client is told of an error: its class's prefix, then its own message."""
+    return f"{exc.message_prefix}: {exc}" if exc.message_prefix else str(exc)
+
+
 def _describe(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
@@ -46,14 +51,21 @@ def _allowed_methods(request: Request) -> str:
     return ", ".join(sorted(methods))
 
 
+def _close_if_body_unread(response: JSONResponse) -> JSONResponse:
+    if response.status_code in (408, 413):
+        # The rest of the body is not wanted: close rather than read it to its end.
+        response.headers["Connection"] = "close"
+    return response
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AgentenvError)
     async def _agentenv(_: Request, exc: AgentenvError) -> JSONResponse:
         if exc.status >= 500:
             log.error("request failed: %s", exc)
-        response = error_response(exc.status, str(exc))
+        response = error_response(exc.status, public_message(exc))
         response.headers.update(exc.headers or {})  # e.g. Retry-After
-        return response
+        return _close_if_body_unread(response)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -66,10 +78,7 @@ def install_error_handlers(app: FastAPI) -> None:
         response.headers.update(exc.headers or {})
         if exc.status_code == 405:
             response.headers["Allow"] = _allowed_methods(request)
-        if exc.status_code in (408, 413):
-            # The rest of the body is not wanted: close rather than read it to its end.
-            response.headers["Connection"] = "close"
-        return response
+        return _close_if_body_unread(response)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from ...builds import BuildError, check_name_not_reserved
+from ...builds import check_name_not_reserved
 from ...images import ImageError, ImageService
 from ...templates import TemplateNotFound
 from ...web.errors import error_response
@@ -48,11 +48,9 @@ def _line(event: dict) -> bytes:
 @router.post("/images", response_model=None)
 async def pull_image(request: Request, body: PullRequest) -> Response:
     service = _service(request)
-    try:  # the image's template must not hide a snapshot of that name
-        check_name_not_reserved(body.name)
-        await request.app.state.builder.check_not_a_snapshot(body.name)
-    except BuildError as exc:
-        return error_response(exc.status, str(exc))
+    # The image's template must not hide a snapshot of that name.
+    check_name_not_reserved(body.name)
+    await request.app.state.builder.check_not_a_snapshot(body.name)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[dict | BaseException | None] = asyncio.Queue()
     cancel = threading.Event()

@@ -12,18 +12,10 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator
 
-from ...orchestrator import (
-    BadRequest,
-    Conflict,
-    NotFound,
-    OrchestratorError,
-    SandboxManager,
-    StorageFull,
-)
+from ...orchestrator import BadRequest, Conflict, SandboxManager
 from ...orchestrator.requests import MAX_FORK
 from ...orchestrator.snapshots import resolve_snapshot
-from ...snapshot import RepositoryUnavailable, SnapshotError, SnapshotNotFound
-from ...snapshot import StorageFull as SnapshotStorageFull
+from ...snapshot import SnapshotError
 from ...snapshot.manifest import NAME_MAX_LENGTH, NAME_PATTERN, check_name
 from ...templates import TemplateNotFound
 from ...templates.tags import DEFAULT_TAG
@@ -138,7 +130,7 @@ async def pause_sandbox(sandbox_id: str, request: Request,
     """Save the sandbox's memory, processes and files (``memory: false``: its files
     only). A memory pause answers once the sandbox is frozen; it stays in memory
     (a resume is a thaw) until evicted."""
-    await snapshot_call(_manager(request).pause(sandbox_id, memory=body.memory if body else True))
+    await _manager(request).pause(sandbox_id, memory=body.memory if body else True)
     return Response(status_code=204)
 
 
@@ -146,7 +138,7 @@ async def pause_sandbox(sandbox_id: str, request: Request,
 async def evict_sandbox(sandbox_id: str, request: Request) -> Response:
     """agentenv's extension: free a paused sandbox's memory and slot now (once its
     capture is made) instead of at its idle time; a resume then restores it."""
-    await snapshot_call(_manager(request).evict(sandbox_id))
+    await _manager(request).evict(sandbox_id)
     return Response(status_code=204)
 
 
@@ -169,8 +161,7 @@ async def reset_sandbox(sandbox_id: str, request: Request,
     snapshot's memory, processes and files, keeping its ID, envd access token and
     traffic token. Without ``snapshotID``: the last snapshot taken of it."""
     body = body or ResetRequest()
-    record, manifest = await snapshot_call(
-        _manager(request).reset(sandbox_id, body.snapshot_id, body.timeout))
+    record, manifest = await _manager(request).reset(sandbox_id, body.snapshot_id, body.timeout)
     created = models.created(record, request.app.state.config.domain)
     return SandboxReset(**created.model_dump(), snapshot_id=manifest.snapshot_id,
                         end_at=datetime.fromtimestamp(record.end_at, tz=UTC))
@@ -184,8 +175,8 @@ async def snapshot_sandbox(sandbox_id: str, request: Request,
     name = body.name if body else None
     if name:
         _check_not_a_template(request, name)
-    manifest = await snapshot_call(_manager(request).snapshot(
-        sandbox_id, name, memory=body.memory if body else True))
+    manifest = await _manager(request).snapshot(
+        sandbox_id, name, memory=body.memory if body else True)
     return _info(manifest)
 
 
@@ -200,7 +191,7 @@ async def list_snapshots(
 ) -> list[SnapshotInfo]:
     """Users' snapshots, newest first (as E2B lists them), a page at a time."""
     mgr = _manager(request)
-    manifests = await snapshot_call(asyncio.to_thread(mgr.snapshots.list, sandbox_id))
+    manifests = await asyncio.to_thread(mgr.snapshots.list, sandbox_id)
     # Pause snapshots, boot images and template builds are needed by what holds them.
     chosen = [m for m in manifests if mgr.user_snapshot_holder(m) is None]
     if name is not None:
@@ -244,7 +235,7 @@ def _decode_cursor(token: str) -> tuple[float, str]:
             response_model_by_alias=True, response_model_exclude_none=True)
 async def get_snapshot(snapshot_id: str, request: Request) -> SnapshotInfo:
     store = _manager(request).snapshots
-    return _info(await snapshot_call(asyncio.to_thread(resolve_snapshot, store, snapshot_id)))
+    return _info(await asyncio.to_thread(resolve_snapshot, store, snapshot_id))
 
 
 @router.get("/snapshots/{snapshot_id}/lineage")
@@ -253,7 +244,7 @@ async def snapshot_lineage(snapshot_id: str, request: Request) -> dict:
     the root down) and everything made from it since (``tree``: sandboxes created
     from it or reset to it, their forks, their snapshots). Sandboxes are this node's;
     one that is gone shows as ``gone``."""
-    return await snapshot_call(_manager(request).lineage(snapshot_id))
+    return await _manager(request).lineage(snapshot_id)
 
 
 @router.post("/snapshots/{before}/diff/{after}")
@@ -270,20 +261,20 @@ async def snapshot_diff(before: str, after: str, request: Request,
     per API key and two per node run at once (429), and text diffs are bounded in
     lines and time (413)."""
     owner = caller(request)
-    return await snapshot_call(_manager(request).diff(
-        before, after, text, owner, may_restore=request.method == "POST"))
+    return await _manager(request).diff(
+        before, after, text, owner, may_restore=request.method == "POST")
 
 
 @router.get("/lineage")
 async def all_lineage(request: Request) -> dict:
     """Every lineage tree: templates at the roots, then sandboxes and their snapshots."""
-    return await snapshot_call(_manager(request).lineage())
+    return await _manager(request).lineage()
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204)
 async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
     """A user's snapshot (by ID or name); 409 while a paused sandbox or a template needs it."""
-    await snapshot_call(_manager(request).delete_snapshot(snapshot_id))
+    await _manager(request).delete_snapshot(snapshot_id)
     return Response(status_code=204)
 
 
@@ -299,21 +290,3 @@ def _check_not_a_template(request: Request, name: str) -> None:
         what = f"template {template.template_id}" if template is not None else "a template"
         raise Conflict(f"snapshot name '{name}' is the name of {what}; "
                        "choose another (sandboxes are created from the template by that name)")
-
-
-async def snapshot_call(awaitable):
-    """Snapshot store errors as API errors: unknown -> 404, full disk -> 507, store down -> 503."""
-    try:
-        return await awaitable
-    except SnapshotNotFound as exc:
-        raise NotFound(str(exc)) from exc
-    except SnapshotStorageFull as exc:
-        raise StorageFull(f"snapshot storage is full: {exc}") from exc
-    except RepositoryUnavailable as exc:
-        raise Unavailable(f"snapshot repository unavailable: {exc}") from exc
-    except SnapshotError as exc:
-        raise OrchestratorError(f"snapshot: {exc}") from exc
-
-
-class Unavailable(OrchestratorError):
-    status = 503

@@ -13,7 +13,6 @@ from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import Field
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ...builds import (
@@ -25,10 +24,10 @@ from ...builds import (
     tagging,
 )
 from ...orchestrator import BadRequest, NotFound
+from ...snapshot import SnapshotNotFound
 from ...templates import Template, TemplateNotFound, TemplateRegistry
 from ...templates.tags import MAX_TAGS, TAG_MAX_LENGTH
 from .. import models
-from .lifecycle import snapshot_call
 
 router = APIRouter()
 # Context uploads carry a signed URL instead of the API key (the SDKs send them
@@ -124,19 +123,13 @@ class DeleteTags(models._Body):
 
 @router.post("/templates/tags", status_code=201)
 async def assign_template_tags(body: AssignTags, request: Request) -> dict:
-    try:
-        build, tags = await tagging.assign_tags(_builder(request), body.target, body.tags)
-    except BuildError as exc:
-        raise _fail(exc) from exc
+    build, tags = await tagging.assign_tags(_builder(request), body.target, body.tags)
     return {"tags": tags, "buildID": models.template_build_id(build)}
 
 
 @router.delete("/templates/tags", status_code=204)
 async def delete_template_tags(body: DeleteTags, request: Request) -> Response:
-    try:
-        await tagging.remove_tags(_builder(request), body.name, body.tags)
-    except BuildError as exc:
-        raise _fail(exc) from exc
+    await tagging.remove_tags(_builder(request), body.name, body.tags)
     return Response(status_code=204)
 
 
@@ -158,22 +151,15 @@ def _builder(request: Request) -> TemplateBuilder:
     return request.app.state.builder
 
 
-def _fail(exc: BuildError) -> HTTPException:
-    return HTTPException(exc.status, str(exc))
-
-
 @router.post("/v3/templates", status_code=202)
 async def request_build(request: Request, body: models.TemplateBuildRequest) -> dict:
     """A build of template ``name``; cpuCount and memoryMB within the node's maximums
     (a 400 naming the field and the bound), a name no snapshot has (409)."""
     name = body.name or body.alias or ""
     builder = _builder(request)
-    try:
-        check_name_not_reserved(name)
-        await builder.check_not_a_snapshot(name)
-        build = builder.request(name, body.tags, body.cpu_count, body.memory_mb)
-    except BuildError as exc:
-        raise _fail(exc) from exc
+    check_name_not_reserved(name)
+    await builder.check_not_a_snapshot(name)
+    build = builder.request(name, body.tags, body.cpu_count, body.memory_mb)
     return {"templateID": build.template_id, "buildID": build.build_id, "public": False,
             "names": build.names, "tags": build.tags, "aliases": build.names}
 
@@ -199,32 +185,23 @@ async def file_upload_link(template_id: str, files_hash: str, request: Request) 
 async def upload_file(template_id: str, files_hash: str, request: Request,
                       expires: str = "", signature: str = "") -> Response:
     builder = _builder(request)
-    try:
-        builder.check_upload(template_id, files_hash, expires, signature)
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > builder.max_context_bytes:
-            raise BuildError(builder.context_too_large(), 413)
-        await builder.receive(files_hash, request.stream())
-    except BuildError as exc:
-        raise _fail(exc) from exc
+    builder.check_upload(template_id, files_hash, expires, signature)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > builder.max_context_bytes:
+        raise BuildError(builder.context_too_large(), 413)
+    await builder.receive(files_hash, request.stream())
     return Response(status_code=201)
 
 
 @router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
 async def start_build(template_id: str, build_id: str, request: Request,
                       body: JsonBody) -> Response:
-    try:
-        _builder(request).start_build(template_id, build_id, body)
-    except BuildError as exc:
-        raise _fail(exc) from exc
+    _builder(request).start_build(template_id, build_id, body)
     return Response(status_code=202)
 
 
 def _get_build(request: Request, template_id: str, build_id: str):
-    try:
-        return _builder(request).build(template_id, build_id)
-    except BuildError as exc:
-        raise _fail(exc) from exc
+    return _builder(request).build(template_id, build_id)
 
 
 def _level_ok(entry: dict, level: str | None) -> bool:
@@ -281,10 +258,10 @@ async def delete_template(template_id: str, request: Request) -> Response:
         await _builder(request).delete_template(template_id)
     except BuildError as exc:
         if exc.status != 404:
-            raise _fail(exc) from exc
+            raise
         try:
-            await snapshot_call(request.app.state.manager.delete_snapshot(template_id))
-        except NotFound:
+            await request.app.state.manager.delete_snapshot(template_id)
+        except (NotFound, SnapshotNotFound):
             raise NotFound(f"template or snapshot '{template_id}' not found") from None
     return Response(status_code=204)
 

@@ -1,0 +1,96 @@
+"""EnvdClient's one command-stream handler (run, run_logged, start) against a stand-in
+envd that answers ``process.Process/Start`` with Connect envelopes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from agentenv.envd.protocol import ENVD_PORT
+from agentenv.orchestrator.envd_client import EnvdClient, EnvdUnavailable
+
+
+def _envelope(message: dict, flags: int = 0) -> bytes:
+    data = json.dumps(message).encode()
+    return bytes([flags]) + struct.pack(">I", len(data)) + data
+
+
+def _data(stream: str, text: str) -> dict:
+    return {"event": {"data": {stream: base64.b64encode(text.encode()).decode()}}}
+
+
+START = {"event": {"start": {"pid": 42}}}
+
+
+@asynccontextmanager
+async def _envd(status: int, messages: list[dict], slot: int
+                ) -> AsyncIterator[tuple[str, list[dict]]]:
+    """A stand-in envd on a loopback address of its own: its address, and the
+    requests it received (their first envelope, decoded)."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        bodies.append(json.loads((await reader.readexactly(length))[5:]))
+        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/connect+json\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        if status == 200:
+            writer.write(b"".join(_envelope(m) for m in messages) + _envelope({}, flags=2))
+        await writer.drain()
+        writer.close()
+
+    bodies: list[dict] = []
+    address = f"127.28.{os.getpid() % 250}.{slot}"
+    server = await asyncio.start_server(serve, address, ENVD_PORT)
+    try:
+        yield address, bodies
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_run_and_run_logged_read_the_stream_to_its_exit_code() -> None:
+    messages = [START, _data("stdout", "hello "), _data("stderr", "oops"),
+                _data("stdout", "world"), {"event": {"end": {"exitCode": 3}}}]
+    client = EnvdClient()
+    try:
+        async with _envd(200, messages, 1) as (address, requests):
+            assert await client.run(address, "token", "true") == 3
+            seen: list[tuple[str, bytes]] = []
+            code = await client.run_logged(address, "token", "echo",
+                                           lambda s, d: seen.append((s, d)),
+                                           cwd="/work", envs={"A": "1"})
+            assert code == 3
+            assert requests[1]["process"] == {"cmd": "/bin/bash", "args": ["-l", "-c", "echo"],
+                                              "cwd": "/work", "envs": {"A": "1"}}
+            assert seen == [("stdout", b"hello "), ("stderr", b"oops"), ("stdout", b"world")]
+            assert await client.start(address, "token", "sleep 9") == 42
+    finally:
+        await client.close()
+
+
+async def test_a_stream_without_an_exit_code_or_a_refusal_is_envd_unavailable() -> None:
+    client = EnvdClient()
+    try:
+        async with _envd(200, [START, _data("stdout", "x")], 2) as (address, _):
+            with pytest.raises(EnvdUnavailable, match="without an exit code"):
+                await client.run(address, "token", "true")
+            with pytest.raises(EnvdUnavailable, match="without an exit code"):
+                await client.run_logged(address, "token", "true", lambda s, d: None)
+        async with _envd(200, [_data("stdout", "x")], 3) as (address, _):
+            with pytest.raises(EnvdUnavailable, match="did not start the command"):
+                await client.start(address, "token", "true")
+        async with _envd(401, [], 4) as (address, _):
+            with pytest.raises(EnvdUnavailable, match="refused the command: HTTP 401"):
+                await client.run(address, "token", "true")
+            with pytest.raises(EnvdUnavailable, match="refused the command: HTTP 401"):
+                await client.start(address, "token", "true")
+    finally:
+        await client.close()
