@@ -11,7 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentenv.cluster.node_registry import REDIS_MAX_CONNECTIONS, Registry
+from agentenv.cluster.node_registry import (
+    REDIS_MAX_CONNECTIONS,
+    NodeStatus,
+    Registry,
+    SandboxEntry,
+)
 from agentenv.testing import free_port
 
 
@@ -47,3 +52,61 @@ def test_a_burst_beyond_the_pool_waits_for_connections(redis_url: str) -> None:
 
     got = asyncio.run(burst())
     assert all(e is not None and e["node"] == "node-1" for e in got), got[:3]
+
+
+def _status(node_id: str, *sandboxes: SandboxEntry, load: int = 0) -> NodeStatus:
+    return NodeStatus(node_id=node_id, url=f"http://{node_id}", capacity=8, load=load,
+                      free_memory_mb=4096, runtime_kind="gvisor", runtime_version="1",
+                      sandboxes=list(sandboxes))
+
+
+def test_heartbeats_own_sandboxes_and_nodes_are_read_whole(redis_url: str) -> None:
+    """A heartbeat records what its node lists, forgets what it no longer lists, and
+    tells it to drop what another live node took over; every node is read with its
+    liveness and the gateway's counts of room taken and freed since its heartbeat."""
+
+    async def scenario() -> None:
+        registry = Registry(redis_url, prefix="hb-test:")
+        try:
+            many = [SandboxEntry(f"a{i}", "running", item={"sandboxID": f"a{i}"})
+                    for i in range(300)]
+            assert await registry.heartbeat(_status("n1", *many, load=300), 5000) == ([], True)
+            assert await registry.heartbeat(_status("n1", *many, load=300), 5000) == ([], False)
+            assert (await registry.sandbox("a7"))["node"] == "n1"
+            # a5 was taken over by n2 (n1 was lost, now back): n1 is told to drop it.
+            await registry.heartbeat(_status("n2"), 5000)
+            await registry.set_sandbox("a5", "n2", "running", "snap", True)
+            back = [SandboxEntry("a5", "paused", "snap", True), *many[6:]]
+            assert await registry.heartbeat(_status("n1", *back), 5000) == (["a5"], False)
+            assert (await registry.sandbox("a5"))["node"] == "n2"
+            # What n1 no longer lists is gone, what it lists is its own.
+            assert [await registry.sandbox(f"a{i}") for i in (0, 1, 2, 3, 4)] == [None] * 5
+            assert (await registry.sandbox("a299"))["node"] == "n1"
+            # A takeover by a node that is down does not count: n1 keeps it.
+            await registry.redis.delete(registry._k("alive", "n2"))
+            await registry.heartbeat(_status("n1", *back), 5000)
+            assert (await registry.sandbox("a5"))["node"] == "n1"
+
+            await registry.reserve("n1", 5000)
+            await registry.reserve("n1", 5000)
+            assert await registry.release("n1", await registry.beat("n1"), 5000)
+            nodes = {n.node_id: n for n in await registry.nodes()}
+            assert (nodes["n1"].state, nodes["n1"].reserved, nodes["n1"].released) == \
+                ("up", 2, 1)
+            assert nodes["n2"].state == "down" and nodes["n1"].sandboxes == []
+            assert nodes["n1"].to_dict() == (await registry.node("n1")).to_dict()
+            # A new heartbeat is read at once, here and by another scheduler.
+            other = Registry(redis_url, prefix="hb-test:")
+            try:
+                for load in (3, 5):
+                    await registry.heartbeat(_status("n1", load=load), 5000)
+                    for reader in (registry, other):
+                        n1 = next(n for n in await reader.nodes() if n.node_id == "n1")
+                        assert (n1.load, n1.reserved, n1.released) == (load, 0, 0)
+            finally:
+                await other.close()
+        finally:
+            await registry.redis.flushdb()
+            await registry.close()
+
+    asyncio.run(scenario())

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import re
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+# Named alike by the nodes and the gateway (which prefers a node holding the image).
+from ..sandbox_api import image_template_name as image_template_name
 from ..templates import Template, TemplateNotFound
 from .errors import StepFailed
 
@@ -22,15 +22,6 @@ if TYPE_CHECKING:
 # The templates creates from images make (image_sources): their names are their IDs,
 # so that finding one is a directory lookup, never a scan of every template's record.
 AUTO_ID = re.compile(r"^(?:img-[0-9a-f]{16}|setup-[0-9a-f]{16}-[0-9a-f]{16})$")
-
-
-def image_template_name(ref: str, credentials: dict | None = None, key: bytes = b"") -> str:
-    """``img-<hash>``: of the reference alone, or keyed (HMAC) over it and the credentials."""
-    if not credentials:
-        return "img-" + hashlib.sha256(ref.encode()).hexdigest()[:16]
-    text = "\0".join((ref, str(credentials.get("username", "")),
-                      str(credentials.get("password", ""))))
-    return "img-" + hmac.new(key, text.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 # E2B's default base image is the counterpart of the built-in ``base`` template.

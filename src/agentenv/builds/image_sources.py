@@ -31,15 +31,14 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from ..sandbox_api import IMAGE_SCHEME as IMAGE_SCHEME
+from ..sandbox_api import image_from_template as image_from_template
+from ..sandbox_api import image_template_name
 from ..templates import TemplateNotFound
-from .base import image_template_name
 from .builder import TemplateBuilder
 from .errors import BuildError
 
 log = logging.getLogger(__name__)
-# A template ID naming an image (the e2b SDK's ``template``): ``docker://`` and a
-# registry reference, as containers-transports(5) spells it.
-IMAGE_SCHEME = "docker://"
 MAX_SETUP_CHARS = 16 << 10
 MAX_PULLS = 2  # different images pulled at once (each takes threads and disk bandwidth)
 KEY_FILE = "image-names.key"
@@ -54,11 +53,6 @@ def check_name_not_reserved(name: str) -> None:
     if RESERVED.match(name.strip().lower()):
         raise BuildError(f"'{name[:80]}': names of the form img-<16 hex> and "
                          "setup-<16 hex>-<16 hex> are kept for creates from images", 400)
-
-
-def image_from_template(template: str) -> str | None:
-    """The image reference a template ID names by the ``docker://`` scheme, else None."""
-    return template[len(IMAGE_SCHEME):] if template.startswith(IMAGE_SCHEME) else None
 
 
 def setup_template_name(manifest_digest: str, setup: str) -> str:

@@ -9,9 +9,6 @@ from typing import Annotated
 
 import typer
 
-from ..images.errors import ImageError
-from ..images.estargz_build import CHUNK_SIZE
-from ..images.estargz_convert import convert_image
 from .config import CliError
 from .pull import _credentials
 
@@ -25,14 +22,21 @@ def convert(
     dst: Annotated[str, typer.Argument(help="registry/repo:tag to push to.")],
     estargz: Annotated[bool, typer.Option("--estargz", help="Write eStargz layers (the only "
                                                             "format so far).")] = False,
-    chunk_mib: Annotated[int, typer.Option(help="Chunk size of large files, MiB.")] =
-        CHUNK_SIZE >> 20,
+    chunk_mib: Annotated[int | None, typer.Option(
+        help="Chunk size of large files, MiB (default: eStargz's own, 4).")] = None,
     level: Annotated[int, typer.Option(help="gzip level, 1-9.")] = 6,
     username: Annotated[str | None, typer.Option(help="Registry user name (both).")] = None,
     password_env: Annotated[str | None, typer.Option(
         "--password-env", help="Environment variable holding the registry password.")] = None,
 ) -> None:
     """Convert an image's layers to eStargz and push it to DST."""
+    # Imported here: every `aenv` command (a gateway's too) would load the image code.
+    from ..images.errors import ImageError
+    from ..images.estargz_build import CHUNK_SIZE
+    from ..images.estargz_convert import convert_image
+
+    if chunk_mib is None:
+        chunk_mib = CHUNK_SIZE >> 20
     if not estargz:
         raise CliError("say --estargz (the only target format)")
     if not 1 <= chunk_mib <= 64 or not 1 <= level <= 9:

@@ -1,7 +1,11 @@
-"""What the scheduler, the gateway and the nodes share: the cluster's errors, and
-the schedulers' addresses."""
+"""What the scheduler, the gateway and the nodes share: the cluster's errors, a
+node's heartbeat (``NodeStatus``, with its ``SandboxEntry``s), and the schedulers'
+addresses. Nothing here talks to Redis: a node imports it without the registry."""
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ..errors import AgentenvError
 
@@ -13,6 +17,51 @@ class ClusterError(AgentenvError):
         super().__init__(message)
         self.status = status
 
+
+@dataclass
+class SandboxEntry:
+    sandbox_id: str
+    state: str
+    # The sandbox's last pause snapshot (a running one keeps it after resuming), and
+    # whether it is in the repository: what it can be resumed from if its node is lost.
+    snapshot_id: str = ""
+    committed: bool = False
+    # How the node lists it (E2B's ListedSandbox): the gateway lists a lost sandbox so.
+    item: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class NodeStatus:
+    node_id: str
+    url: str
+    capacity: int
+    load: int
+    free_memory_mb: int
+    runtime_kind: str
+    runtime_version: str
+    health: str = "ok"
+    templates: list[str] = field(default_factory=list)
+    snapshots: list[str] = field(default_factory=list)
+    sandboxes: list[SandboxEntry] = field(default_factory=list)
+    # Filled in by the registry on read.
+    state: str = "up"
+    last_seen: float = 0.0
+    reserved: int = 0
+    released: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> NodeStatus:
+        data = dict(raw)
+        data["sandboxes"] = [SandboxEntry(**s) for s in data.get("sandboxes") or []]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def effective_load(self) -> int:
+        return max(self.load + self.reserved - self.released, 0)
 
 
 def scheduler_urls(value: str) -> list[str]:

@@ -20,9 +20,7 @@ from typing import Any
 import httpx
 from fastapi import Request, Response
 
-from ..builds.base import image_template_name
-from ..builds.image_sources import image_from_template
-from ..orchestrator.idempotency import MAX_KEY_CHARS
+from ..sandbox_api import MAX_KEY_CHARS, image_from_template, image_template_name
 from .common import ClusterError
 from .node_registry import Registry
 from .routing import Gateway

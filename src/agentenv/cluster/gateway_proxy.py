@@ -7,7 +7,7 @@ import websockets
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..envd.protocol import ENVD_PORT
-from ..orchestrator import NotFound
+from ..sandbox_api import NotFound
 from ..web import (
     SANDBOX_ID_HEADER,
     SANDBOX_PORT_HEADER,

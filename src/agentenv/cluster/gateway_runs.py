@@ -1,25 +1,23 @@
 """The gateway's runs: a run lives on the node it was made on (the least loaded one),
 and everything of it goes there: its routes, and the creates that join it
 (``X-Aenv-Run`` or metadata ``aenv.run``), which skip the scheduler. Which node holds
-a run is kept in Redis (``run:<id>``), else asked of every up node once."""
+a run is kept in Redis (``run:<id>``), else asked of every up node once. The routes
+are in ``routes/runs.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request, Response
+from fastapi import Request
 
-from ..orchestrator import NotFound
 from .common import ClusterError
 from .node_registry import NodeStatus, Registry
-from .routing import Gateway, error_message
+from .routing import Gateway
 
-log = logging.getLogger(__name__)
 RUN_ID = re.compile(r"run_[a-z0-9]{20}")
 RUN_HEADER, RUN_METADATA = "x-aenv-run", "aenv.run"
 
@@ -60,44 +58,6 @@ class GatewayRuns:
                 return node
         return None
 
-    def install(self, app: FastAPI, auth: list, relay: Any) -> None:
-        @app.post("/runs", dependencies=auth)
-        async def create_run(request: Request) -> Response:
-            nodes = sorted(await self.gw.up_nodes(), key=lambda n: n.effective_load)
-            if not nodes:
-                raise ClusterError(503, "no node is up")
-            r = await self._forward(request, nodes[0])
-            if r.status_code == 201:
-                await self.registry.set_run(r.json()["runID"], nodes[0].node_id)
-            return relay(r)
-
-        @app.get("/runs", dependencies=auth)
-        async def list_runs(request: Request) -> list[dict[str, Any]]:
-            async def one(node: NodeStatus) -> list[dict[str, Any]]:
-                try:
-                    r = await self.gw.forward(request, node.url, body=b"")
-                except httpx.HTTPError as exc:
-                    log.warning("listing runs of node %s failed: %s", node.node_id, exc)
-                    return []
-                if r.status_code != 200:
-                    raise ClusterError(r.status_code, error_message(r))
-                return list(r.json())
-
-            lists = await asyncio.gather(*(one(n) for n in await self.gw.up_nodes()))
-            return [run for sub in lists for run in sub]
-
-        @app.api_route("/runs/{run_id}", methods=["GET", "DELETE"], dependencies=auth)
-        @app.api_route("/runs/{run_id}/{rest:path}", methods=["GET", "POST"],
-                       dependencies=auth)
-        async def run_scoped(run_id: str, request: Request) -> Response:
-            node = await self.node_of(run_id)
-            if node is None:
-                raise NotFound(f"run '{run_id[:80]}' not found (unknown, or ended)")
-            r = await self._forward(request, node)
-            if request.method == "DELETE" and r.status_code in (204, 404):
-                await self.registry.forget_run(run_id)
-            return relay(r)
-
     async def create_in_run(self, request: Request, run_id: str, body: bytes
                             ) -> tuple[httpx.Response, NodeStatus]:
         """A create that joins a run, on the run's node."""
@@ -105,9 +65,9 @@ class GatewayRuns:
         if node is None:
             raise ClusterError(400, f"run '{run_id[:80]}' is unknown or has ended; create a "
                                     "run (POST /runs) and pass its runID")
-        return await self._forward(request, node, body), node
+        return await self.forward(request, node, body), node
 
-    async def _forward(self, request: Request, node: NodeStatus,
+    async def forward(self, request: Request, node: NodeStatus,
                        body: bytes | None = None) -> httpx.Response:
         try:
             return await self.gw.forward(request, node.url, body=body)

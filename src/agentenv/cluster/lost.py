@@ -18,11 +18,11 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from ..orchestrator import query as q
+from ..sandbox_api import LISTED_STATES, parse_metadata
 from .node_registry import Registry
 from .routing import resumable
 
-LISTED = frozenset(q.LISTED_STATES)
+LISTED = frozenset(LISTED_STATES)
 
 
 def _started(item: dict[str, Any]) -> datetime | None:
@@ -46,7 +46,7 @@ async def lost_items(registry: Registry, *, states: frozenset[str] = LISTED,
                      started_after: str | None = None, started_before: str | None = None
                      ) -> list[dict[str, Any]]:
     """The lost sandboxes a listing with these filters shows."""
-    wanted = q.parse_metadata(metadata)
+    wanted = parse_metadata(metadata)
     after, before = _time(started_after), _time(started_before)
     out = []
     for entry, node in await registry.lost():

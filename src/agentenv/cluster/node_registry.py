@@ -20,60 +20,16 @@ one started, sees the same cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
+from .common import NodeStatus as NodeStatus
+from .common import SandboxEntry as SandboxEntry
 from .redis_conn import REDIS_MAX_CONNECTIONS as REDIS_MAX_CONNECTIONS
 from .redis_conn import connect
-
-
-@dataclass
-class SandboxEntry:
-    sandbox_id: str
-    state: str
-    # The sandbox's last pause snapshot (a running one keeps it after resuming), and
-    # whether it is in the repository: what it can be resumed from if its node is lost.
-    snapshot_id: str = ""
-    committed: bool = False
-    # How the node lists it (E2B's ListedSandbox): the gateway lists a lost sandbox so.
-    item: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class NodeStatus:
-    node_id: str
-    url: str
-    capacity: int
-    load: int
-    free_memory_mb: int
-    runtime_kind: str
-    runtime_version: str
-    health: str = "ok"
-    templates: list[str] = field(default_factory=list)
-    snapshots: list[str] = field(default_factory=list)
-    sandboxes: list[SandboxEntry] = field(default_factory=list)
-    # Filled in by the registry on read.
-    state: str = "up"
-    last_seen: float = 0.0
-    reserved: int = 0
-    released: int = 0
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> NodeStatus:
-        data = dict(raw)
-        data["sandboxes"] = [SandboxEntry(**s) for s in data.get("sandboxes") or []]
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def effective_load(self) -> int:
-        return max(self.load + self.reserved - self.released, 0)
-
 
 # sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>, released:<n>.
 # The node keys are derived inside the script: fine on one Redis (not for Redis Cluster).
@@ -97,12 +53,24 @@ return 1
 """
 
 
+def _entry(node_id: str, state: str, snapshot_id: str, committed: bool,
+           item: dict[str, Any] | None) -> dict[str, str]:
+    """A sandbox's ``sbx:<id>`` hash."""
+    mapping = {"node": node_id, "state": state, "snapshot": snapshot_id,
+               "committed": "1" if committed else "0"}
+    if item:
+        mapping["item"] = json.dumps(item)
+    return mapping
+
+
 class Registry:
     def __init__(self, url: str, prefix: str = "aenv:") -> None:
         # decode_responses: every answer is a str, which redis-py's types cannot say
         # (they give bytes | str), so the client is untyped here.
         self.redis: Any = connect(url)
         self.prefix = prefix
+        # node ID -> (its heartbeat's number, its status as that heartbeat said): nodes().
+        self._bodies: dict[str, tuple[str, NodeStatus]] = {}
         self._route = self.redis.register_script(_ROUTE)
         self._release = self.redis.register_script(_RELEASE)
 
@@ -117,10 +85,11 @@ class Registry:
 
     # -- nodes ------------------------------------------------------------------
 
-    async def heartbeat(self, status: NodeStatus, ttl_ms: int) -> list[str]:
+    async def heartbeat(self, status: NodeStatus, ttl_ms: int) -> tuple[list[str], bool]:
         """Record a heartbeat: the node is up for ``ttl_ms`` more, and owns what it lists.
         Returns the paused sandboxes it lists that another up node has taken over
-        (the node drops its stale records of them)."""
+        (the node drops its stale records of them), and whether the node was down (or
+        new) until this heartbeat."""
         status.state, status.last_seen, status.reserved, status.released = "up", time.time(), 0, 0
         body = status.to_dict()
         body.pop("sandboxes")
@@ -128,6 +97,7 @@ class Registry:
         reported = {s.sandbox_id: s for s in status.sandboxes}
         previous = await self.redis.smembers(self._k("node-sbx", nid))
         pipe = self.redis.pipeline()
+        pipe.exists(self._k("alive", nid))
         pipe.sadd(self._k("nodes"), nid)
         pipe.set(self._k("node", nid), json.dumps(body))
         pipe.set(self._k("alive", nid), "1", px=ttl_ms)
@@ -137,22 +107,40 @@ class Registry:
         pipe.delete(self._k("node-sbx", nid))
         if reported:
             pipe.sadd(self._k("node-sbx", nid), *reported)
-        await pipe.execute()
+        was_alive, *_ = await pipe.execute()
+        # A round trip per step, not per sandbox: a node holds hundreds of them.
+        sids = list(reported)
+        owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node") for sid in sids])
+        others = sorted({o for o in owners if o and o != nid})
+        alive = await self._each(lambda p: [p.exists(self._k("alive", o)) for o in others])
+        up = {o for o, a in zip(others, alive, strict=True) if a}
         disown = []
-        for entry in reported.values():
-            owner = await self.redis.hget(self._k("sbx", entry.sandbox_id), "node")
+        writes = self.redis.pipeline(transaction=False)
+        for entry, owner in zip(reported.values(), owners, strict=True):
             # A sandbox another live node has taken over (from its last pause, this
             # node being lost meanwhile) stays with that node: this one drops its copy.
-            if owner and owner != nid and await self.is_up(owner):
+            if owner and owner != nid and owner in up:
                 if entry.state in ("paused", "running"):
                     disown.append(entry.sandbox_id)
                 continue
-            await self.set_sandbox(entry.sandbox_id, nid, entry.state, entry.snapshot_id,
-                                   entry.committed, entry.item)
-        for sid in previous - set(reported):
-            if await self.redis.hget(self._k("sbx", sid), "node") == nid:
-                await self.redis.delete(self._k("sbx", sid))
-        return disown
+            writes.hset(self._k("sbx", entry.sandbox_id),
+                        mapping=_entry(nid, entry.state, entry.snapshot_id, entry.committed,
+                                       entry.item))
+        gone = sorted(previous - set(reported))
+        gone_owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node")
+                                                  for sid in gone])
+        for sid, owner in zip(gone, gone_owners, strict=True):
+            if owner == nid:
+                writes.delete(self._k("sbx", sid))
+        await writes.execute()
+        return disown, not was_alive
+
+    async def _each(self, queue: Callable[[Any], list[Any]]) -> list[Any]:
+        """The answers of the commands ``queue`` puts on a pipeline, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        if not queue(pipe):
+            return []
+        return list(await pipe.execute())
 
     async def is_up(self, node_id: str) -> bool:
         return bool(await self.redis.exists(self._k("alive", node_id)))
@@ -173,11 +161,44 @@ class Registry:
         return status
 
     async def nodes(self) -> list[NodeStatus]:
+        """Every registered node, with its liveness and the counts of room taken and
+        freed since its heartbeat, as of one moment (MULTI: no heartbeat lands halfway).
+
+        Every placement reads every node, so a node's body (its heartbeat, ~0.5 KB) is
+        read only when its heartbeat number changed since this process last read it;
+        otherwise the small counts alone. A body read just after a new heartbeat may be
+        newer than the counts read with it: its room is undercounted for that read only.
+        """
+        ids = sorted(await self.redis.smembers(self._k("nodes")))
+        pipe = self.redis.pipeline()
+        for nid in ids:
+            pipe.get(self._k("beat", nid))
+            pipe.exists(self._k("alive", nid))
+            pipe.get(self._k("reserved", nid))
+            pipe.get(self._k("released", nid))
+        flat = await pipe.execute() if ids else []
+        counts = {nid: flat[4 * i:4 * i + 4] for i, nid in enumerate(ids)}
+        stale = [nid for nid in ids
+                 if nid not in self._bodies or self._bodies[nid][0] != (counts[nid][0] or "0")]
+        bodies = await self._each(lambda p: [p.get(self._k("node", nid)) for nid in stale])
+        for nid, raw in zip(stale, bodies, strict=True):
+            if raw is None:
+                self._bodies.pop(nid, None)
+            else:
+                self._bodies[nid] = (counts[nid][0] or "0",
+                                     NodeStatus.from_dict(json.loads(raw)))
+        for nid in set(self._bodies) - set(ids):
+            del self._bodies[nid]  # forgotten
         out = []
-        for nid in sorted(await self.redis.smembers(self._k("nodes"))):
-            status = await self.node(nid)
-            if status is not None:
-                out.append(status)
+        for nid in ids:
+            if nid not in self._bodies:
+                continue
+            _, alive, reserved, released = counts[nid]
+            status = dataclasses.replace(self._bodies[nid][1])
+            status.state = "up" if alive else "down"
+            status.reserved = int(reserved or 0)
+            status.released = int(released or 0)
+            out.append(status)
         return out
 
     async def mark_down(self, node_id: str) -> bool:
@@ -227,11 +248,8 @@ class Registry:
     async def set_sandbox(self, sandbox_id: str, node_id: str, state: str,
                           snapshot_id: str = "", committed: bool = False,
                           item: dict[str, Any] | None = None) -> None:
-        mapping = {"node": node_id, "state": state, "snapshot": snapshot_id,
-                   "committed": "1" if committed else "0"}
-        if item:
-            mapping["item"] = json.dumps(item)
-        await self.redis.hset(self._k("sbx", sandbox_id), mapping=mapping)
+        await self.redis.hset(self._k("sbx", sandbox_id),
+                              mapping=_entry(node_id, state, snapshot_id, committed, item))
 
     async def lost(self) -> list[tuple[dict[str, str], NodeStatus]]:
         """The sandboxes of nodes that are down (past their heartbeat TTL), as their

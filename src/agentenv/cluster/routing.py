@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl
 import httpx
 from fastapi import Request
 
-from ..orchestrator import NotFound
+from ..sandbox_api import NotFound
 from .common import ClusterError, Failover
 from .node_registry import NodeStatus, Registry
 

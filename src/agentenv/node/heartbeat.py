@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from ..api import models
-from ..cluster.common import Failover
-from ..cluster.node_registry import NodeStatus, SandboxEntry
+from ..cluster.common import Failover, NodeStatus, SandboxEntry
 from ..images.store import hex_of
 from ..orchestrator import SandboxState
 from ..snapshot import SnapshotError, SnapshotNotFound

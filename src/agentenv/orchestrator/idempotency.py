@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from ..sandbox_api import MAX_KEY_CHARS as MAX_KEY_CHARS
 from .models import BadRequest, OrchestratorError
 
-MAX_KEY_CHARS = 255
 _PRUNE_EVERY = 64
 
 _SCHEMA = """

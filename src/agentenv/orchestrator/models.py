@@ -9,7 +9,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import AgentenvError
+# The lifecycle errors live where the gateway can import them without the node.
+from ..sandbox_api import BadRequest as BadRequest
+from ..sandbox_api import CapacityExceeded as CapacityExceeded
+from ..sandbox_api import Conflict
+from ..sandbox_api import NotFound as NotFound
+from ..sandbox_api import OrchestratorError as OrchestratorError
 
 
 class SandboxState(enum.StrEnum):
@@ -31,28 +36,6 @@ TRANSITIONS: dict[SandboxState, set[SandboxState]] = {
     SandboxState.ERROR: {SandboxState.KILLED},
     SandboxState.KILLED: set(),
 }
-
-
-class OrchestratorError(AgentenvError):
-    """An error of the sandbox lifecycle (its subclasses say which status)."""
-
-    status = 500
-
-
-class BadRequest(OrchestratorError):
-    status = 400
-
-
-class NotFound(OrchestratorError):
-    status = 404
-
-
-class Conflict(OrchestratorError):
-    status = 409
-
-
-class CapacityExceeded(OrchestratorError):
-    status = 503
 
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits

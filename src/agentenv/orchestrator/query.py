@@ -15,16 +15,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+# Parsed alike by the nodes and the gateway.
+from ..sandbox_api import EXTRA_STATES as EXTRA_STATES
+from ..sandbox_api import LISTED_STATES
+from ..sandbox_api import parse_metadata as parse_metadata
+from ..sandbox_api import parse_states as parse_states
 from .models import BadRequest, SandboxRecord, SandboxState
 
 MAX_PAGE = 100
-
-# The states a listing shows unless asked otherwise, as the E2B API spells them (the
-# SDKs know no others: an unknown state fails their parsing of the whole list).
-LISTED_STATES = ("running", "paused")
-# Shown only when asked for by name (agentenv's own: ``aenv ls --state error``; a
-# cluster's gateway lists sandboxes ``lost`` with their node, which no node has).
-EXTRA_STATES = ("error", "lost")
 
 
 def public_state(record: SandboxRecord) -> str | None:
@@ -78,32 +76,6 @@ def epoch_micros(when: float | datetime) -> int:
     if not isinstance(when, datetime):
         when = datetime.fromtimestamp(when, tz=UTC)
     return (when - _EPOCH) // _MICROSECOND
-
-
-def parse_states(values: Iterable[str]) -> frozenset[str]:
-    """``state`` as the SDKs send it: comma-separated, possibly repeated."""
-    states = {s.strip() for v in values for s in v.split(",") if s.strip()}
-    unknown = states - set(LISTED_STATES) - set(EXTRA_STATES)
-    if unknown:
-        raise BadRequest(
-            f"invalid state {sorted(unknown)[0]!r}: expected one of "
-            f"{', '.join(LISTED_STATES + EXTRA_STATES)}"
-        )
-    return frozenset(states) if states else frozenset(LISTED_STATES)
-
-
-def parse_metadata(raw: str | None) -> dict[str, str]:
-    """``metadata`` is itself a query string, ``k1=v1&k2=v2``, whose keys and values
-    are URL-encoded once more before the pairs are joined (as both SDKs send it)."""
-    from urllib.parse import parse_qsl, unquote
-
-    if not raw:
-        return {}
-    try:
-        pairs = parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
-    except ValueError:
-        raise BadRequest(f"invalid metadata query {raw!r}: expected key=value pairs") from None
-    return {unquote(k): unquote(v) for k, v in pairs}
 
 
 def _sort_key(record: SandboxRecord) -> tuple[float, str]:

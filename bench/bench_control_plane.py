@@ -1,0 +1,309 @@
+"""The control plane at fleet scale: the real gateway, scheduler and Redis over simulated
+nodes (agentenv.testing.sim_nodes, its own process: the cluster protocol, no sandboxes),
+at 10, 100 and 300 nodes (``--nodes``; a thousand overruns one scheduler on 2 cores).
+
+Per size:
+- Redis commands and bytes per heartbeat (nodes idle, then holding the creates'
+  sandboxes), the scheduler's sweep included;
+- create latency through the gateway, one at a time, against the same create sent to a
+  simulated node directly: the difference is what the control plane adds;
+- placement throughput: ``--creates`` creates, ``--concurrency`` at once, through one
+  gateway, and Redis commands and bytes per create (the heartbeats' share taken out);
+- list latency through the gateway (``GET /v2/sandboxes`` first page of 100, and
+  ``GET /sandboxes``, every sandbox) with the creates' sandboxes held.
+
+Writes bench/results/control_plane.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from agentenv.testing.cluster import Cluster
+from common import write
+
+HEARTBEAT_S = 1.0
+CAPACITY = 1000  # per simulated node: room is never what limits a create here
+IDLE_WINDOW_S = 6.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, round(q * (len(s) - 1)))] * 1000, 2)
+
+
+def lat(xs: list[float]) -> dict[str, float]:
+    return {"n": len(xs), "p50_ms": pct(xs, 0.5), "p99_ms": pct(xs, 0.99)}
+
+
+class RedisMeter:
+    """Redis's own counters: commands processed, bytes in and out, heartbeats recorded."""
+
+    def __init__(self, port: int, nodes: int) -> None:
+        self.r = redis.Redis(port=port, decode_responses=True)
+        self.beat_keys = [f"aenv:beat:sim-{k}" for k in range(1, nodes + 1)]
+
+    def read(self) -> dict[str, float]:
+        stats = self.r.info("stats")
+        beats = sum(int(v or 0) for v in self.r.mget(self.beat_keys))
+        # Each read is two commands of its own (INFO, MGET): taken out below.
+        return {"commands": stats["total_commands_processed"] - 2,
+                "bytes": stats["total_net_input_bytes"] + stats["total_net_output_bytes"],
+                "beats": beats, "t": time.monotonic()}
+
+    def top(self) -> dict[str, int]:
+        return {k.removeprefix("cmdstat_"): int(v["calls"])
+                for k, v in self.r.info("commandstats").items()}
+
+
+def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: b[k] - a[k] for k in a}
+
+
+def idle_cost(meter: RedisMeter) -> dict[str, float]:
+    a = meter.read()
+    time.sleep(IDLE_WINDOW_S)
+    d = delta(a, meter.read())
+    beats = max(d["beats"], 1)
+    return {"heartbeats_per_s": round(d["beats"] / d["t"], 1),
+            "commands_per_heartbeat": round(d["commands"] / beats, 1),
+            "bytes_per_heartbeat": round(d["bytes"] / beats),
+            "commands_per_s": round(d["commands"] / d["t"]),
+            "bytes_per_s": round(d["bytes"] / d["t"])}
+
+
+async def one_create(client: httpx.AsyncClient, url: str) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = await client.post(url + "/sandboxes", json={"templateID": "base", "timeout": 3600})
+    took = time.perf_counter() - t0
+    if r.status_code != 201:
+        raise RuntimeError(f"create answered {r.status_code}: {r.text[:200]}")
+    return took, r.json()["sandboxID"]
+
+
+async def sequential_creates(client: httpx.AsyncClient, urls: list[str], n: int
+                             ) -> list[list[float]]:
+    """``n`` creates one at a time to each URL in turn (alternating, so that a change of
+    the machine's load meanwhile falls on each alike), after one untimed each."""
+    for url in urls:
+        await one_create(client, url)
+    took: list[list[float]] = [[] for _ in urls]
+    for _ in range(n):
+        for i, url in enumerate(urls):
+            took[i].append((await one_create(client, url))[0])
+    return took
+
+
+async def burst(client: httpx.AsyncClient, url: str, n: int, concurrency: int
+                ) -> tuple[float, list[float]]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one() -> float:
+        async with gate:
+            return (await one_create(client, url))[0]
+
+    t0 = time.perf_counter()
+    took = await asyncio.gather(*(one() for _ in range(n)))
+    return time.perf_counter() - t0, list(took)
+
+
+async def timed_gets(client: httpx.AsyncClient, url: str, params: dict[str, Any], n: int
+                     ) -> tuple[list[float], int]:
+    out, count = [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = await client.get(url, params=params)
+        out.append(time.perf_counter() - t0)
+        r.raise_for_status()
+        count = len(r.json())
+    return out, count
+
+
+def up_count(cluster: Cluster) -> int:
+    with cluster.client(cluster.scheduler_url) as c:
+        return len(c.get("/nodes", params={"state": "up"}).json())
+
+
+def wait_up(cluster: Cluster, nodes: int, wait: float = 120) -> None:
+    """Until nine in ten are up at once (past a few hundred, a node whose heartbeats
+    the scheduler records late goes down and comes back: counted in the results)."""
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        if up_count(cluster) >= 0.9 * nodes:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"fewer than 9 in 10 of {nodes} simulated nodes came up")
+
+
+def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: int
+            ) -> dict[str, Any]:
+    cluster = Cluster(root / f"cp{nodes}", f"p{os.getpid() % 256:02x}", nodes=0,
+                      node_ttl_ms=5000, gateway_queue_s=10.0)
+    sim: subprocess.Popen | None = None
+    try:
+        cluster.start()
+        sim = subprocess.Popen(
+            [sys.executable, "-m", "agentenv.testing.sim_nodes", "--nodes", str(nodes),
+             "--scheduler-url", cluster.scheduler_url, "--capacity", str(CAPACITY),
+             "--heartbeat-s", str(HEARTBEAT_S)],
+            env={**os.environ, "AENV_SIM_API_KEY": cluster.api_key},
+            stdout=subprocess.DEVNULL, stderr=open(root / f"sim{nodes}.log", "ab"))
+        wait_up(cluster, nodes)
+        time.sleep(2 * HEARTBEAT_S)  # every node past its first heartbeat
+        meter = RedisMeter(cluster.redis_port, nodes)
+        out: dict[str, Any] = {"nodes": nodes}
+        out["idle"] = {"nodes_up": up_count(cluster), **idle_cost(meter)}
+
+        with cluster.client(cluster.scheduler_url) as c:
+            a_node = c.get("/nodes").json()[0]["url"]
+
+        async def run() -> None:
+            limits = httpx.Limits(max_connections=concurrency,
+                                  max_keepalive_connections=concurrency)
+            async with httpx.AsyncClient(headers={"X-API-Key": cluster.api_key}, timeout=60,
+                                         trust_env=False, limits=limits) as client:
+                direct, via = await sequential_creates(
+                    client, [a_node, cluster.gateway_url], sequential)
+                out["create_direct"] = lat(direct)
+                out["create_via_gateway"] = lat(via)
+                out["create_added_ms"] = {
+                    "p50": round(pct(via, 0.5) - pct(direct, 0.5), 2),
+                    "p99": round(pct(via, 0.99) - pct(direct, 0.99), 2)}
+                before, top_before = meter.read(), meter.top()
+                wall, took = await burst(client, cluster.gateway_url, creates, concurrency)
+                after, top_after = meter.read(), meter.top()
+                d = delta(before, after)
+                idle = out["idle"]
+                # The heartbeats' and sweeps' share during the burst, at the idle rate.
+                heartbeat_commands = d["beats"] * idle["commands_per_heartbeat"]
+                heartbeat_bytes = d["beats"] * idle["bytes_per_heartbeat"]
+                out["burst"] = {
+                    "creates": creates, "concurrency": concurrency, "wall_s": round(wall, 2),
+                    "creates_per_s": round(creates / wall, 1), **lat(took),
+                    "redis_commands_per_create": round(
+                        (d["commands"] - heartbeat_commands) / creates, 1),
+                    "redis_bytes_per_create": round((d["bytes"] - heartbeat_bytes) / creates),
+                    "top_commands_per_create": {
+                        k: round((top_after.get(k, 0) - top_before.get(k, 0)) / creates, 1)
+                        for k in sorted(top_after, key=lambda k: top_before.get(k, 0)
+                                        - top_after[k])[:6]}}
+                held = creates + 2 * (sequential + 1)
+                # Fewer at a thousand nodes: each asks every node.
+                reps = 20 if nodes <= 100 else 5
+                page, n_page = await timed_gets(client, cluster.gateway_url + "/v2/sandboxes",
+                                                {"limit": 100}, reps)
+                whole, n_whole = await timed_gets(client, cluster.gateway_url + "/sandboxes",
+                                                  {}, reps // 2)
+                out["list"] = {"sandboxes_held": held, "v2_first_page": lat(page),
+                               "v2_page_items": n_page, "v1_all": lat(whole),
+                               "v1_items": n_whole}
+
+        asyncio.run(run())
+        time.sleep(2 * HEARTBEAT_S)
+        out["idle_holding"] = {"sandboxes_per_node": round(
+            (creates + 2 * (sequential + 1)) / nodes, 1), "nodes_up": up_count(cluster),
+            **idle_cost(meter)}
+        return out
+    finally:
+        try:
+            if sim is not None:
+                sim.terminate()
+                try:
+                    sim.wait(30)
+                except subprocess.TimeoutExpired:
+                    sim.kill()
+                    sim.wait()
+        finally:
+            cluster.stop()
+
+
+def growth(rows: list[dict[str, Any]], pick: Any) -> str:
+    first, last = rows[0], rows[-1]
+    a, b = pick(first), pick(last)
+    if not a:
+        return "n/a"
+    return f"x{b / a:.2f} for x{last['nodes'] / first['nodes']:g} nodes"
+
+
+def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = ["## Control plane at fleet scale (simulated nodes)", "",
+             f"The real gateway, scheduler and Redis (one each) over simulated nodes "
+             f"(agentenv.testing.sim_nodes, one process; heartbeat every {HEARTBEAT_S:g} s; "
+             f"no node latency). One 2-core machine shared with other work runs all of it.",
+             f"Burst: {args.creates} creates, {args.concurrency} at once; sequential "
+             f"latency: {args.sequential} creates one at a time. Reproduce: "
+             f"`PYTHONPATH=src python bench/bench_control_plane.py --nodes "
+             f"{','.join(str(r['nodes']) for r in rows)}`.", "",
+             "| nodes | creates/s | burst create p50 / p99 ms | create direct p50 / p99 ms "
+             "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
+             "| list v2 page p50 / p99 ms | list v1 all p50 ms (items) "
+             "| Redis cmds / bytes per heartbeat (idle) | same, holding (sandboxes/node) "
+             "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) |",
+             "| " + " | ".join(["---"] * 12) + " |"]
+    for r in rows:
+        b, lst, i, h = r["burst"], r["list"], r["idle"], r["idle_holding"]
+        lines.append(
+            f"| {r['nodes']} | {b['creates_per_s']} | {b['p50_ms']} / {b['p99_ms']} "
+            f"| {r['create_direct']['p50_ms']} / {r['create_direct']['p99_ms']} "
+            f"| {r['create_via_gateway']['p50_ms']} / {r['create_via_gateway']['p99_ms']} "
+            f"| {r['create_added_ms']['p50']} / {r['create_added_ms']['p99']} "
+            f"| {b['redis_commands_per_create']} / {b['redis_bytes_per_create']} "
+            f"| {lst['v2_first_page']['p50_ms']} / {lst['v2_first_page']['p99_ms']} "
+            f"| {lst['v1_all']['p50_ms']} ({lst['v1_items']} of {lst['sandboxes_held']}) "
+            f"| {i['commands_per_heartbeat']} / {i['bytes_per_heartbeat']} "
+            f"| {h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
+            f"({h['sandboxes_per_node']}) "
+            f"| {i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
+            f"({r['nodes'] / HEARTBEAT_S:g}; up {i['nodes_up']} / {h['nodes_up']}) |")
+    if len(rows) > 1:
+        lines += ["", "Growth from the smallest to the largest size:", "",
+                  f"- creates/s: {growth(rows, lambda r: r['burst']['creates_per_s'])}",
+                  f"- added create latency p50: "
+                  f"{growth(rows, lambda r: r['create_added_ms']['p50'])}",
+                  f"- Redis commands per create: "
+                  f"{growth(rows, lambda r: r['burst']['redis_commands_per_create'])}",
+                  f"- Redis bytes per create: "
+                  f"{growth(rows, lambda r: r['burst']['redis_bytes_per_create'])}",
+                  f"- list v2 first page p50: "
+                  f"{growth(rows, lambda r: r['list']['v2_first_page']['p50_ms'])}",
+                  f"- Redis commands per heartbeat (idle): "
+                  f"{growth(rows, lambda r: r['idle']['commands_per_heartbeat'])}"]
+    lines += ["", "A node is listed while it is up: one whose heartbeats the scheduler did not "
+              "record within the TTL (5 s) is down, and its sandboxes are missing from "
+              "`list v1 all` (items of those held).", "",
+              "Redis commands per create, the most frequent (largest size): "
+              + ", ".join(f"{k} {v}" for k, v in rows[-1]["burst"]["top_commands_per_create"]
+                          .items())]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="10,100")
+    parser.add_argument("--creates", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--sequential", type=int, default=50)
+    parser.add_argument("--name", default="control_plane")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="aenv-cp-") as tmp:
+        for n in (int(x) for x in args.nodes.split(",")):
+            t0 = time.monotonic()
+            rows.append(measure(Path(tmp), n, args.creates, args.concurrency, args.sequential))
+            print(f"{n} nodes measured in {time.monotonic() - t0:.0f} s", flush=True)
+    write(args.name, {"rows": rows, "args": vars(args)}, render(rows, args))
+
+
+if __name__ == "__main__":
+    main()

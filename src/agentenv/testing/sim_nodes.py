@@ -1,0 +1,566 @@
+"""Simulated cluster nodes: many in one asyncio process, for testing and measuring the
+control plane (gateway, scheduler, Redis) at fleet scale on one machine.
+
+Each simulated node speaks the real cluster protocol and holds no sandbox, only its
+records:
+
+- it heartbeats to the scheduler (``POST /nodes/heartbeat``, a real ``NodeStatus``
+  with a ``SandboxEntry`` per sandbox and its listing item) every ``heartbeat_s``, and
+  drops the sandboxes the answer tells it to disown;
+- it answers the node API the gateway calls, with the node's status codes and body
+  shapes: create (201; 503 when full), get, list (v1, and v2 paginated with
+  ``x-next-token``), kill, pause, resume, connect, timeout, local fork, snapshots of a
+  sandbox (for a fork across nodes) and their deletion, adoption of a paused sandbox
+  of a lost node, metrics, signers and runs (none), templates (none), health.
+
+Every simulated node listens on a port of its own on one address, all served by one
+uvicorn server; the node a request is for is the port it came to. ``latency_s`` is
+added to every answer, ``create_s`` to a create, and ``failure_rate`` of creates answer
+500. A node's ``heartbeating`` off is a heartbeat lapse: the scheduler marks it down
+after its TTL while it still answers (a slow or cut-off node, as the gateway expects).
+
+Run it in a thread of the caller (``running``), or as its own process:
+``python -m agentenv.testing.sim_nodes --nodes 100 --scheduler-url URL`` (the API key
+in ``AENV_SIM_API_KEY``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import random
+import resource
+import secrets
+import socket
+import string
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
+
+import httpx
+import uvicorn
+
+from ..cluster.common import Failover, NodeStatus, SandboxEntry
+
+T = TypeVar("T")
+Answer = tuple[int, Any, dict[str, str]]
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+ENVD_VERSION = "0.6.4"
+HEARTBEATS_IN_FLIGHT = 32
+
+
+@dataclass
+class Behaviour:
+    """How every simulated node behaves."""
+
+    capacity: int = 100
+    heartbeat_s: float = 1.0
+    latency_s: float = 0.0  # added to every answer of the node API
+    create_s: float = 0.0  # a create's own time on the node (a boot or a restore)
+    failure_rate: float = 0.0  # share of creates answered 500
+    templates: tuple[str, ...] = ("base",)
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=UTC).isoformat().replace("+00:00", "Z")
+
+
+def _new_id(prefix: str = "") -> str:
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+
+
+@dataclass
+class SimSandbox:
+    sandbox_id: str
+    template_id: str
+    state: str  # creating, running, paused
+    started_at: float
+    end_at: float
+    metadata: dict[str, str] = field(default_factory=dict)
+    snapshot_id: str = ""
+
+    def listed(self) -> dict[str, Any]:
+        """As the node lists it (E2B's ListedSandbox)."""
+        return {"templateID": self.template_id, "sandboxID": self.sandbox_id,
+                "clientID": "sim", "startedAt": _iso(self.started_at),
+                "endAt": _iso(self.end_at), "cpuCount": 1, "memoryMB": 512,
+                "diskSizeMB": 1024, "metadata": self.metadata, "state": self.state,
+                "envdVersion": ENVD_VERSION}
+
+    def created(self) -> dict[str, Any]:
+        """As a create, a resume or a connect answers it (SandboxCreated)."""
+        return {"templateID": self.template_id, "sandboxID": self.sandbox_id,
+                "clientID": "sim", "envdVersion": ENVD_VERSION,
+                "envdAccessToken": "sim-token", "domain": None}
+
+
+class SimNode:
+    """One simulated node: its records, its heartbeats' switch and its API's."""
+
+    def __init__(self, node_id: str, url: str, behaviour: Behaviour) -> None:
+        self.node_id = node_id
+        self.url = url
+        self.behaviour = behaviour
+        self.sandboxes: dict[str, SimSandbox] = {}
+        self.snapshots: set[str] = set()
+        self.heartbeating = True
+        self.beats = 0
+
+    def load(self) -> int:
+        """Sandboxes holding room, as the node counts them (a paused one holds none)."""
+        return sum(1 for s in self.sandboxes.values() if s.state in ("creating", "running"))
+
+    def status(self) -> NodeStatus:
+        entries = [SandboxEntry(sandbox_id=s.sandbox_id, state=s.state,
+                                snapshot_id=s.snapshot_id,
+                                committed=bool(s.snapshot_id) and s.state != "creating",
+                                item=s.listed())
+                   for s in self.sandboxes.values() if s.state != "creating"]
+        return NodeStatus(node_id=self.node_id, url=self.url,
+                          capacity=self.behaviour.capacity, load=self.load(),
+                          free_memory_mb=64_000, runtime_kind="gvisor",
+                          runtime_version="sim", templates=list(self.behaviour.templates),
+                          snapshots=sorted(self.snapshots), sandboxes=entries)
+
+
+def _error(status: int, message: str) -> Answer:
+    return status, {"code": status, "message": message}, {}
+
+
+class SimNodes:
+    """``count`` simulated nodes heartbeating to ``scheduler_url``."""
+
+    def __init__(self, count: int, scheduler_url: str, api_key: str,
+                 behaviour: Behaviour | None = None, host: str = "127.0.0.1") -> None:
+        self.count = count
+        self.scheduler_url = scheduler_url
+        self.api_key = api_key
+        self.behaviour = behaviour or Behaviour()
+        self.host = host
+        self.nodes: list[SimNode] = []
+        self.by_port: dict[int, SimNode] = {}
+        # Requests answered, by route ("create", "list", "heartbeat", ...).
+        self.requests: Counter[str] = Counter()
+        self._sockets: list[socket.socket] = []
+        self._server: uvicorn.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._http: httpx.AsyncClient | None = None
+        # Heartbeats in flight at once: more wait here, not in the HTTP pool (a pool
+        # hundreds of requests wait on, each with its deadline, sent none at 300 nodes).
+        self._sending = asyncio.Semaphore(HEARTBEATS_IN_FLIGHT)
+        self._routes = self._route_table()
+
+    # -- start / stop ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        _raise_fd_limit(self.count * 3 + 256)
+        for k in range(1, self.count + 1):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, 0))
+            sock.listen(256)
+            sock.setblocking(False)
+            port = sock.getsockname()[1]
+            node = SimNode(f"sim-{k}", f"http://{self.host}:{port}", self.behaviour)
+            self._sockets.append(sock)
+            self.nodes.append(node)
+            self.by_port[port] = node
+        # Stopped within 2 s: the gateway's kept-alive connections would hold it open.
+        config = uvicorn.Config(self, lifespan="off", log_level="warning", access_log=False,
+                                timeout_keep_alive=30, timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._tasks.append(asyncio.create_task(self._server.serve(sockets=self._sockets)))
+        # uvicorn says it has started by a flag only, no event to wait on.
+        while not self._server.started:
+            if self._tasks[0].done():
+                self._tasks[0].result()  # it failed to start: its error
+            await asyncio.sleep(0.01)
+        self._http = httpx.AsyncClient(
+            headers={"X-API-Key": self.api_key}, trust_env=False,
+            timeout=max(self.behaviour.heartbeat_s, 1.0),
+            limits=httpx.Limits(max_connections=HEARTBEATS_IN_FLIGHT,
+                                max_keepalive_connections=HEARTBEATS_IN_FLIGHT))
+        for node in self.nodes:
+            self._tasks.append(asyncio.create_task(self._heartbeats(node)))
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        for task in self._tasks[1:]:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.aclose()
+        for sock in self._sockets:
+            sock.close()
+
+    async def served(self) -> None:
+        """Returns once the server has stopped (uvicorn stops it on SIGTERM or SIGINT)."""
+        await self._tasks[0]
+
+    def node(self, node_id: str) -> SimNode:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    # -- heartbeats -------------------------------------------------------------------
+
+    async def _heartbeats(self, node: SimNode) -> None:
+        assert self._http is not None
+        schedulers = Failover(self.scheduler_url)
+        # Spread over one interval, as nodes started at different times are.
+        await asyncio.sleep(random.uniform(0, self.behaviour.heartbeat_s))
+        while True:
+            if node.heartbeating:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    await self.beat(node, schedulers)
+            await asyncio.sleep(self.behaviour.heartbeat_s)
+
+    async def beat(self, node: SimNode, schedulers: Failover | None = None) -> None:
+        """One heartbeat of ``node``, as the real node's (``node/heartbeat.py``) sends it."""
+        assert self._http is not None
+        schedulers = schedulers or Failover(self.scheduler_url)
+        order = schedulers.order()
+        async with self._sending:
+            body = node.status().to_dict()
+            for url in order:
+                try:
+                    r = await self._http.post(url + "/nodes/heartbeat", json=body)
+                    r.raise_for_status()
+                except httpx.HTTPError:
+                    if url == order[-1]:
+                        raise
+                    continue
+                schedulers.answered(url)
+                break
+        node.beats += 1
+        self.requests["heartbeat"] += 1
+        for sandbox_id in r.json().get("disown", []):
+            node.sandboxes.pop(sandbox_id, None)
+
+    # -- the node API -----------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            return
+        node = self.by_port.get(scope["server"][1])
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if node is None:
+            status, payload, headers = _error(404, "no such node")
+        else:
+            status, payload, headers = await self._answer(node, scope, body)
+        raw = b"" if status == 204 else json.dumps(payload).encode()
+        head = [(b"content-type", b"application/json"),
+                (b"content-length", str(len(raw)).encode())]
+        head += [(k.encode(), v.encode()) for k, v in headers.items()]
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": raw})
+
+    async def _answer(self, node: SimNode, scope: dict[str, Any], body: bytes) -> Answer:
+        headers = dict(scope["headers"])
+        if headers.get(b"x-api-key", b"").decode() != self.api_key:
+            return _error(401, "invalid API key")
+        if self.behaviour.latency_s:
+            await asyncio.sleep(self.behaviour.latency_s)
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode()).items()}
+        parts = path.strip("/").split("/")
+        for (m, shape), (name, handler) in self._routes.items():
+            if m == method and _matches(shape, parts):
+                self.requests[name] += 1
+                try:
+                    spec = json.loads(body) if body else {}
+                except ValueError:
+                    return _error(400, "invalid JSON body")
+                return await handler(node, parts, query, spec)
+        return _error(404, f"{method} {path} is not simulated")
+
+    def _route_table(self) -> dict[tuple[str, tuple[str, ...]],
+                                   tuple[str, Callable[..., Coroutine[Any, Any, Answer]]]]:
+        """(method, path shape: "*" one segment) -> (name, handler); first match wins."""
+        return {
+            ("GET", ("health",)): ("health", self._health),
+            ("POST", ("sandboxes",)): ("create", self._create),
+            ("POST", ("v2", "sandboxes")): ("create", self._create),
+            ("GET", ("sandboxes",)): ("list", self._list_v1),
+            ("GET", ("v2", "sandboxes")): ("list", self._list_v2),
+            ("GET", ("sandboxes", "metrics")): ("metrics", self._metrics),
+            ("GET", ("sandboxes", "*")): ("get", self._get),
+            ("DELETE", ("sandboxes", "*")): ("kill", self._kill),
+            ("POST", ("sandboxes", "*", "pause")): ("pause", self._pause),
+            ("POST", ("sandboxes", "*", "resume")): ("resume", self._resume),
+            ("POST", ("sandboxes", "*", "connect")): ("connect", self._connect),
+            ("POST", ("v2", "sandboxes", "*", "connect")): ("connect", self._connect),
+            ("POST", ("sandboxes", "*", "timeout")): ("timeout", self._touch),
+            ("POST", ("sandboxes", "*", "refreshes")): ("timeout", self._touch),
+            ("POST", ("sandboxes", "*", "fork")): ("fork", self._fork),
+            ("POST", ("sandboxes", "*", "snapshots")): ("snapshot", self._snapshot),
+            ("DELETE", ("snapshots", "*")): ("snapshot", self._drop_snapshot),
+            ("POST", ("cluster", "sandboxes", "*", "adopt")): ("adopt", self._adopt),
+            ("GET", ("cluster", "signers")): ("signers", self._none),
+            ("GET", ("runs",)): ("runs", self._empty_list),
+            ("GET", ("runs", "*")): ("runs", self._none),
+            ("GET", ("templates",)): ("templates", self._empty_list),
+        }
+
+    async def _health(self, node: SimNode, parts: list[str], query: dict[str, str],
+                      spec: Any) -> Answer:
+        return 200, {"status": "ok", "nodeID": node.node_id}, {}
+
+    async def _create(self, node: SimNode, parts: list[str], query: dict[str, str],
+                      spec: Any) -> Answer:
+        if not isinstance(spec, dict):
+            return _error(400, "invalid request: body must be a JSON object")
+        if node.load() >= node.behaviour.capacity:
+            return _error(503, f"node {node.node_id} is full "
+                               f"({node.behaviour.capacity} sandboxes)")
+        now = time.time()
+        timeout = int(spec.get("timeout") or 300)
+        sbx = SimSandbox(_new_id(), str(spec.get("templateID") or "base"), "creating", now,
+                         now + timeout, dict(spec.get("metadata") or {}))
+        node.sandboxes[sbx.sandbox_id] = sbx  # holds its room while it comes up
+        if node.behaviour.create_s:
+            await asyncio.sleep(node.behaviour.create_s)
+        if random.random() < node.behaviour.failure_rate:
+            node.sandboxes.pop(sbx.sandbox_id, None)
+            return _error(500, "sandbox failed to start: simulated failure")
+        if node.sandboxes.get(sbx.sandbox_id) is not sbx:
+            return _error(500, "sandbox was removed while it started")
+        sbx.state = "running"
+        return 201, sbx.created(), {}
+
+    def _listed(self, node: SimNode, states: set[str]) -> list[SimSandbox]:
+        return [s for s in node.sandboxes.values() if s.state in states]
+
+    async def _list_v1(self, node: SimNode, parts: list[str], query: dict[str, str],
+                       spec: Any) -> Answer:
+        items = self._listed(node, {"running", "paused"})
+        items.sort(key=lambda s: (s.started_at, s.sandbox_id), reverse=True)
+        return 200, [s.listed() for s in items], {}
+
+    async def _list_v2(self, node: SimNode, parts: list[str], query: dict[str, str],
+                       spec: Any) -> Answer:
+        states = {s for s in query.get("state", "running,paused").split(",") if s}
+        desc = query.get("order") != "asc"
+        items = self._listed(node, states)
+        items.sort(key=lambda s: (s.started_at, s.sandbox_id), reverse=desc)
+        limit = int(query.get("limit") or 100)
+        offset = int(base64.urlsafe_b64decode(query["nextToken"]).decode()) \
+            if query.get("nextToken") else 0
+        page = items[offset:offset + limit]
+        headers = {}
+        if offset + limit < len(items):
+            headers["x-next-token"] = base64.urlsafe_b64encode(
+                str(offset + limit).encode()).decode()
+        return 200, [s.listed() for s in page], headers
+
+    async def _metrics(self, node: SimNode, parts: list[str], query: dict[str, str],
+                       spec: Any) -> Answer:
+        return 200, {"sandboxes": {}}, {}
+
+    def _sandbox(self, node: SimNode, sandbox_id: str) -> SimSandbox | None:
+        sbx = node.sandboxes.get(sandbox_id)
+        return sbx if sbx is not None and sbx.state != "creating" else None
+
+    async def _get(self, node: SimNode, parts: list[str], query: dict[str, str],
+                   spec: Any) -> Answer:
+        sbx = self._sandbox(node, parts[1])
+        if sbx is None:
+            return _error(404, f"sandbox '{parts[1]}' not found")
+        return 200, {**sbx.listed(), "envdAccessToken": "sim-token", "domain": None}, {}
+
+    async def _kill(self, node: SimNode, parts: list[str], query: dict[str, str],
+                    spec: Any) -> Answer:
+        if node.sandboxes.pop(parts[1], None) is None:
+            return _error(404, f"sandbox '{parts[1]}' not found")
+        return 204, None, {}
+
+    async def _pause(self, node: SimNode, parts: list[str], query: dict[str, str],
+                     spec: Any) -> Answer:
+        sbx = self._sandbox(node, parts[1])
+        if sbx is None:
+            return _error(404, f"sandbox '{parts[1]}' not found")
+        if sbx.state != "running":
+            return _error(409, f"sandbox '{parts[1]}' is {sbx.state}")
+        sbx.state, sbx.snapshot_id = "paused", _new_id("snap_")
+        return 204, None, {}
+
+    async def _resume(self, node: SimNode, parts: list[str], query: dict[str, str],
+                      spec: Any) -> Answer:
+        sbx = self._sandbox(node, parts[1])
+        if sbx is None:
+            return _error(404, f"sandbox '{parts[1]}' not found")
+        if sbx.state != "paused":
+            return _error(409, f"sandbox '{parts[1]}' is {sbx.state}")
+        if node.load() >= node.behaviour.capacity:
+            return _error(503, f"node {node.node_id} is full")
+        sbx.state = "running"
+        return 201, sbx.created(), {}
+
+    async def _connect(self, node: SimNode, parts: list[str], query: dict[str, str],
+                       spec: Any) -> Answer:
+        sid = parts[-2]
+        sbx = self._sandbox(node, sid)
+        if sbx is None:
+            return _error(404, f"sandbox '{sid}' not found")
+        if sbx.state == "paused":
+            return await self._resume(node, ["sandboxes", sid], query, spec)
+        return 200, sbx.created(), {}
+
+    async def _touch(self, node: SimNode, parts: list[str], query: dict[str, str],
+                     spec: Any) -> Answer:
+        if self._sandbox(node, parts[1]) is None:
+            return _error(404, f"sandbox '{parts[1]}' not found")
+        return 204, None, {}
+
+    async def _fork(self, node: SimNode, parts: list[str], query: dict[str, str],
+                    spec: Any) -> Answer:
+        source = self._sandbox(node, parts[1])
+        if source is None or source.state != "running":
+            return _error(404, f"sandbox '{parts[1]}' not found or not running")
+        children = []
+        for _ in range(int(spec.get("count", 1)) if isinstance(spec, dict) else 1):
+            code, answer, _ = await self._create(node, ["sandboxes"], query,
+                                                 {"templateID": source.template_id})
+            children.append({"sandbox": answer} if code == 201 else {"error": answer})
+        return 201, children, {}
+
+    async def _snapshot(self, node: SimNode, parts: list[str], query: dict[str, str],
+                        spec: Any) -> Answer:
+        if self._sandbox(node, parts[1]) is None:
+            return _error(404, f"sandbox '{parts[1]}' not found")
+        snapshot = _new_id("snap_")
+        node.snapshots.add(snapshot)
+        return 201, {"snapshotID": snapshot}, {}
+
+    async def _drop_snapshot(self, node: SimNode, parts: list[str], query: dict[str, str],
+                             spec: Any) -> Answer:
+        node.snapshots.discard(parts[1])
+        return 204, None, {}
+
+    async def _adopt(self, node: SimNode, parts: list[str], query: dict[str, str],
+                     spec: Any) -> Answer:
+        now = time.time()
+        sbx = SimSandbox(parts[2], "base", "paused", now, now + 300,
+                         snapshot_id=str(spec.get("snapshotID", "")))
+        node.sandboxes[sbx.sandbox_id] = sbx
+        return 201, {**sbx.listed(), "envdAccessToken": "sim-token", "domain": None}, {}
+
+    async def _none(self, node: SimNode, parts: list[str], query: dict[str, str],
+                    spec: Any) -> Answer:
+        return _error(404, "not found on this node")
+
+    async def _empty_list(self, node: SimNode, parts: list[str], query: dict[str, str],
+                          spec: Any) -> Answer:
+        return 200, [], {}
+
+
+def _matches(shape: tuple[str, ...], parts: list[str]) -> bool:
+    return len(shape) == len(parts) and all(s in ("*", p) for s, p in zip(shape, parts,
+                                                                          strict=True))
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Every simulated node holds a listening socket and its connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(wanted, soft), hard), hard))
+
+
+class InThread:
+    """Simulated nodes served by an event loop in a thread of their own; ``call`` runs a
+    coroutine there (the nodes' records are the loop's alone)."""
+
+    def __init__(self, sim: SimNodes) -> None:
+        self.sim = sim
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sim-nodes",
+                                        daemon=True)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> None:
+        self._thread.start()
+        self.call(self.sim.start())
+
+    def states(self) -> dict[str, dict[str, str]]:
+        """Every node's sandboxes and their states (read on the nodes' loop)."""
+        async def read() -> dict[str, dict[str, str]]:
+            return {n.node_id: {s.sandbox_id: s.state for s in n.sandboxes.values()}
+                    for n in self.sim.nodes}
+        return self.call(read())
+
+    def set_heartbeating(self, node_id: str, on: bool) -> None:
+        async def switch() -> None:
+            self.sim.node(node_id).heartbeating = on
+        self.call(switch())
+
+    def beat(self, node_id: str) -> None:
+        """One heartbeat of the node now (its answer's disowns applied)."""
+        self.call(self.sim.beat(self.sim.node(node_id)))
+
+    def stop(self) -> None:
+        try:
+            self.call(self.sim.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+
+@contextlib.contextmanager
+def running(count: int, scheduler_url: str, api_key: str,
+            behaviour: Behaviour | None = None) -> Iterator[InThread]:
+    """``count`` simulated nodes in a thread, heartbeating to ``scheduler_url``."""
+    runner = InThread(SimNodes(count, scheduler_url, api_key, behaviour))
+    runner.start()
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=10)
+    parser.add_argument("--scheduler-url", required=True)
+    parser.add_argument("--capacity", type=int, default=100)
+    parser.add_argument("--heartbeat-s", type=float, default=1.0)
+    parser.add_argument("--latency-s", type=float, default=0.0)
+    parser.add_argument("--create-s", type=float, default=0.0)
+    parser.add_argument("--failure-rate", type=float, default=0.0)
+    args = parser.parse_args()
+    behaviour = Behaviour(capacity=args.capacity, heartbeat_s=args.heartbeat_s,
+                          latency_s=args.latency_s, create_s=args.create_s,
+                          failure_rate=args.failure_rate)
+    sim = SimNodes(args.nodes, args.scheduler_url, os.environ["AENV_SIM_API_KEY"], behaviour)
+
+    async def serve() -> None:
+        await sim.start()
+        print(f"{args.nodes} simulated nodes up", flush=True)
+        try:
+            await sim.served()  # until SIGTERM or SIGINT ends the server
+        finally:
+            await sim.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
