@@ -324,6 +324,7 @@ class RegistryServer:
         self.tokens = (TokenServer(directory, "agentenv-test-registry", username, password)
                        if auth else None)
         self.proc: subprocess.Popen | None = None
+        self._pushed: dict[str, str] = {}  # blob digest -> a repository that has it
 
     @property
     def host(self) -> str:
@@ -425,6 +426,12 @@ class RegistryServer:
         with self._client(repo) as c:
             if c.head(f"/blobs/{digest}").status_code == 200:
                 return
+            # In another repository already: mounted from there (201), not sent again.
+            source = self._pushed.get(digest)
+            if source is not None and source != repo and c.post(
+                    "/blobs/uploads/", params={"mount": digest, "from": source}
+            ).status_code == 201:
+                return
             start = c.post("/blobs/uploads/")
             start.raise_for_status()
             location = start.headers["location"]
@@ -433,6 +440,7 @@ class RegistryServer:
                          headers={"Content-Type": "application/octet-stream",
                                   "Content-Length": str(size)})
             done.raise_for_status()
+        self._pushed[digest] = repo
 
     def push_manifest(self, repo: str, reference: str, manifest: Blob) -> None:
         with self._client(repo) as c:
