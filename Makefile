@@ -56,11 +56,11 @@ run-cluster: setup ui
 # (all need the venv or the system packages first, nothing of each other). Two pytest
 # workers, a file each at a time: the suite mostly waits on sandboxes, and a file's
 # nodes stay its own. The files marked serial compare figures with unloaded ones: they
-# run after, alone.
+# run after, alone. Every run's log ends with the 25 slowest steps (--durations).
 test: system venv
 	@$(MAKE) --no-print-directory -j3 templates js ui lint
-	@status=0; $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" || status=$$?; \
-	$(VENV)/bin/pytest -m serial || status=$$?; exit $$status
+	@status=0; $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" --durations=25 || status=$$?; \
+	$(VENV)/bin/pytest -m serial --durations=25 || status=$$?; exit $$status
 
 # The headline benchmarks, each beside its floor, then one summary table (bench/README.md).
 bench: setup

@@ -18,10 +18,14 @@ def count(sbx: Sandbox) -> int:
     return int(sbx.commands.run("cat /tmp/count 2>/dev/null || echo 0").stdout or 0)
 
 
-def counting(sbx: Sandbox) -> bool:
-    """The counter loop advances (allowing for a loaded machine)."""
+def counting(sbx: Sandbox, within: float = 30) -> bool:
+    """The counter loop advances within ``within`` seconds. The bound is time, not a
+    number of looks: on a loaded machine each look (a command) takes longer, and a loop
+    just restored with 15 siblings (test_fork) was seen to need more than 50 of them.
+    It returns as soon as the count moves."""
     first = count(sbx)
-    for _ in range(50):
+    end = time.monotonic() + within
+    while time.monotonic() < end:
         time.sleep(0.1)
         if count(sbx) > first:
             return True

@@ -7,7 +7,6 @@ import contextlib
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,16 +38,11 @@ from packaging.version import Version
 from protobuf import Oneof
 
 from agentenv.envd import ENVD_VERSION
+from agentenv.testing import listening_socket
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="envd tests run as root")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _until(pred, limit_s: float = 10.0) -> None:
@@ -60,14 +54,16 @@ async def _until(pred, limit_s: float = 10.0) -> None:
 
 class Envd:
     def __init__(self, token: str | None = None) -> None:
-        self.port = _free_port()
+        # Its listening socket, handed over (agentenv.testing.ports).
+        sock = listening_socket()
+        self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("AENV_ENVD_")}
         env["PYTHONPATH"] = str(ROOT / "src")
         if token:
             env["AENV_ENVD_ACCESS_TOKEN"] = token
         argv = [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port",
-                str(self.port)]
+                str(self.port), "--listen-fd", str(sock.fileno())]
         if os.geteuid() == 0 and shutil.which("unshare"):
             # Commands run as `bash -l`. Root's .bashrc on these hosts runs `pyenv init`,
             # whose rehash lock a login shell killed mid-rehash leaves behind, and every
@@ -76,8 +72,9 @@ class Envd:
             argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                     'mount --bind /dev/null "$HOME/.bashrc" 2>/dev/null; exec "$@"', "sh",
                     *argv]
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
+        with sock:
+            self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, pass_fds=(sock.fileno(),))
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,7 @@ from packaging.version import Version
 
 from agentenv.envd import ENVD_VERSION
 from agentenv.envd.bundle import build_bundle, envd_command
+from agentenv.testing import listening_socket
 
 BUSYBOX = Path("/bin/busybox")
 
@@ -32,12 +32,6 @@ pytestmark = [
     pytest.mark.skipif(not BUSYBOX.exists() or not shutil.which("unshare"),
                        reason="needs busybox-static (scripts/setup-system.sh) and unshare"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +147,14 @@ def test_bundled_python_in_busybox(bundle, rootfs):
 @pytest.fixture(scope="module")
 def busybox_envd(bundle, rootfs):
     """envd started from the bundle, chrooted in the busybox rootfs; yields its URL."""
-    port = _free_port()
+    sock = listening_socket()  # handed over (agentenv.testing.ports)
+    port = sock.getsockname()[1]
     argv, env = envd_command(port=port)
-    proc = subprocess.Popen(_in_rootfs(bundle, rootfs, argv), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    argv += ["--host", "127.0.0.1", "--listen-fd", str(sock.fileno())]
+    with sock:
+        proc = subprocess.Popen(_in_rootfs(bundle, rootfs, argv), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True, pass_fds=(sock.fileno(),))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20

@@ -17,7 +17,6 @@ import pytest
 
 from agentenv.images import BadReference, HostileInput, ImageService, LayerStore
 from agentenv.templates import TemplateRegistry
-from agentenv.testing import free_port
 from agentenv.testing.oci_registry import (
     Blob,
     Entry,
@@ -130,7 +129,7 @@ class _HugeManifestRegistry(http.server.BaseHTTPRequestHandler):
 
 
 def test_registry_manifest_too_big(svc: ImageService, tmp_path: Path) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), _HugeManifestRegistry)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HugeManifestRegistry)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

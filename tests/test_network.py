@@ -78,6 +78,9 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def free_port() -> int:
+    """A port number for the servers started in a slot's or the outside's namespace:
+    nothing else binds there, so the number cannot be taken before they bind it (in
+    the host's namespace, bind port 0 and read it back: ``host_server``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -5,8 +5,6 @@ burst of 200 creates asks Redis ~200 times at once)."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,21 +15,15 @@ from agentenv.cluster.node_registry import (
     Registry,
     SandboxEntry,
 )
-from agentenv.testing import free_port
+from agentenv.testing import start_redis
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, port = start_redis(lambda port: [
+        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "no"], tmp_path_factory.mktemp("redis") / "redis.log")
     try:
-        end = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
-                             text=True).stdout.strip() != "PONG":
-            assert proc.poll() is None and time.monotonic() < end, "redis-server did not start"
-            time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()

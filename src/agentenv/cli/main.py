@@ -52,15 +52,18 @@ def main(
     _state["debug"] = _state["debug"] or debug
 
 
+FD_HELP = ("Serve on this inherited listening socket (socket activation) instead of "
+           "binding one; --host and --port then say what it is bound to.")
+
+
 @app.command()
 def server(
     host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
     home: Annotated[Path | None, typer.Option(help="State directory (AENV_HOME).")] = None,
+    fd: Annotated[int | None, typer.Option(help=FD_HELP)] = None,
 ) -> None:
     """Run a node server in the foreground."""
-    import uvicorn
-
     from ..config import ConfigError, load_config
     from ..node.app import create_app
     from ..web.serving import server_options
@@ -79,9 +82,28 @@ def server(
     asgi = create_app(config)
     typer.echo(f"agentenv node on http://{config.host}:{config.port}  "
                f"(API key in {config.secrets_dir / 'api-key'})", err=True)
-    uvicorn.run(asgi, host=config.host, port=config.port, log_level="warning",
-                lifespan="on", timeout_graceful_shutdown=10,
-                **server_options(config.http_head_timeout))
+    _serve(asgi, config.host, config.port, fd, timeout_graceful_shutdown=10,
+           **server_options(config.http_head_timeout))
+
+
+def _serve(asgi, host: str, port: int, fd: int | None, **options) -> None:
+    """uvicorn on host:port, or on the listening socket ``fd`` when given."""
+    import uvicorn
+
+    options = {"log_level": "warning", "lifespan": "on", **options}
+    if fd is None:
+        uvicorn.run(asgi, host=host, port=port, **options)
+        return
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only then.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=fd)
+    sock.set_inheritable(False)  # not into the node's sandboxes and helpers
+    server = uvicorn.Server(uvicorn.Config(asgi, host=host, port=port, **options))
+    server.run(sockets=[sock])
+    if not server.started:
+        sys.exit(3)  # uvicorn's own exit status for a failed start-up
 
 
 
@@ -117,10 +139,9 @@ def scheduler(
     redis_url: Annotated[str | None, typer.Option(help="Cluster state (AENV_REDIS_URL).")] = None,
     home: Annotated[Path | None, typer.Option(help="Holds secrets/api-key, the cluster's key.")
                     ] = None,
+    fd: Annotated[int | None, typer.Option(help=FD_HELP)] = None,
 ) -> None:
     """Run the cluster scheduler: node registry and placement."""
-    import uvicorn
-
     from ..cluster.scheduler import create_scheduler_app
     from ..web.keys import load_or_create_api_key
     from ..web.serving import server_options
@@ -129,8 +150,7 @@ def scheduler(
     asgi = create_scheduler_app(config.redis_url, load_or_create_api_key(config.secrets_dir),
                                 config.node_ttl_ms)
     typer.echo(f"agentenv scheduler on http://{host}:{port}", err=True)
-    uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on",
-                **server_options(config.http_head_timeout))
+    _serve(asgi, host, port, fd, **server_options(config.http_head_timeout))
 
 
 @app.command()
@@ -141,10 +161,9 @@ def gateway(
     scheduler_url: Annotated[str | None, typer.Option(help="AENV_SCHEDULER_URL.")] = None,
     home: Annotated[Path | None, typer.Option(help="Holds secrets/api-key, the cluster's key.")
                     ] = None,
+    fd: Annotated[int | None, typer.Option(help=FD_HELP)] = None,
 ) -> None:
     """Run the cluster gateway: the node API in front of every node."""
-    import uvicorn
-
     from ..cluster.gateway import create_gateway_app
     from ..web.keys import load_or_create_api_key
     from ..web.serving import server_options
@@ -155,8 +174,8 @@ def gateway(
                               load_or_create_api_key(config.secrets_dir), config.domain,
                               config.admission_queue_timeout_s, config.node_ttl_ms)
     typer.echo(f"agentenv gateway on http://{host}:{port}", err=True)
-    uvicorn.run(asgi, host=host, port=port, log_level="warning", lifespan="on",
-                timeout_graceful_shutdown=5, **server_options(config.http_head_timeout))
+    _serve(asgi, host, port, fd, timeout_graceful_shutdown=5,
+           **server_options(config.http_head_timeout))
 
 
 from . import commands  # noqa: E402  (the client commands, talking HTTP to a node)

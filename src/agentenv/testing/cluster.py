@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from .nodes import AENV, Node, free_port, leaks, sdk_env
+from .nodes import AENV, Node, leaks, sdk_env
+from .ports import listening_socket, start_redis
 
 NODE_PORT = 8000
 # The front of several gateways, as deployed.
@@ -67,6 +69,7 @@ class ClusterNode(Node):
 
     def __init__(self, home: Path, prefix: str, cidr: str, netns: str, address: str, **env: str):
         super().__init__(home, prefix, cidr, **env)
+        self._release_port()  # it listens on its own netns's address
         self.netns = netns
         self.address = address
         self.port = NODE_PORT
@@ -119,24 +122,29 @@ class Cluster:
         self.node_env = node_env
         self.home = root / "cluster-home"
         self.repo = root / "repository"
-        self.redis_port = free_port()
+        # The services' ports are bound here and their sockets handed to them at start
+        # (agentenv.testing.ports); redis-server's ports are known once it has started.
+        self.redis_port = 0
         # Several schedulers (stateless over Redis): the gateway and nodes try each.
-        self.scheduler_ports = [free_port() for _ in range(schedulers)]
+        self._scheduler_socks = [listening_socket("0.0.0.0") for _ in range(schedulers)]
+        self.scheduler_ports = [s.getsockname()[1] for s in self._scheduler_socks]
         self.scheduler_port = self.scheduler_ports[0]
         self.schedulers: list[subprocess.Popen] = []
         # Several gateways (stateless over Redis); with front, HAProxy over them
         # (deploy/haproxy.cfg) is what gateway_url names.
-        self.gateway_ports = [free_port() for _ in range(gateways)]
+        self._gateway_socks = [listening_socket() for _ in range(gateways)]
+        self.gateway_ports = [s.getsockname()[1] for s in self._gateway_socks]
         self.gateway_port = self.gateway_ports[0]
         self.gateways: list[subprocess.Popen] = []
         self.front = front
-        self.front_port = free_port()
+        self._front_sock = listening_socket() if front else None
+        self.front_port = self._front_sock.getsockname()[1] if self._front_sock else 0
         self.front_proc: subprocess.Popen | None = None
         self.redis: subprocess.Popen | None = None
         # With sentinel: a replica of it and one Sentinel (quorum 1) watching it.
         self.sentinel = sentinel
-        self.replica_port = free_port()
-        self.sentinel_port = free_port()
+        self.replica_port = 0
+        self.sentinel_port = 0
         self.replica: subprocess.Popen | None = None
         self.sentinel_proc: subprocess.Popen | None = None
         self.scheduler: subprocess.Popen | None = None
@@ -181,22 +189,24 @@ class Cluster:
                              capture_output=True, text=True).stdout.split()
         return int(out[-1]) if out else 0
 
-    def _redis(self, name: str, port: int, *args: str, conf: Path | None = None
-               ) -> subprocess.Popen:
-        log = open(self.root / f"{name}.log", "ab")
-        argv = ["redis-server", str(conf), "--sentinel"] if conf else \
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.root), *args]  # a replica's sync file
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True)
-        log.close()
-        end = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(port), "ping"],
-                             capture_output=True, text=True).stdout.strip() != "PONG":
-            if time.monotonic() > end or proc.poll() is not None:
-                raise RuntimeError(f"{name} (redis-server) did not start")
-            time.sleep(0.05)
-        return proc
+    def _redis(self, name: str, *args: str) -> tuple[subprocess.Popen, int]:
+        return start_redis(lambda port: [
+            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(self.root), *args],  # a replica's sync file
+            self.root / f"{name}.log")
+
+    def _sentinel(self) -> tuple[subprocess.Popen, int]:
+        conf = self.root / "sentinel.conf"
+
+        def argv(port: int) -> list[str]:
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.root}\n"
+                f"sentinel monitor {SENTINEL_NAME} 127.0.0.1 {self.redis_port} 1\n"
+                f"sentinel down-after-milliseconds {SENTINEL_NAME} 1000\n"
+                f"sentinel failover-timeout {SENTINEL_NAME} 5000\n")
+            return ["redis-server", str(conf), "--sentinel"]
+
+        return start_redis(argv, self.root / "sentinel.log")
 
     def e2b_env(self) -> dict[str, str]:
         return {"E2B_API_URL": self.gateway_url, "E2B_SANDBOX_URL": self.gateway_url,
@@ -215,7 +225,10 @@ class Cluster:
         with os.fdopen(fd, "w") as f:
             f.write(self.api_key + "\n")
 
-    def _service(self, name: str, argv: list[str], url: str) -> subprocess.Popen:
+    def _service(self, name: str, argv: list[str], sock: socket.socket) -> subprocess.Popen:
+        """``aenv <argv>`` serving on ``sock`` (handed over: closed here once started)."""
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/health"
+        argv = [*argv, "--port", str(sock.getsockname()[1]), "--fd", str(sock.fileno())]
         log_path = self.root / f"{name}.log"
         log = open(log_path, "ab")
         env = {**os.environ, "AENV_HOME": str(self.home),
@@ -223,9 +236,13 @@ class Cluster:
                "AENV_NODE_TTL_MS": str(self.node_ttl_ms),
                "AENV_HTTP_HEAD_TIMEOUT": str(SERVICE_HEAD_TIMEOUT),
                "AENV_ADMISSION_QUEUE_TIMEOUT_S": str(self.gateway_queue_s)}
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True)
-        log.close()
+        try:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=log, start_new_session=True,
+                                    pass_fds=(sock.fileno(),))
+        finally:
+            sock.close()  # the service's now: a killed one's port refuses connections
+            log.close()
         _wait_http(url, proc, log_path)
         return proc
 
@@ -247,29 +264,21 @@ class Cluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.repo.mkdir(exist_ok=True)
         self._write_key(self.home)
-        self.redis = self._redis("redis", self.redis_port)
+        self.redis, self.redis_port = self._redis("redis")
         if self.sentinel:
-            self.replica = self._redis("replica", self.replica_port, "--replicaof",
-                                       "127.0.0.1", str(self.redis_port))
-            conf = self.root / "sentinel.conf"
-            conf.write_text(
-                f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.root}\n"
-                f"sentinel monitor {SENTINEL_NAME} 127.0.0.1 {self.redis_port} 1\n"
-                f"sentinel down-after-milliseconds {SENTINEL_NAME} 1000\n"
-                f"sentinel failover-timeout {SENTINEL_NAME} 5000\n")
-            self.sentinel_proc = self._redis("sentinel", self.sentinel_port, conf=conf)
-        for i, port in enumerate(self.scheduler_ports):
+            self.replica, self.replica_port = self._redis(
+                "replica", "--replicaof", "127.0.0.1", str(self.redis_port))
+            self.sentinel_proc, self.sentinel_port = self._sentinel()
+        socks, self._scheduler_socks = self._scheduler_socks, []
+        for i, sock in enumerate(socks):
             self.schedulers.append(self._service(
-                f"scheduler{i or ''}", [str(AENV), "scheduler", "--host", "0.0.0.0",
-                                        "--port", str(port)],
-                f"http://127.0.0.1:{port}/health"))
+                f"scheduler{i or ''}", [str(AENV), "scheduler", "--host", "0.0.0.0"], sock))
         self.scheduler = self.schedulers[0]
         urls = ",".join(f"http://127.0.0.1:{p}" for p in self.scheduler_ports)
-        for i, port in enumerate(self.gateway_ports):
+        socks, self._gateway_socks = self._gateway_socks, []
+        for i, sock in enumerate(socks):
             self.gateways.append(self._service(
-                f"gateway{i or ''}", [str(AENV), "gateway", "--port", str(port),
-                                      "--scheduler-url", urls],
-                f"http://127.0.0.1:{port}/health"))
+                f"gateway{i or ''}", [str(AENV), "gateway", "--scheduler-url", urls], sock))
         self.gateway = self.gateways[0]
         if self.front:
             self._start_front()
@@ -282,13 +291,19 @@ class Cluster:
         first two gateways."""
         log_path = self.root / "front.log"
         log = open(log_path, "ab")
-        env = {**os.environ, "AENV_FRONT_BIND": f"127.0.0.1:{self.front_port}",
+        sock, self._front_sock = self._front_sock, None
+        assert sock is not None
+        # HAProxy serves on the socket handed to it (`bind fd@N`).
+        env = {**os.environ, "AENV_FRONT_BIND": f"fd@{sock.fileno()}",
                **{f"AENV_GATEWAY{i}": f"127.0.0.1:{p}"
                   for i, p in enumerate(self.gateway_ports[:2], 1)}}
-        self.front_proc = subprocess.Popen(
-            ["haproxy", "-db", "-f", str(FRONT_CONFIG)], env=env, stdin=subprocess.DEVNULL,
-            stdout=log, stderr=log, start_new_session=True)
-        log.close()
+        try:
+            self.front_proc = subprocess.Popen(
+                ["haproxy", "-db", "-f", str(FRONT_CONFIG)], env=env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=log, start_new_session=True, pass_fds=(sock.fileno(),))
+        finally:
+            sock.close()
+            log.close()
         _wait_http(self.gateway_url + "/health", self.front_proc, log_path)
 
     def add_node(self, k: int) -> ClusterNode:

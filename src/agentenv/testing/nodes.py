@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from .ports import listening_socket
+
 # The `aenv` entry point installed next to this interpreter (the venv's bin).
 AENV = Path(sys.executable).parent / "aenv"
 SHARED_HOME = Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))
@@ -33,12 +35,6 @@ def free_cidr(first: int, count: int, seed: int) -> str:
     return f"10.{first + seed % count}.0.0/16"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Node:
     """One `aenv server` process with its own home, network prefix and address pool."""
 
@@ -46,7 +42,6 @@ class Node:
         self.home = home
         self.prefix = prefix
         self.cidr = cidr
-        self.port = free_port()
         self.env = {
             **os.environ,
             "AENV_HOME": str(home),
@@ -64,6 +59,17 @@ class Node:
         }
         self.proc: subprocess.Popen | None = None
         self.log_path = home / "server.log"
+        # The port is the node's from here on: bound now and handed to the server's
+        # process at start (agentenv.testing.ports), bound again on a restart.
+        self.host = self.env.get("AENV_HOST", "127.0.0.1")
+        self._listener: socket.socket | None = listening_socket(self.host)
+        self.port: int = self._listener.getsockname()[1]
+
+    def _release_port(self) -> None:
+        """For a subclass that serves elsewhere (its own netns, its own port)."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     @property
     def url(self) -> str:
@@ -76,12 +82,17 @@ class Node:
     def start(self, wait: float = 90) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [str(AENV), "server", "--port", str(self.port)],
-            env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            start_new_session=True,
-        )
-        log.close()
+        sock, self._listener = self._listener or listening_socket(self.host, self.port), None
+        try:
+            self.proc = subprocess.Popen(
+                [str(AENV), "server", "--host", self.host, "--port", str(self.port),
+                 "--fd", str(sock.fileno())],
+                env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True, pass_fds=(sock.fileno(),),
+            )
+        finally:
+            sock.close()  # the server's now: a stopped node's port refuses connections
+            log.close()
         end = time.monotonic() + wait
         while time.monotonic() < end:
             if self.proc.poll() is not None:

@@ -37,7 +37,7 @@ from cryptography.x509.oid import NameOID
 
 from ..images.estargz_build import build_estargz
 from ..images.manifest import TOC_DIGEST_ANNOTATION
-from .nodes import free_port
+from .ports import listening_port
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
@@ -252,9 +252,9 @@ class TokenServer:
                      .sign(self.key, hashes.SHA256()))
         self.bundle = directory / "token-ca.pem"
         self.bundle.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
-        self.port = free_port()
         self.issued = 0
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
@@ -318,11 +318,13 @@ class RegistryServer:
         # Log every response (``blob_bytes_sent`` counts what clients read of blobs).
         self.access_log = access_log
         directory.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        # Known once it listens (it binds port 0 itself: agentenv.testing.ports).
+        self.port = 0
         self.username, self.password = username, password
         self.tokens = (TokenServer(directory, "agentenv-test-registry", username, password)
                        if auth else None)
         self.proc: subprocess.Popen | None = None
+        self._pushed: dict[str, str] = {}  # blob digest -> a repository that has it
 
     @property
     def host(self) -> str:
@@ -346,11 +348,16 @@ class RegistryServer:
             "  formatter: json\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.directory / 'data'}\n"
             "  delete:\n    enabled: true\n"
-            f"http:\n  addr: 127.0.0.1:{self.port}\n{auth}")
+            f"http:\n  addr: 127.0.0.1:{self.port}\n{auth}")  # 0 the first time
         log = open(self.directory / "registry.log", "ab")
         self.proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=log,
                                      stderr=log, stdin=subprocess.DEVNULL)
         log.close()
+        try:
+            self.port = listening_port(self.proc)
+        except RuntimeError as exc:
+            log_text = (self.directory / "registry.log").read_text()
+            raise RuntimeError(f"registry: {exc}: {log_text}") from exc
         end = time.monotonic() + 30
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -419,6 +426,12 @@ class RegistryServer:
         with self._client(repo) as c:
             if c.head(f"/blobs/{digest}").status_code == 200:
                 return
+            # In another repository already: mounted from there (201), not sent again.
+            source = self._pushed.get(digest)
+            if source is not None and source != repo and c.post(
+                    "/blobs/uploads/", params={"mount": digest, "from": source}
+            ).status_code == 201:
+                return
             start = c.post("/blobs/uploads/")
             start.raise_for_status()
             location = start.headers["location"]
@@ -427,6 +440,7 @@ class RegistryServer:
                          headers={"Content-Type": "application/octet-stream",
                                   "Content-Length": str(size)})
             done.raise_for_status()
+        self._pushed[digest] = repo
 
     def push_manifest(self, repo: str, reference: str, manifest: Blob) -> None:
         with self._client(repo) as c:
