@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     state.restore(saved)
     app = build_app(state)
     app.registry.durable.restore(saved.get("durable"))
+    from .layers import LAYERS
+
+    LAYERS.restore(saved.get("layers"))
     app.wakes = int(saved.get("wakes") or 0) + (1 if args.woken else 0)
     app.dormant_s = float(saved.get("dormant_s") or 0.0)
     if args.woken and isinstance(saved.get("dormant_at"), (int, float)):
@@ -163,8 +166,10 @@ def _dormancy(dormancy, app, server, listener, args):
         return found
 
     def saved() -> dict:
+        from .layers import LAYERS
+
         return {**app.state.saved(), "durable": registry.durable.saved(), "wakes": app.wakes,
-                "dormant_s": app.dormant_s}
+                "dormant_s": app.dormant_s, "layers": LAYERS.saved()}
 
     watch = dormancy.Dormancy(
         after, app, busy, lambda: [w.pid for ws in userfs.idle.values() for w in ws],

@@ -60,26 +60,42 @@ def _drop_sys_admin(libc: ctypes.CDLL) -> None:
 
 def prepare() -> None:
     """At start-up, as the sandbox's pid 1 only (never on a host): the tmpfs with the
-    kernel's boot ID, then CAP_SYS_ADMIN is dropped whatever happened."""
+    kernel's boot ID and the layer keeper (layers.py), then CAP_SYS_ADMIN is dropped
+    whatever happened."""
     if os.getpid() != 1 or os.geteuid() != 0:
         return
     libc = _libc()
     try:
-        with open(FILE) as f:
-            current = f.read().strip()
-        if os.path.ismount(DIR):
-            return  # already done (envd started again in this boot)
+        if _take_over_boot_id(libc):
+            # The one helper that keeps the capability, to mount files layers for envd
+            # (first start only: a restarted envd finds it running).
+            from .layers import LAYERS, start_keeper
+
+            LAYERS.keeper_pid = start_keeper()
+    except OSError as e:
+        log.warning("boot ID or layer keeper: %s", e)
+    finally:
+        try:
+            _drop_sys_admin(libc)
+        except OSError as e:
+            log.warning("boot ID: dropping CAP_SYS_ADMIN failed: %s", e)
+
+
+def _take_over_boot_id(libc: ctypes.CDLL) -> bool:
+    """The tmpfs over DIR with the kernel's boot ID in it; False when it was done
+    before (envd started again in this boot)."""
+    with open(FILE) as f:
+        current = f.read().strip()
+    if os.path.ismount(DIR):
+        return False
+    try:
         _check(libc.mount(b"tmpfs", DIR.encode(), b"tmpfs",
                           _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=16k,mode=0555"),
                "mount tmpfs")
         _write(current)
     except OSError as e:
         log.warning("boot ID: cannot take over %s (%s); it stays the kernel's", DIR, e)
-    finally:
-        try:
-            _drop_sys_admin(libc)
-        except OSError as e:
-            log.warning("boot ID: dropping CAP_SYS_ADMIN failed: %s", e)
+    return True
 
 
 def _write(value: str) -> None:

@@ -80,6 +80,8 @@ STUB_NAME = "envd-stub"
 EXEC_AS_SOURCE = Path(__file__).resolve().parent / "exec_as.c"
 # pid 1's image while envd is dormant (dormancy.py).
 STUB_SOURCE = Path(__file__).resolve().parent / "envd_stub.c"
+# The mounts of filesystem resets, for envd (layers.py).
+KEEPER_SOURCE = Path(__file__).resolve().parent / "layer_keeper.c"
 # No libc: no start-up code or libraries to fault in under gVisor (see exec_as.c).
 EXEC_AS_CFLAGS = ("-static", "-nostdlib", "-fno-pie", "-no-pie", "-Os", "-s", "-ffreestanding",
                   "-fno-builtin", "-fno-stack-protector", "-fno-tree-loop-distribute-patterns",
@@ -117,7 +119,7 @@ def bundle_hash() -> str:
     h.update(f"format={BUNDLE_FORMAT}\n{sys.version}\n{sys.base_prefix}\n".encode())
     for mod, dist in sorted(SITE_MODULES.items()):
         h.update(f"{mod}={dist}=={_dist_version(dist)}\n".encode())
-    for f in [*_envd_sources(), EXEC_AS_SOURCE, STUB_SOURCE, *source_files()]:
+    for f in [*_envd_sources(), EXEC_AS_SOURCE, STUB_SOURCE, KEEPER_SOURCE, *source_files()]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update(f"cc={_compiler()}\n".encode())  # with or without exec-as
     return h.hexdigest()[:20]
@@ -226,6 +228,8 @@ def _build_into(root: Path) -> dict:
     _build_native(EXEC_AS_SOURCE, root / "bin" / "exec-as",
                   "commands as users go through setpriv")  # see spawn.py
     _build_native(STUB_SOURCE, root / "bin" / STUB_NAME, "envd never goes dormant")
+    _build_native(KEEPER_SOURCE, root / "bin" / "layer-keeper",
+                  "resets in filesystem mode are full ones")
     _write_sudo(root / "bin" / "sudo")
 
     # stdlib (trimmed) and its extension modules

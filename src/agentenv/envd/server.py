@@ -3,7 +3,8 @@
 A bare ASGI callable (no framework) to keep envd's memory small:
   GET /health, GET|POST /files, POST /init, GET /envs, GET /metrics,
   GET /aenv/dormancy (dormancy.py: how often envd slept, for how long), POST
-  /aenv/dormancy (the node asks envd to sleep: 202, or 409 with why not), and the
+  /aenv/dormancy (the node asks envd to sleep: 202, or 409 with why not), GET|POST
+  /aenv/layer (files layers of filesystem resets, layers.py), and the
   ``process.Process`` / ``filesystem.Filesystem`` Connect services.
 Every request except /health needs ``X-Access-Token`` once a token is set
 (/files also accepts E2B's signed-URL parameters instead). This module routes
@@ -30,6 +31,7 @@ from .disk_capture import DiskCapture
 from .durable import PREFIX as COMMANDS_PREFIX
 from .durable import CommandsEndpoint, DurableBook
 from .files_http import FilesEndpoint
+from .layers import LAYERS, LayerError
 from .state import FILE_ACCESS_MODES, State
 from .userfs import UserFS
 
@@ -38,6 +40,7 @@ log = logging.getLogger("agentenv.envd")
 PROCESS_PREFIX = "/process.Process/"
 FILESYSTEM_PREFIX = "/filesystem.Filesystem/"
 DORMANCY_PATH = "/aenv/dormancy"
+LAYER_PATH = "/aenv/layer"
 SERVER_STREAMS = frozenset({"/filesystem.Filesystem/WatchDir", "/process.Process/Start",
                             "/process.Process/Connect"})
 
@@ -97,6 +100,7 @@ class EnvdApp:
         self.disk = DiskCapture()
         self.commands = CommandsEndpoint(durable or DurableBook())
         self._cpu_prev: tuple[int, int] | None = None
+        self.registry: Any = None  # running.Registry (build_app)
         # Dormancy (dormancy.py): the delay, and the wakes and sleep this boot so far.
         self.dormant_after_s = 0.0
         self.wakes = 0
@@ -163,6 +167,10 @@ class EnvdApp:
                                             "dormantS": round(self.dormant_s, 1)})
             elif path == DORMANCY_PATH and method == "POST":
                 await self._ask_dormancy(send)
+            elif path == LAYER_PATH and method == "GET":
+                await send_json(send, 200, LAYERS.describe())
+            elif path == LAYER_PATH and method == "POST":
+                await self._layer(receive, send)
             else:
                 raise HTTPError(404, f"{method} {path} not found")
         except HTTPError as e:
@@ -176,6 +184,31 @@ class EnvdApp:
         if why is not None:
             raise HTTPError(409, f"envd stays awake: {why}")
         await send_json(send, 202, {"dormant": "soon"})
+
+    # -- /aenv/layer (layers.py) -------------------------------------------------------
+    async def _layer(self, receive, send) -> None:
+        """``{"op": "push" | "reset", "tag": snapshot ID}``: a files layer pushed over
+        the files as they are, or the one tagged reset (its processes killed)."""
+        raw = await read_small_body(receive, 4096)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise HTTPError(400, "body is not valid JSON") from None
+        if not isinstance(body, dict) or body.get("op") not in ("push", "reset"):
+            raise HTTPError(400, 'body must be {"op": "push" or "reset", "tag": ...}')
+        tag = body.get("tag")
+        if not isinstance(tag, str):
+            raise HTTPError(400, "tag must be a string (a snapshot ID)")
+        try:
+            if body["op"] == "push":
+                done = await LAYERS.push(tag, self.userfs.root_moved)
+            else:
+                done = await LAYERS.reset(tag, self.userfs.root_moved, self.registry.reap)
+        except LayerError as e:
+            raise HTTPError(e.status, str(e)) from None
+        except OSError as e:
+            raise HTTPError(500, f"files layer: {e}") from None
+        await send_json(send, 200, done)
 
     # -- /init ------------------------------------------------------------------------
     async def _init(self, receive, send) -> None:
@@ -277,6 +310,6 @@ def build_app(state: State):
     files = FilesystemService(state, userfs)
     app = EnvdApp(state, ProcessASGIApplication(ProcessService(state, registry, userfs)),
                   FilesystemASGIApplication(files), userfs, registry.durable)
-    app.registry = registry  # type: ignore[attr-defined]
+    app.registry = registry
     app.filesystem_service = files  # type: ignore[attr-defined]
     return app

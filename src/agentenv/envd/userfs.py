@@ -57,8 +57,9 @@ WORKER_IDLE_S = 30.0
 class Worker:
     """envd's handle on one worker process: sends it requests, reads its replies, kills it."""
 
-    def __init__(self, key: tuple[int, int, tuple[int, ...]]) -> None:
+    def __init__(self, key: tuple[int, int, tuple[int, ...]], generation: int = 0) -> None:
         self.key = key
+        self.generation = generation  # UserFS.generation when forked (its root's)
         parent, pid, self.parent = fork_worker(key)
         parent.setblocking(False)
         self.sock = parent
@@ -163,6 +164,9 @@ class UserFS:
         self.total = 0
         self._waiters: list[asyncio.Future] = []
         self._clock = 0.0
+        # Bumped when envd's root moves (layers.py): a worker forked before works in
+        # the old root, so it is not used again.
+        self.generation = 0
 
     @staticmethod
     def key(uid: int, gid: int, name: str) -> tuple[int, int, tuple[int, ...]]:
@@ -187,7 +191,7 @@ class UserFS:
                 if self.total >= MAX_WORKERS:
                     self._retire_lru()
                 if self.total < MAX_WORKERS:
-                    w = Worker(key)
+                    w = Worker(key, self.generation)
                     self.count[key] = self.count.get(key, 0) + 1
                     self.total += 1
                     return w
@@ -228,7 +232,7 @@ class UserFS:
             self.total -= 1
 
     def _release(self, w: Worker, ok: bool) -> None:
-        if ok and w.alive:
+        if ok and w.alive and w.generation == self.generation:
             self._clock += 1
             w.used = self._clock
             self.idle.setdefault(w.key, []).append(w)
@@ -284,7 +288,14 @@ class UserFS:
         raise WorkerGone("no file worker")  # pragma: no cover
 
     def close(self) -> None:
+        """Every idle worker ended and out of the counts (envd goes dormant); a busy
+        one is dropped when its operation ends."""
         for ws in self.idle.values():
             for w in ws:
-                w.kill()
+                self._drop(w)
         self.idle.clear()
+
+    def root_moved(self) -> None:
+        """envd's root moved (layers.py): no worker forked before is used again."""
+        self.generation += 1
+        self.close()

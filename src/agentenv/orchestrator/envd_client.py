@@ -26,6 +26,10 @@ class EnvdUnavailable(RuntimeError):
     pass
 
 
+class LayerRefused(RuntimeError):
+    """envd has no files layer for that snapshot, or cannot make one (old bundle)."""
+
+
 T = TypeVar("T")
 
 
@@ -127,6 +131,27 @@ class EnvdClient:
             return str(r.json().get("message") or r.status_code)
         except ValueError:
             return f"HTTP {r.status_code}"
+
+    # -- files layers (envd's /aenv/layer: resets in filesystem mode) -----------------
+    @_awake
+    async def layer(self, address: str, token: str, op: str, tag: str) -> dict[str, Any]:
+        """``push`` a files layer tagged ``tag`` over the sandbox's files, or ``reset``
+        the layer so tagged (envd/layers.py). LayerRefused when envd has no such layer
+        or cannot layer (the caller then resets in full); EnvdUnavailable otherwise."""
+        r = await self._http.post(
+            httpx.URL(scheme="http", host=address, port=ENVD_PORT, path="/aenv/layer"),
+            headers={"X-Access-Token": token}, json={"op": op, "tag": tag},
+            timeout=httpx.Timeout(5.0, read=30.0))
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        if r.status_code == 200 and isinstance(body, dict):
+            return body
+        why = str(body.get("message") if isinstance(body, dict) else "") or r.text[:200]
+        if r.status_code in (404, 409, 501):  # no such layer, or no layers in this envd
+            raise LayerRefused(why)
+        raise EnvdUnavailable(f"envd /aenv/layer {op} answered {r.status_code}: {why}")
 
     # -- filesystem-only pauses (envd's /aenv/fs/*) -----------------------------------
 

@@ -13,6 +13,15 @@ the egress policy stays), which saves a slot and a new record over kill + create
 A paused sandbox is restored into a fresh slot, as a resume would. A files-only
 snapshot (``memory: false``) reboots the template with the snapshot's files.
 
+``mode: "filesystem"`` (issue 28) is for tasks whose state is their files: the first
+such reset to a snapshot is the full one above, after which envd pushes a files layer
+tagged with the snapshot (envd/layers.py); every later one, while the sandbox runs,
+restores nothing: envd kills the processes started since, drops the layer's files and
+starts a fresh layer, in milliseconds. The processes of the snapshot itself (its
+services) keep running with their memory as it is. Whatever cannot be reset that way
+(no layer for that snapshot, a paused sandbox, an envd without layers) is reset in
+full; the answer says which it was (``mode``).
+
 Everything that can be refused is checked before the sandbox is touched: unknown
 snapshot (404), one of another template or other resources, or not a user snapshot
 (400), one this node cannot restore (409). Should the restore itself fail, a paused
@@ -32,6 +41,7 @@ from ..network import Slot, SlotError
 from ..snapshot import Manifest
 from ..templates import Template, TemplateNotFound
 from . import disk_pause
+from .envd_client import EnvdUnavailable, LayerRefused
 from .models import (
     MAX_RESETS,
     BadRequest,
@@ -46,20 +56,36 @@ from .pausing import Pausing
 
 log = logging.getLogger(__name__)
 
+RESET_MODES = ("memory", "filesystem")
+
 
 class Resetting(Pausing):
     @observed("reset")
     async def reset(self, sandbox_id: str, snapshot: str | None = None,
-                    ttl: int | None = None) -> tuple[SandboxRecord, Manifest]:
+                    ttl: int | None = None, mode: str = "memory",
+                    ) -> tuple[SandboxRecord, Manifest, str]:
         """Bring a running or paused sandbox back to ``snapshot`` (an ID or name; by
         default the last snapshot taken of it), same ID and tokens. ``ttl``: it then
         expires that many seconds from now; None keeps a running sandbox's expiry (a
-        paused one gets the default, as a resume does)."""
+        paused one gets the default, as a resume does). ``mode``: ``memory`` restores
+        the snapshot whole; ``filesystem`` resets the files alone when it can (see the
+        module's docstring). Returns the record, the snapshot and the mode it took."""
+        if mode not in RESET_MODES:
+            raise BadRequest(f"mode must be one of {', '.join(RESET_MODES)}")
         seconds = None if ttl is None else self._check_timeout(ttl)
         record = self.get(sandbox_id)
         manifest = await (self._resolve_snapshot(snapshot) if snapshot
                           else self._last_snapshot(record))
         self._check_resettable(record, manifest)
+        files_layer = mode == "filesystem"
+        if files_layer and record.state is SandboxState.RUNNING:
+            # A client hanging up must not stop a reset half-way (as below).
+            fast = asyncio.create_task(self._reset_files(sandbox_id, manifest, seconds))
+            self._tasks.add(fast)
+            fast.add_done_callback(self._tasks.discard)
+            done = await asyncio.shield(fast)
+            if done is not None:
+                return done, manifest, "filesystem"
         # A paused sandbox's reset makes it run: admitted as a resume is (a running
         # one keeps its slot and its place in the counts, so it asks nothing).
         ticket = await self.admission.admit(record.owner) \
@@ -71,7 +97,8 @@ class Resetting(Pausing):
                 await self.evict(sandbox_id)
             image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
             # A client hanging up must not stop a reset half-way: it runs as its own task.
-            task = asyncio.create_task(self._reset_locked(sandbox_id, manifest, image, seconds))
+            task = asyncio.create_task(self._reset_locked(sandbox_id, manifest, image, seconds,
+                                                          files_layer))
         except BaseException:
             if ticket is not None:
                 ticket.release()
@@ -80,7 +107,60 @@ class Resetting(Pausing):
         task.add_done_callback(self._tasks.discard)
         if ticket is not None:
             task.add_done_callback(lambda _: ticket.release())
-        return await asyncio.shield(task), manifest
+        return await asyncio.shield(task), manifest, "memory"
+
+    async def _reset_files(self, sandbox_id: str, manifest: Manifest,
+                           seconds: int | None) -> SandboxRecord | None:
+        """The files layer of ``manifest`` reset by envd, no restore; None when the
+        sandbox has no such layer (or envd cannot say): then the reset is a full one."""
+        async with self._lock(sandbox_id):
+            record = self.get(sandbox_id)
+            if record.state is not SandboxState.RUNNING or record.error or \
+                    not record.slot_address:
+                return None
+            t0 = time.perf_counter()
+            try:
+                done = await self.envd.layer(record.slot_address, record.envd_token, "reset",
+                                             manifest.snapshot_id)
+            except LayerRefused as exc:
+                log.info("reset %s: no files layer for %s (%s); a full reset", sandbox_id,
+                         manifest.snapshot_id, exc)
+                return None
+            except (EnvdUnavailable, OSError, ValueError) as exc:
+                log.warning("reset %s: envd did not reset its files layer (%s); a full reset",
+                            sandbox_id, exc)
+                return None
+            # Connections to the processes that ended are dead: the proxy drops them.
+            for listener in self.on_removed:
+                listener(sandbox_id)
+            self._reset_done(record, manifest, seconds, "filesystem")
+            log.info("reset %s to snapshot %s in %.1f ms (its files layer; envd %.1f ms, "
+                     "%s processes ended)", sandbox_id, manifest.snapshot_id,
+                     (time.perf_counter() - t0) * 1000, done.get("ms", 0),
+                     done.get("killed", 0))
+            return record
+
+    def _reset_done(self, record: SandboxRecord, manifest: Manifest, seconds: int | None,
+                    mode: str, paused: bool = False) -> None:
+        if paused or seconds is not None:
+            record.end_at = time.time() + (
+                seconds if seconds is not None else self.config.default_timeout)
+        # An event in its history; its origin stays (lineage.py: no cycle with a
+        # snapshot of its own).
+        record.resets = [*record.resets, {"snapshotID": manifest.snapshot_id,
+                                          "at": time.time(), "mode": mode}][-MAX_RESETS:]
+        self.store.put(record)
+
+    async def _push_layer(self, record: SandboxRecord, manifest: Manifest) -> None:
+        """After a full reset in filesystem mode: envd layers the files, so that the next
+        reset to this snapshot is one of files. A failure leaves the sandbox as the full
+        reset made it (and the next reset a full one too)."""
+        try:
+            await self.envd.layer(record.slot_address, record.envd_token, "push",
+                                  manifest.snapshot_id)
+        except (LayerRefused, EnvdUnavailable, OSError, ValueError) as exc:
+            log.warning("reset %s: no files layer pushed for %s (%s); its resets stay full",
+                        record.sandbox_id, manifest.snapshot_id, exc)
 
     async def _resolve_snapshot(self, name: str) -> Manifest:
         return await asyncio.to_thread(self.snapshots.resolve, name)
@@ -126,7 +206,7 @@ class Resetting(Pausing):
             raise NotFound(f"template of the sandbox is gone: {exc}") from exc
 
     async def _reset_locked(self, sandbox_id: str, manifest: Manifest, image: Path,
-                            seconds: int | None) -> SandboxRecord:
+                            seconds: int | None, files_layer: bool = False) -> SandboxRecord:
         async with self._lock(sandbox_id):
             record = self.get(sandbox_id)
             paused = record.state is SandboxState.PAUSED
@@ -175,14 +255,9 @@ class Resetting(Pausing):
                         err.status = getattr(exc, "status", 500)
                         raise err from exc
                     raise
-            if paused or seconds is not None:
-                record.end_at = time.time() + (
-                    seconds if seconds is not None else self.config.default_timeout)
-            # An event in its history; its origin stays (lineage.py: no cycle with a
-            # snapshot of its own).
-            record.resets = [*record.resets, {"snapshotID": manifest.snapshot_id,
-                                              "at": time.time()}][-MAX_RESETS:]
-            self.store.put(record)
+            if files_layer:
+                await self._push_layer(record, manifest)
+            self._reset_done(record, manifest, seconds, "memory", paused)
             log.info("reset %s to snapshot %s in %.0f ms (%s; old runtime destroyed in "
                      "%.0f ms)", sandbox_id, manifest.snapshot_id,
                      (time.perf_counter() - t0) * 1000,

@@ -7,6 +7,7 @@ import base64
 import binascii
 import json
 from datetime import UTC, datetime
+from typing import Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -87,6 +88,10 @@ class ResetRequest(models._Body):
                                     max_length=NAME_MAX_LENGTH)
     # Seconds to live from now; none: a running sandbox keeps its expiry.
     timeout: int | None = Field(default=None, ge=0)
+    # memory: the snapshot restored whole. filesystem: for tasks whose state is their
+    # files, the files reset in place with no restore once the sandbox has been reset
+    # to this snapshot before (docs/api.md); the answer's mode says which it took.
+    mode: Literal["memory", "filesystem"] = "memory"
 
     @field_validator("snapshot_id")
     @classmethod
@@ -102,6 +107,8 @@ class ResetRequest(models._Body):
 class SandboxReset(models.SandboxCreated):
     snapshot_id: str = Field(serialization_alias="snapshotID")
     end_at: datetime = Field(serialization_alias="endAt")
+    # What the reset did: "memory" (a restore) or "filesystem" (the files layer).
+    mode: str
 
 
 class SnapshotInfo(models._Body):
@@ -159,12 +166,15 @@ async def reset_sandbox(sandbox_id: str, request: Request,
                         body: ResetRequest | None = None) -> SandboxReset:
     """agentenv extension (E2B has none): bring a running or paused sandbox back to a
     snapshot's memory, processes and files, keeping its ID, envd access token and
-    traffic token. Without ``snapshotID``: the last snapshot taken of it."""
+    traffic token. Without ``snapshotID``: the last snapshot taken of it. ``mode:
+    filesystem`` resets a task whose state is its files in place, in milliseconds,
+    from its second reset to the snapshot on."""
     body = body or ResetRequest()
-    record, manifest = await _manager(request).reset(sandbox_id, body.snapshot_id, body.timeout)
+    record, manifest, mode = await _manager(request).reset(
+        sandbox_id, body.snapshot_id, body.timeout, body.mode)
     created = models.created(record, request.app.state.config.domain)
     return SandboxReset(**created.model_dump(), snapshot_id=manifest.snapshot_id,
-                        end_at=datetime.fromtimestamp(record.end_at, tz=UTC))
+                        end_at=datetime.fromtimestamp(record.end_at, tz=UTC), mode=mode)
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=SnapshotInfo,

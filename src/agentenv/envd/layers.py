@@ -1,0 +1,352 @@
+"""Files layers: a sandbox's files back to a snapshot's in a few milliseconds, no restore.
+
+A filesystem reset (issue 28, ``POST /sandboxes/{id}/reset`` with ``mode:
+filesystem``) is for tasks whose state is their files. The first such reset to a
+snapshot is a full one (the node restores the snapshot), after which the node asks
+envd to *push* a layer tagged with the snapshot's ID: an overlay whose lower layer is
+the files as they are now and whose upper layer is a fresh tmpfs, with envd's root
+(``chroot``) moved into it. Everything envd starts from then on (commands, file
+operations, sudo) sees that overlay and writes into its upper layer. The next reset
+to the same snapshot *resets* the layer: every process started since the push is
+killed, the upper layer is dropped and a fresh one mounted, and envd's root moves
+into it. The processes that ran when the layer was pushed (those of the snapshot:
+services the template started) keep running, with their memory as it is now; their
+writes go to the lower layer and so survive resets. A reset to a snapshot deeper in
+the stack (one restored, then layered again) drops the layers above it.
+
+What a layer covers: the root, and ``/tmp`` (its own tmpfs, so its own overlay).
+``/proc``, ``/dev`` (with ``/dev/shm``), ``/sys`` and envd's bundle are the real
+ones, bound in.
+
+envd itself gave up CAP_SYS_ADMIN at start-up (bootid.py), so the mounts are made by
+``layer-keeper`` (layer_keeper.c), a libc-free helper it started before that and
+talks to over a socket pair (``KEEPER_FD``); envd leaves its layer through a
+descriptor of the real root it opened at boot (``ROOT_FD``). Both live at fixed
+numbers and are inheritable, so that they survive envd's dormancy (an exec of the
+stub and back); commands never get them (envd's spawns close every other descriptor,
+and its file workers close all they inherit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("envd")
+
+KEEPER_NAME = "layer-keeper"
+KEEPER_FD = 1000
+ROOT_FD = 1001
+LAYERS_DIR = "/.aenv-layers"
+MAX_DEPTH = 4
+TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+KILL_DEADLINE_S = 10.0
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC = 1, 2, 4, 4096, 16384
+_MNT_DETACH = 2
+# Mounts under the root that a layer overlays (their files are reset with the root's);
+# every other one is bound in as it is.
+OVERLAID = ("/tmp",)
+
+
+class LayerError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Level:
+    tag: str
+    # The processes that ran when the layer was pushed, as (pid, start time): they are
+    # kept by a reset; anything else is a process of the layer's and is killed.
+    base: list[tuple[int, int]] = field(default_factory=list)
+    resets: int = 0
+
+
+def keeper_path() -> Path:
+    import sys
+
+    return Path(sys.prefix).parent / "bin" / KEEPER_NAME  # PYTHONHOME is <bundle>/python
+
+
+def start_keeper() -> int | None:
+    """At boot, as pid 1 and while CAP_SYS_ADMIN is still held (bootid.prepare): start
+    the keeper and open the real root's descriptor. The keeper's pid, or None when the
+    bundle has none (no compiler when it was built): then no filesystem resets here."""
+    helper = keeper_path()
+    if not os.access(helper, os.X_OK):
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        pid = os.posix_spawn(str(helper), [KEEPER_NAME], {},
+                             file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])
+    except OSError as e:
+        log.warning("layers: %s not started: %s", KEEPER_NAME, e)
+        return None
+    finally:
+        theirs.close()
+    os.dup2(ours.detach(), KEEPER_FD)  # inheritable: it outlives a dormancy exec
+    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    os.dup2(root, ROOT_FD)
+    os.close(root)
+    return pid
+
+
+def _stat_of(pid: int) -> tuple[int, str] | None:
+    """(start time, state) of a process, from /proc/PID/stat; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19]), fields[0].decode()
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    found = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat_of(int(name))
+            if st is not None:
+                found[int(name)] = st
+    return found
+
+
+def _mounts_under_root() -> list[str]:
+    """Mount points just below the real root's (envd's root must be the real one)."""
+    by_id: dict[str, tuple[str, str]] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5:
+                by_id[parts[0]] = (parts[1], parts[4].replace("\\040", " "))
+    root_ids = {mid for mid, (_, point) in by_id.items() if point == "/"}
+    tops = {point for parent, point in by_id.values()
+            if parent in root_ids and point != "/" and not point.startswith(LAYERS_DIR)}
+    return sorted(tops)
+
+
+class Layers:
+    """envd's stack of files layers (one per snapshot it resets to in filesystem mode)."""
+
+    def __init__(self) -> None:
+        self.keeper_pid: int | None = None
+        self.levels: list[Level] = []
+        self.binds: list[str] = []  # mount points bound into every layer
+        self._lock = asyncio.Lock()
+
+    # -- state across dormancy -----------------------------------------------------
+    def saved(self) -> dict[str, Any]:
+        return {"keeper": self.keeper_pid, "binds": self.binds,
+                "levels": [[lv.tag, lv.base, lv.resets] for lv in self.levels]}
+
+    def restore(self, saved: Any) -> None:
+        if not isinstance(saved, dict):
+            return
+        with contextlib.suppress(TypeError, ValueError):
+            self.keeper_pid = int(saved["keeper"]) if saved.get("keeper") else None
+            self.binds = [str(b) for b in saved.get("binds") or []]
+            self.levels = [Level(str(tag), [(int(p), int(s)) for p, s in base], int(resets))
+                           for tag, base, resets in saved.get("levels") or []]
+
+    def why_not(self) -> str | None:
+        """Why this envd cannot layer, or None."""
+        if self.keeper_pid is None:
+            return "envd has no layer keeper here (not the sandbox's init, or an old bundle)"
+        if _stat_of(self.keeper_pid) is None:
+            return "the layer keeper has ended (a command killed it)"
+        try:
+            os.fstat(KEEPER_FD)
+            os.fstat(ROOT_FD)
+        except OSError:
+            return "the layer keeper's descriptors are gone"
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"supported": self.why_not() is None, "why": self.why_not(),
+                "levels": [{"tag": lv.tag, "resets": lv.resets} for lv in self.levels]}
+
+    # -- the two operations ----------------------------------------------------------
+    async def push(self, tag: str, root_moved: Callable[[], None]) -> dict[str, Any]:
+        """A new layer over the files as they are, envd's root moved into it.
+        ``root_moved``: called once envd's root is the new layer's."""
+        self._check(tag)
+        async with self._lock:
+            if len(self.levels) >= MAX_DEPTH:
+                raise LayerError(409, f"already {MAX_DEPTH} layers deep: reset in memory mode")
+            t0 = time.perf_counter()
+            level = Level(tag, [(pid, st[0]) for pid, st in processes().items()
+                                if st[1] != "Z"])
+            self._to_real_root()
+            try:
+                if not self.levels:
+                    self.binds = _mounts_under_root()
+                    os.makedirs(LAYERS_DIR, mode=0o700, exist_ok=True)
+                self._build(len(self.levels) + 1)
+            except BaseException:
+                self._enter(len(self.levels))
+                root_moved()
+                raise
+            self.levels.append(level)
+            self._enter(len(self.levels))
+            root_moved()
+            ms = (time.perf_counter() - t0) * 1000
+            log.info("layers: pushed layer %d for %s in %.1f ms", len(self.levels), tag, ms)
+            return {"depth": len(self.levels), "killed": 0, "ms": round(ms, 2)}
+
+    async def reset(self, tag: str, root_moved: Callable[[], None],
+                    reap: Callable[[], None]) -> dict[str, Any]:
+        """The layer tagged ``tag`` back to empty: the processes started since it was
+        pushed killed, the layers above it dropped. 409 when no layer has the tag.
+        ``root_moved``: called as envd's root is about to move (and again once moved)."""
+        self._check(tag)
+        async with self._lock:
+            depth = next((i + 1 for i in range(len(self.levels) - 1, -1, -1)
+                          if self.levels[i].tag == tag), None)
+            if depth is None:
+                raise LayerError(409, f"no files layer for '{tag}' in this sandbox")
+            t0 = time.perf_counter()
+            level = self.levels[depth - 1]
+            root_moved()  # its file workers go first: they work in the old root
+            killed = await self._kill_since(level.base, reap)
+            self._to_real_root()
+            try:
+                for d in range(len(self.levels), depth - 1, -1):
+                    self._drop(d)
+                del self.levels[depth:]
+                self._build(depth)
+            except BaseException:
+                # The layer is gone: envd stays on the one below (the files as they
+                # were when it was pushed, plus what its own processes wrote since).
+                del self.levels[depth - 1:]
+                self._enter(len(self.levels))
+                root_moved()
+                raise
+            level.resets += 1
+            self._enter(depth)
+            root_moved()
+            ms = (time.perf_counter() - t0) * 1000
+            log.info("layers: layer %d (%s) reset in %.1f ms, %d processes killed",
+                     depth, tag, ms, killed)
+            return {"depth": depth, "killed": killed, "ms": round(ms, 2)}
+
+    # -- mechanics -------------------------------------------------------------------
+    def _check(self, tag: str) -> None:
+        if not isinstance(tag, str) or not TAG.match(tag):
+            raise LayerError(400, "tag must be 1-128 letters, digits or ._:- (a snapshot ID)")
+        why = self.why_not()
+        if why is not None:
+            raise LayerError(501, why)
+
+    async def _kill_since(self, base: list[tuple[int, int]],
+                          reap: Callable[[], None]) -> int:
+        """SIGKILL every process not in ``base`` (nor envd, nor the keeper) until none
+        is left: a process forking as it is killed is caught on the next pass."""
+        keep = set(base)
+        spared = {os.getpid(), self.keeper_pid}
+        killed: set[tuple[int, int]] = set()
+        deadline = time.monotonic() + KILL_DEADLINE_S
+        while True:
+            victims = [(pid, st[0]) for pid, st in processes().items()
+                       if pid not in spared and (pid, st[0]) not in keep and st[1] != "Z"]
+            if not victims:
+                return len(killed)
+            if time.monotonic() > deadline:
+                raise LayerError(500, f"{len(victims)} processes would not end")
+            for pid, start in victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                killed.add((pid, start))
+            reap()
+            await asyncio.sleep(0.002)
+
+    def _to_real_root(self) -> None:
+        os.fchdir(ROOT_FD)
+        os.chroot(".")
+        os.chdir("/")
+
+    def _enter(self, depth: int) -> None:
+        """envd's root into layer ``depth`` (0: the real root, where it is)."""
+        if depth:
+            os.chroot(f"{LAYERS_DIR}/{depth}/m")
+            os.chdir("/")
+
+    def _keeper(self, *fields: str | int) -> None:
+        op = str(fields[0])
+        packet = op.encode() + b"".join(str(f).encode() + b"\0" for f in fields[1:])
+        os.write(KEEPER_FD, packet)
+        answer = os.read(KEEPER_FD, 4)
+        err = struct.unpack("i", answer)[0] if len(answer) == 4 else 5
+        if err:
+            raise LayerError(500, f"layer keeper: {op} {fields[1]}: {os.strerror(err)}")
+
+    def _mount(self, source: str, target: str, fstype: str, flags: int, data: str = "") -> None:
+        self._keeper("M", source, target, fstype, flags, data)
+
+    def _drop(self, depth: int) -> None:
+        top = f"{LAYERS_DIR}/{depth}"
+        for target in (f"{top}/m", top):
+            with contextlib.suppress(LayerError):
+                self._keeper("U", target, _MNT_DETACH)
+
+    def _build(self, depth: int) -> None:
+        """Layer ``depth``'s mounts (envd in the real root): a tmpfs holding the upper
+        layers, the root's overlay over the layer below, then the other mounts."""
+        top = f"{LAYERS_DIR}/{depth}"
+        below = f"{LAYERS_DIR}/{depth - 1}/m" if depth > 1 else None
+        os.makedirs(top, mode=0o700, exist_ok=True)
+        self._mount("tmpfs", top, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
+        try:
+            overlaid = [p for p in self.binds if p in OVERLAID]
+            for name in ("u", "w", "m", *(f"u{i}" for i in range(len(overlaid))),
+                         *(f"w{i}" for i in range(len(overlaid)))):
+                os.mkdir(f"{top}/{name}", 0o755)
+            lower = below if below is not None else self._real_root_bind()
+            self._overlay(lower, f"{top}/u", f"{top}/w", f"{top}/m")
+            for point in self.binds:
+                target = f"{top}/m{point}"
+                if point in OVERLAID:
+                    i = overlaid.index(point)
+                    source = f"{below}{point}" if below is not None else \
+                        self._real_bind(point, "t")
+                    self._overlay(source, f"{top}/u{i}", f"{top}/w{i}", target)
+                else:
+                    self._mount(point, target, "", _MS_BIND | _MS_REC)
+        except BaseException:
+            self._drop(depth)
+            raise
+
+    def _overlay(self, lower: str, upper: str, work: str, target: str) -> None:
+        # The upper directory's root takes the lower's mode and owner (a user's /tmp
+        # stays 1777), as overlayfs does for a copied-up directory.
+        st = os.stat(lower)
+        os.chmod(upper, st.st_mode & 0o7777)
+        os.chown(upper, st.st_uid, st.st_gid)
+        self._mount("overlay", target, "overlay", 0,
+                    f"lowerdir={lower},upperdir={upper},workdir={work}")
+
+    def _real_root_bind(self) -> str:
+        return self._real_bind("/", "r")
+
+    def _real_bind(self, point: str, name: str) -> str:
+        """A plain (not recursive) bind of a real mount: an overlay's lower layer is
+        then its files alone, not the mounts under it."""
+        path = f"{LAYERS_DIR}/base-{name}{point.replace('/', '_')}"
+        if not os.path.ismount(path):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            self._mount(point, path, "", _MS_BIND)
+        return path
+
+
+LAYERS = Layers()
