@@ -363,3 +363,21 @@ async def test_a_connection_being_accepted_keeps_envd_awake(monkeypatch: pytest.
         await accepting
         await asyncio.sleep(0.3)
         assert len(slept) == 1
+
+
+def test_a_sandbox_in_a_files_layer_sleeps_and_wakes_in_it(dnode: Node, sbx: Sandbox) -> None:
+    """envd dormant in a files layer (a reset in filesystem mode, issue 28): it wakes
+    in the layer, and the next reset is still one of files, in place."""
+    api = dnode.client()
+    sid = sbx.sandbox_id
+    sbx.files.write("/home/user/v.txt", "v0")
+    snap = api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"]
+    body = {"snapshotID": snap, "mode": "filesystem"}
+    assert api.post(f"/sandboxes/{sid}/reset", json=body).json()["mode"] == "memory"
+    sbx.files.write("/home/user/v.txt", "in the layer")
+    slept = dormancies(dnode, sid)
+    wait_dormant(dnode, sid, slept + 1)
+    assert sbx.files.read("/home/user/v.txt") == "in the layer"  # woken in its layer
+    r = api.post(f"/sandboxes/{sid}/reset", json=body)
+    assert r.status_code == 200 and r.json()["mode"] == "filesystem", r.text
+    assert sbx.files.read("/home/user/v.txt") == "v0"

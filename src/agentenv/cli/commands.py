@@ -216,11 +216,15 @@ def reset(
     ] = None,
     timeout: Annotated[int | None, typer.Option(
         help="New time to live in seconds (default: the sandbox keeps its expiry).")] = None,
+    files: Annotated[bool, typer.Option(
+        "--files", help="Filesystem mode, for tasks whose state is their files: after the "
+        "first reset to a snapshot, the files go back in place in milliseconds, no "
+        "restore (the snapshot's own processes keep running).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Bring a sandbox back to a snapshot's memory, processes and files, in place: same
     ID and access tokens, so connected clients go on working."""
-    body: dict = {}
+    body: dict = {"mode": "filesystem"} if files else {}
     if timeout is not None:
         body["timeout"] = timeout
     with Client() as c:
@@ -233,7 +237,8 @@ def reset(
     if as_json:
         output.print_json(result)
         return
-    output.err.print(f"Reset {sid} to snapshot {result['snapshotID']}; it expires "
+    how = " (its files, in place)" if result.get("mode") == "filesystem" else ""
+    output.err.print(f"Reset {sid} to snapshot {result['snapshotID']}{how}; it expires "
                      f"{output.until(result.get('endAt'))}.", markup=False)
     typer.echo(sid)
 

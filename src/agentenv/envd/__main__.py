@@ -137,6 +137,8 @@ def _dormancy(dormancy, app, server, listener, args):
     if os.getpid() != 1 or os.geteuid() != 0 or stub is None or argv is None:
         app.dormant_after_s = 0.0
         return None
+    from .layers import LAYERS
+
     registry, files, userfs = app.registry, app.filesystem_service, app.userfs
     state = server.server_state
 
@@ -166,13 +168,12 @@ def _dormancy(dormancy, app, server, listener, args):
         return found
 
     def saved() -> dict:
-        from .layers import LAYERS
-
         return {**app.state.saved(), "durable": registry.durable.saved(), "wakes": app.wakes,
                 "dormant_s": app.dormant_s, "layers": LAYERS.saved()}
 
     watch = dormancy.Dormancy(
-        after, app, busy, lambda: [w.pid for ws in userfs.idle.values() for w in ws],
+        after, app, busy, lambda: [*(w.pid for ws in userfs.idle.values() for w in ws),
+                                   *([LAYERS.keeper_pid] if LAYERS.keeper_pid else [])],
         saved, connections, listener.fileno(), argv, stub, before_exec=userfs.close)
     app.dormancy = watch  # POST /aenv/dormancy: the node asks it to sleep
     return watch

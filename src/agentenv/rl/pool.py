@@ -87,9 +87,14 @@ class EnvPool:
                  snapshot: str | None = None, size: int = 8, run_name: str = "rl",
                  lease_s: int = 300, sandbox_timeout_s: int = 3600,
                  max_inflight: int | None = None, retry: RetryPolicy | None = None,
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, reset_mode: str = "memory") -> None:
         if (template is None) == (snapshot is None):
             raise ValueError("give one of template= or snapshot=")
+        if reset_mode not in ("memory", "filesystem"):
+            raise ValueError("reset_mode must be 'memory' or 'filesystem'")
+        # filesystem: for tasks whose state is their files, an env's resets after its
+        # first are done in place by envd in milliseconds, no restore (docs/api.md).
+        self.reset_mode = reset_mode
         if not 1 <= size <= MAX_POOL:
             raise ValueError(f"size must be 1..{MAX_POOL}")
         self.source = snapshot or template or ""
@@ -252,7 +257,9 @@ class EnvPool:
                 async with self._inflight:
                     r = await self.api.call(
                         "POST", f"/sandboxes/{env.sandbox_id}/reset",
-                        json={"snapshotID": self.snapshot, "timeout": self.sandbox_timeout_s},
+                        json={"snapshotID": self.snapshot, "timeout": self.sandbox_timeout_s,
+                              **({"mode": self.reset_mode}
+                                 if self.reset_mode != "memory" else {})},
                         retry_errors=False)
             except ApiError as e:
                 if e.status not in (404, 405) or "sandbox" in e.message.lower():
