@@ -38,6 +38,7 @@ HZ = os.sysconf("SC_CLK_TCK")
 SNAPSHOT = "leave-running snapshot, small sandbox (envd awake)"
 RESET_AWAKE = "reset to a snapshot of it (envd awake at the capture)"
 RESET_DORMANT = "reset to a snapshot taken while its envd was dormant"
+RESET_FILES = "reset in filesystem mode (its files layer, no restore)"
 PARTS = ["node process", "node's commands (runsc CLI, ip, ...)", "sentry", "gofer", "total"]
 
 
@@ -172,7 +173,7 @@ def run(n: int) -> None:
         raise
     meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
     samples: dict[str, list] = {k: [] for k in (
-        "create from the template's boot image", RESET_AWAKE, RESET_DORMANT,
+        "create from the template's boot image", RESET_AWAKE, RESET_DORMANT, RESET_FILES,
         "fork child (fork of 1)", "fork of 4, per child", SNAPSHOT)}
     loads: list[float] = []
     try:
@@ -189,10 +190,11 @@ def run(n: int) -> None:
             time.sleep(3)
             idle_rate = CpuMeter.delta_s(c0, meter.read())["sandboxes"] / 3
 
-            def reset(key: str, snapshot_id: str) -> None:
+            def reset(key: str, snapshot_id: str, mode: str = "memory") -> None:
                 w, t0 = Window(meter, node), time.perf_counter()
-                r = api.post(f"/sandboxes/{sid}/reset", json={"snapshotID": snapshot_id})
-                if r.status_code != 200:
+                r = api.post(f"/sandboxes/{sid}/reset",
+                             json={"snapshotID": snapshot_id, "mode": mode})
+                if r.status_code != 200 or r.json()["mode"] != mode:
                     raise RuntimeError(f"reset: {r.status_code} {r.text[:200]}")
                 until_command(node, sid, token, t0, http=http)
                 samples[key].append(w.close(prefix, sid, idle_rate, time.perf_counter() - t0))
@@ -214,6 +216,15 @@ def run(n: int) -> None:
                 time.sleep(0.5)
                 reset(RESET_AWAKE, awake["snapshotID"])
                 reset(RESET_DORMANT, dormant["snapshotID"])
+                # The first reset in filesystem mode is a full one that layers the files
+                # (not measured); the next is the layer's.
+                api.post(f"/sandboxes/{sid}/reset",
+                         json={"snapshotID": awake["snapshotID"], "mode": "filesystem"})
+                until_command(node, sid, token, time.perf_counter(), http=http)
+                http.post("/files?path=/home/user/rollout.txt", content=b"x", headers={
+                    "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
+                    "X-Access-Token": token})
+                reset(RESET_FILES, awake["snapshotID"], "filesystem")
                 for count, key in ((1, "fork child (fork of 1)"), (4, "fork of 4, per child")):
                     w, t0 = Window(meter, node), time.perf_counter()
                     kids = [c["sandbox"] for c in api.post(

@@ -220,6 +220,7 @@ class Layers:
             level = self.levels[depth - 1]
             root_moved()  # its file workers go first: they work in the old root
             killed = await self._kill_since(level.base, reap)
+            t_kill = time.perf_counter()
             self._to_real_root()
             try:
                 for d in range(len(self.levels), depth - 1, -1):
@@ -239,7 +240,8 @@ class Layers:
             ms = (time.perf_counter() - t0) * 1000
             log.info("layers: layer %d (%s) reset in %.1f ms, %d processes killed",
                      depth, tag, ms, killed)
-            return {"depth": depth, "killed": killed, "ms": round(ms, 2)}
+            return {"depth": depth, "killed": killed, "ms": round(ms, 2),
+                    "kill_ms": round((t_kill - t0) * 1000, 2)}
 
     # -- mechanics -------------------------------------------------------------------
     def _check(self, tag: str) -> None:
