@@ -165,7 +165,10 @@ def run(n: int) -> None:
     node = Node(work / "home", prefix, free_cidr(90, 30, 3), AENV_MAX_SANDBOXES="20",
                 AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8", AENV_WARM_POOL_SIZE="0",
                 # bare runsc cannot checkpoint a frozen (idle) sandbox: no idle freezing
-                AENV_IDLE_FREEZE_S="0")
+                AENV_IDLE_FREEZE_S="0",
+                # the node asks idle envds to sleep (for the snapshot taken while dormant)
+                # only when it keeps no idle memory in swap instead (issue 27)
+                AENV_COLD_MEMORY_AFTER_S="0")
     try:
         node.start()
     except BaseException:

@@ -77,8 +77,10 @@ async def run(url: str, key: str, n: int = 16, size: int = 8
         await prepare(env)
         snapshot = await env.snapshot()
         try:
+            # The task's state is its files (the repository): from an env's second
+            # reset on, its files go back in place, no restore (docs/api.md).
             async with EnvPool(url, key, snapshot=snapshot, size=size,
-                               run_name="swe-rollouts") as pool:
+                               run_name="swe-rollouts", reset_mode="filesystem") as pool:
                 t0 = time.perf_counter()
                 results = await pool.map(rollout, rollouts(n))
                 wall = time.perf_counter() - t0

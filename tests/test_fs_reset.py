@@ -85,9 +85,10 @@ def test_files_go_back_in_place_processes_of_the_rollout_end_the_service_stays(
             # The same SDK object goes on working: same ID, same envd token.
             at_the_snapshot(sbx, service)
         assert sbx.commands.run("python3 /home/user/repo/main.py").stdout == "setup\n"
-        # The history says what each reset did.
-        modes = [r["mode"] for r in api.get(f"/sandboxes/{sid}").json().get("resets", [])]
-        assert modes in ([], ["memory", "filesystem", "filesystem", "filesystem"])
+        # The sandbox's history (its lineage) says what each reset did.
+        me = api.get(f"/snapshots/{snap}/lineage").json()["ancestors"][1]
+        assert me["id"] == sid
+        assert [r["mode"] for r in me["resets"]] == ["memory"] + ["filesystem"] * 3
     finally:
         sbx.kill()
 

@@ -82,6 +82,8 @@ async def test_pool_refuses_bad_input(node: Node) -> None:
         EnvPool(node.url, node.api_key, size=1)
     with pytest.raises(ValueError):
         EnvPool(node.url, node.api_key, template="base", size=0)
+    with pytest.raises(ValueError):
+        EnvPool(node.url, node.api_key, template="base", size=1, reset_mode="files")
     with pytest.raises(ApiError) as unknown:
         async with EnvPool(node.url, node.api_key, template="no-such-template", size=2):
             pass
@@ -91,6 +93,36 @@ async def test_pool_refuses_bad_input(node: Node) -> None:
             pass
     assert bad_key.value.status == 401
     assert _pool_sandboxes(node) == []
+
+
+@pytest.mark.timeout(180)
+async def test_a_files_mode_pool_resets_its_envs_in_place(node: Node) -> None:
+    """reset_mode="filesystem": an env's first reset is a full one, the next ones put
+    its files back in place (issue 28); what a rollout wrote and started is gone."""
+    async with EnvPool(node.url, node.api_key, template="base", size=1,
+                       run_name="rl-setup") as setup:
+        env = await setup.acquire()
+        await env.exec("echo task > /home/user/task.txt")
+        snapshot = await env.snapshot()
+        try:
+            async with EnvPool(node.url, node.api_key, snapshot=snapshot, size=1,
+                               run_name="rl-files", reset_mode="filesystem") as pool:
+                env = await pool.acquire()
+                for _ in range(3):
+                    await env.exec("echo rollout > /home/user/task.txt; touch /tmp/x; "
+                                   "(sleep 1000 &)")
+                    await env.reset()
+                    code, out, _ = await env.exec("cat /home/user/task.txt; ls /tmp; "
+                                                  "pgrep -x sleep || true")
+                    assert (code, out) == (0, "task\n")
+                with node.client() as api:  # the sandbox's history, in the lineage
+                    tree = api.get(f"/snapshots/{snapshot}/lineage").json()["tree"]
+                mine = [n for n in tree["children"] if n["id"] == env.sandbox_id]
+                assert [r["mode"] for r in mine[0]["resets"]] == \
+                    ["memory", "filesystem", "filesystem"]
+                pool.release(env, reset=False)
+        finally:
+            await setup.delete_snapshot(snapshot)
 
 
 @pytest.mark.timeout(180)

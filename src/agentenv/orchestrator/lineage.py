@@ -67,7 +67,8 @@ class Lineage:
                                   {"state": str(r.state), "templateID": r.template_id,
                                    "createdAt": _iso(r.started_at),
                                    "resets": [{"snapshotID": str(e.get("snapshotID", "")),
-                                               "at": _iso(float(e.get("at") or 0))}
+                                               "at": _iso(float(e.get("at") or 0)),
+                                               "mode": str(e.get("mode") or "memory")}
                                               for e in r.resets]}))
             self._link(node, origin_chain(r.origin, r.template_id))
         for m in sorted(manifests, key=lambda m: m.created_at):
