@@ -166,9 +166,10 @@ def run(n: int) -> None:
                 AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8", AENV_WARM_POOL_SIZE="0",
                 # bare runsc cannot checkpoint a frozen (idle) sandbox: no idle freezing
                 AENV_IDLE_FREEZE_S="0",
-                # the node asks idle envds to sleep (for the snapshot taken while dormant)
-                # only when it keeps no idle memory in swap instead (issue 27)
-                AENV_COLD_MEMORY_AFTER_S="0")
+                # envd sleeps by itself once idle (for the snapshot taken while dormant:
+                # the node asks only when short of memory), and no idle memory goes to
+                # swap meanwhile (issue 27)
+                AENV_ENVD_DORMANT_AFTER_S="5", AENV_COLD_MEMORY_AFTER_S="0")
     try:
         node.start()
     except BaseException:
