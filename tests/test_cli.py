@@ -222,6 +222,13 @@ def test_reset_to_the_last_or_a_named_snapshot(cli_env, sid: str) -> None:
             ("template", "base"), ("sandbox", sid)]
         assert data["tree"]["children"] == []
         assert [e["snapshotID"] for e in data["ancestors"][1]["resets"]] == [snap, snap]
+        # --files (issue 28): the first such reset is a full one, the next in place.
+        for in_place in (False, True):
+            aenv(cli_env, "exec", sid, "--", "sh", "-c", "echo two > /home/user/reset.txt")
+            r = aenv(cli_env, "reset", sid, "cli-reset", "--files")
+            assert ("(its files, in place)" in r.stderr) is in_place, r.stderr
+            assert aenv(cli_env, "exec", sid, "--", "cat", "/home/user/reset.txt").stdout == \
+                "one\n"
     finally:
         aenv(cli_env, "snapshot", "rm", snap)
 
