@@ -39,6 +39,7 @@ SNAPSHOT = "leave-running snapshot, small sandbox (envd awake)"
 RESET_AWAKE = "reset to a snapshot of it (envd awake at the capture)"
 RESET_DORMANT = "reset to a snapshot taken while its envd was dormant"
 RESET_FILES = "reset in filesystem mode (its files layer, no restore)"
+RESET_FILES_CALL = "reset in filesystem mode: the call alone (until it returns)"
 PARTS = ["node process", "node's commands (runsc CLI, ip, ...)", "sentry", "gofer", "total"]
 
 
@@ -178,6 +179,7 @@ def run(n: int) -> None:
     meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
     samples: dict[str, list] = {k: [] for k in (
         "create from the template's boot image", RESET_AWAKE, RESET_DORMANT, RESET_FILES,
+        RESET_FILES_CALL,
         "fork child (fork of 1)", "fork of 4, per child", SNAPSHOT)}
     loads: list[float] = []
     try:
@@ -193,15 +195,23 @@ def run(n: int) -> None:
             c0 = meter.read()
             time.sleep(3)
             idle_rate = CpuMeter.delta_s(c0, meter.read())["sandboxes"] / 3
+            until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
+            # The snapshot the filesystem-mode resets go back to: taken outside any
+            # files layer (one taken inside a layer is one more layer when reset to).
+            _, files_snap = t.snapshot(sid)
 
             def reset(key: str, snapshot_id: str, mode: str = "memory") -> None:
-                w, t0 = Window(meter, node), time.perf_counter()
+                w, call, t0 = Window(meter, node), Window(meter, node), time.perf_counter()
                 r = api.post(f"/sandboxes/{sid}/reset",
                              json={"snapshotID": snapshot_id, "mode": mode})
                 if r.status_code != 200 or r.json()["mode"] != mode:
                     raise RuntimeError(f"reset: {r.status_code} {r.text[:200]}")
+                if mode == "filesystem":  # the same sandbox and kernel: no split by process
+                    samples[RESET_FILES_CALL].append(
+                        call.close(prefix, None, idle_rate, time.perf_counter() - t0))
                 until_command(node, sid, token, t0, http=http)
-                samples[key].append(w.close(prefix, sid, idle_rate, time.perf_counter() - t0))
+                samples[key].append(w.close(prefix, sid if mode == "memory" else None,
+                                            idle_rate, time.perf_counter() - t0))
                 time.sleep(0.5)
 
             for _ in range(n):
@@ -223,12 +233,12 @@ def run(n: int) -> None:
                 # The first reset in filesystem mode is a full one that layers the files
                 # (not measured); the next is the layer's.
                 api.post(f"/sandboxes/{sid}/reset",
-                         json={"snapshotID": awake["snapshotID"], "mode": "filesystem"})
+                         json={"snapshotID": files_snap["snapshotID"], "mode": "filesystem"})
                 until_command(node, sid, token, time.perf_counter(), http=http)
                 http.post("/files?path=/home/user/rollout.txt", content=b"x", headers={
                     "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
                     "X-Access-Token": token})
-                reset(RESET_FILES, awake["snapshotID"], "filesystem")
+                reset(RESET_FILES, files_snap["snapshotID"], "filesystem")
                 for count, key in ((1, "fork child (fork of 1)"), (4, "fork of 4, per child")):
                     w, t0 = Window(meter, node), time.perf_counter()
                     kids = [c["sandbox"] for c in api.post(

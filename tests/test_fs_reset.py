@@ -6,11 +6,14 @@ tokens. What the user does goes through the official e2b SDK, as a harness would
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from e2b import Sandbox
 
 from agentenv.testing import Node
+from agentenv.testing.nodes import SHARED_HOME
 
 SERVICE = "sleep 86400"  # started before the snapshot: the task's service
 ROLLOUT = "sleep 86399"  # started by a rollout
@@ -209,3 +212,34 @@ def test_envd_answers_its_layer_api_only_with_the_token_and_bounded_input(
         assert sbx.commands.run("echo alive").stdout == "alive\n"
     finally:
         sbx.kill()
+
+
+def test_the_disk_budget_holds_in_a_layer_and_a_reset_gives_the_space_back(
+        node: Node, api: httpx.Client) -> None:
+    """A 64 MB template: in a files layer, files written to / and /tmp together stay
+    within the budget (the layer's tmpfs has /tmp's size, envd's guard counts the real
+    layers and the files layer), the sandbox lives, and the next reset frees it all."""
+    tdir = node.home / "templates" / "fsr-disk64"
+    tdir.mkdir(parents=True, exist_ok=True)
+    (tdir / "template.json").write_text(json.dumps(
+        {"templateID": "fsr-disk64", "cpuCount": 1, "memoryMB": 512, "diskSizeMB": 64}))
+    if not (tdir / "rootfs").exists():
+        (tdir / "rootfs").symlink_to(SHARED_HOME / "images" / "templates" / "base" / "rootfs")
+    sbx = Sandbox.create("fsr-disk64", timeout=300)
+    sid = sbx.sandbox_id
+    try:
+        snap = snapshot(api, sid)
+        assert reset(api, sid, snap)["mode"] == "memory"
+        fill = ("for i in 1 2 3 4; do dd if=/dev/zero of=/tmp/f$i bs=1M count=40 "
+                "2>/dev/null; dd if=/dev/zero of=/home/user/f$i bs=1M count=40 2>/dev/null;"
+                " done; du -smc /tmp /home/user 2>/dev/null | tail -1 | cut -f1")
+        written = int(sbx.commands.run(fill, timeout=120).stdout.strip() or 0)
+        assert 0 < written <= 64 + 16, written  # the budget (and what one file overshoots)
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+        assert reset(api, sid, snap)["mode"] == "filesystem"
+        r = sbx.commands.run("ls /tmp /home/user; dd if=/dev/zero of=/home/user/g bs=1M "
+                             "count=40 2>&1 >/dev/null; echo rc=$?")
+        assert "f1" not in r.stdout and "rc=0" in r.stdout, r.stdout
+    finally:
+        sbx.kill()
+        api.delete("/templates/fsr-disk64")

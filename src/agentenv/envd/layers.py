@@ -123,18 +123,25 @@ def processes() -> dict[int, tuple[int, str]]:
     return found
 
 
-def _mounts_under_root() -> list[str]:
-    """Mount points just below the real root's (envd's root must be the real one)."""
+def _mounts_under_root() -> tuple[list[str], str]:
+    """Mount points just below the real root's (envd's root must be the real one), and
+    the ``size=`` option of /tmp's tmpfs ("" if none): the sandbox's budget for written
+    files (runtime/oci.py tmp_mount), which each layer's tmpfs gets too."""
     by_id: dict[str, tuple[str, str]] = {}
+    tmp_size = ""
     with open("/proc/self/mountinfo") as f:
         for line in f:
             parts = line.split()
             if len(parts) >= 5:
                 by_id[parts[0]] = (parts[1], parts[4].replace("\\040", " "))
+            if len(parts) >= 5 and parts[4] == "/tmp" and " - " in line:
+                supers = line.split(" - ", 1)[1].split()
+                options = supers[2].split(",") if len(supers) >= 3 else []
+                tmp_size = next((o for o in options if o.startswith("size=")), "")
     root_ids = {mid for mid, (_, point) in by_id.items() if point == "/"}
     tops = {point for parent, point in by_id.values()
             if parent in root_ids and point != "/" and not point.startswith(LAYERS_DIR)}
-    return sorted(tops)
+    return sorted(tops), tmp_size
 
 
 class Layers:
@@ -144,11 +151,12 @@ class Layers:
         self.keeper_pid: int | None = None
         self.levels: list[Level] = []
         self.binds: list[str] = []  # mount points bound into every layer
+        self.size = ""  # each layer's tmpfs size option (/tmp's: the written-files budget)
         self._lock = asyncio.Lock()
 
     # -- state across dormancy -----------------------------------------------------
     def saved(self) -> dict[str, Any]:
-        return {"keeper": self.keeper_pid, "binds": self.binds,
+        return {"keeper": self.keeper_pid, "binds": self.binds, "size": self.size,
                 "levels": [[lv.tag, lv.base, lv.resets] for lv in self.levels]}
 
     def restore(self, saved: Any) -> None:
@@ -157,6 +165,7 @@ class Layers:
         with contextlib.suppress(TypeError, ValueError):
             self.keeper_pid = int(saved["keeper"]) if saved.get("keeper") else None
             self.binds = [str(b) for b in saved.get("binds") or []]
+            self.size = str(saved.get("size") or "")
             self.levels = [Level(str(tag), [(int(p), int(s)) for p, s in base], int(resets))
                            for tag, base, resets in saved.get("levels") or []]
 
@@ -191,7 +200,7 @@ class Layers:
             self._to_real_root()
             try:
                 if not self.levels:
-                    self.binds = _mounts_under_root()
+                    self.binds, self.size = _mounts_under_root()
                     os.makedirs(LAYERS_DIR, mode=0o700, exist_ok=True)
                 self._build(len(self.levels) + 1)
             except BaseException:
@@ -242,6 +251,33 @@ class Layers:
                      depth, tag, ms, killed)
             return {"depth": depth, "killed": killed, "ms": round(ms, 2),
                     "kill_ms": round((t_kill - t0) * 1000, 2)}
+
+    def written_bytes(self) -> int | None:
+        """Bytes in files the sandbox wrote, for envd's disk guard (oom.py), while envd
+        is in a layer (None when it is not): the real root layer and /tmp, and each
+        layer's tmpfs, each filesystem once (from inside, / and /tmp are overlays
+        whose sizes say nothing of their lower layers)."""
+        if not self.levels:
+            return None
+        seen: set[int] = set()
+        total = 0
+        places = [".", "tmp", *(f"{LAYERS_DIR[1:]}/{d}" for d in range(1, len(self.levels) + 1))]
+        for place in places:
+            try:
+                fd = os.open(place, os.O_RDONLY | os.O_DIRECTORY, dir_fd=ROOT_FD)
+            except OSError:
+                continue
+            try:
+                dev = os.fstat(fd).st_dev
+                if dev not in seen:
+                    seen.add(dev)
+                    st = os.fstatvfs(fd)
+                    total += (st.f_blocks - st.f_bfree) * st.f_frsize
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        return total
 
     # -- mechanics -------------------------------------------------------------------
     def _check(self, tag: str) -> None:
@@ -308,7 +344,8 @@ class Layers:
         top = f"{LAYERS_DIR}/{depth}"
         below = f"{LAYERS_DIR}/{depth - 1}/m" if depth > 1 else None
         os.makedirs(top, mode=0o700, exist_ok=True)
-        self._mount("tmpfs", top, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
+        self._mount("tmpfs", top, "tmpfs", _MS_NOSUID | _MS_NODEV,
+                    ",".join(o for o in ("mode=0700", self.size) if o))
         try:
             overlaid = [p for p in self.binds if p in OVERLAID]
             for name in ("u", "w", "m", *(f"u{i}" for i in range(len(overlaid))),

@@ -58,7 +58,13 @@ WRITABLE = ("/", "/tmp")
 
 
 def writable_used_bytes(paths: tuple[str, ...] = WRITABLE) -> int:
-    """Bytes in files the sandbox wrote: the root layer and /tmp (each filesystem once)."""
+    """Bytes in files the sandbox wrote: the root layer and /tmp (each filesystem once),
+    and the files layers of filesystem-mode resets when envd is in one (layers.py)."""
+    from .layers import LAYERS
+
+    layered = LAYERS.written_bytes()
+    if layered is not None:
+        return layered
     seen: set[int] = set()
     total = 0
     for path in paths:
