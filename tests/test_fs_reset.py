@@ -162,6 +162,10 @@ def test_what_a_files_reset_cannot_do_is_a_full_one_and_bad_input_a_clear_error(
 
         # Root in the sandbox cannot mount, nor unmount its layer (only envd's keeper
         # can), and killing the keeper makes the next reset a full one, not a failure.
+        capable = sbx.commands.run(
+            "for s in /proc/[0-9]*/status; do eff=$(awk '/^CapEff/ {print $2}' $s); "
+            "[ $(( 0x$eff >> 21 & 1 )) = 1 ] && awk '/^Name/ {print $2}' $s; done; true")
+        assert capable.stdout.split() == ["layer-keeper"], capable.stdout
         for cmd in ("mount -t tmpfs none /mnt", "umount -l /", "umount -l /tmp"):
             run = sbx.commands.run(f"sudo {cmd}; echo rc=$?")
             assert "rc=0" not in run.stdout, cmd
