@@ -15,8 +15,9 @@ from collections.abc import Iterator, Set
 
 # The kinds of entry a listing holds; sockets and device nodes are left out.
 KINDS = {stat.S_IFREG: "f", stat.S_IFDIR: "d", stat.S_IFLNK: "l", stat.S_IFIFO: "p"}
-# Not the sandbox's own files: kernel views, devices, envd's bundle.
-NOT_THE_SANDBOXS = frozenset({"/proc", "/sys", "/dev", "/.aenv"})
+# Not the sandbox's own files: kernel views, devices, envd's bundle, the mount points
+# of its files layers (envd/layers.py).
+NOT_THE_SANDBOXS = frozenset({"/proc", "/sys", "/dev", "/.aenv", "/.aenv-layers"})
 
 # An entry as listed and compared: kind, mode, uid, gid, size (files only, else 0),
 # mtime_ns, link target (links only, else "").
