@@ -141,6 +141,15 @@ def test_layers_nest_survive_pause_and_fork_and_each_child_resets_alone(
         assert version(kids[0]) == "v0v.txt\n"
         assert version(kids[1]) == "parentv.txt\n"  # its sibling's reset is not its own
         assert version(sbx) == "parentv.txt\n"
+
+        # A files-only pause captures what the layered sandbox sees, and the resumed
+        # (rebooted) sandbox has no layer: its next reset is a full one.
+        assert api.post(f"/sandboxes/{sid}/pause", json={"memory": False}).status_code == 204
+        assert api.post(f"/sandboxes/{sid}/resume", json={}).status_code == 201
+        assert version(sbx) == "parentv.txt\n"
+        assert sbx.commands.run("ls -a /").stdout.count(".aenv-layers") == 0
+        assert reset(api, sid, s1)["mode"] == "memory"
+        assert version(sbx) == "v0v.txt\n"
     finally:
         for c in children:
             api.delete(f"/sandboxes/{c}")
