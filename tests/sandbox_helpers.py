@@ -126,3 +126,19 @@ def lose_pause_snapshot(node, api, sandbox_id: str) -> None:
         for cached in (node.home / "cache" / "snapshots").glob(f"*{snap}*"):
             shutil.rmtree(cached, ignore_errors=True) if cached.is_dir() else cached.unlink()
         time.sleep(0.1)
+
+
+def base_template_with(node, template_id: str, **fields) -> str:
+    """A template of the node's own over the base template's rootfs, with other
+    resources (``cpuCount``, ``memoryMB``, ``diskSizeMB``): written into the node's
+    templates directory, as an operator would. Returns its ID."""
+    import json
+
+    from agentenv.testing import SHARED_HOME
+
+    tdir = node.home / "templates" / template_id
+    tdir.mkdir(parents=True, exist_ok=True)
+    (tdir / "template.json").write_text(json.dumps({"templateID": template_id, **fields}))
+    if not (tdir / "rootfs").exists():
+        (tdir / "rootfs").symlink_to(SHARED_HOME / "images" / "templates" / "base" / "rootfs")
+    return template_id

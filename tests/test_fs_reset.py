@@ -6,14 +6,12 @@ tokens. What the user does goes through the official e2b SDK, as a harness would
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 from e2b import Sandbox
 
 from agentenv.testing import Node
-from agentenv.testing.nodes import SHARED_HOME
+from sandbox_helpers import base_template_with
 
 SERVICE = "sleep 86400"  # started before the snapshot: the task's service
 ROLLOUT = "sleep 86399"  # started by a rollout
@@ -232,13 +230,8 @@ def test_the_disk_budget_holds_in_a_layer_and_a_reset_gives_the_space_back(
     """A 64 MB template: in a files layer, files written to / and /tmp together stay
     within the budget (the layer's tmpfs has /tmp's size, envd's guard counts the real
     layers and the files layer), the sandbox lives, and the next reset frees it all."""
-    tdir = node.home / "templates" / "fsr-disk64"
-    tdir.mkdir(parents=True, exist_ok=True)
-    (tdir / "template.json").write_text(json.dumps(
-        {"templateID": "fsr-disk64", "cpuCount": 1, "memoryMB": 512, "diskSizeMB": 64}))
-    if not (tdir / "rootfs").exists():
-        (tdir / "rootfs").symlink_to(SHARED_HOME / "images" / "templates" / "base" / "rootfs")
-    sbx = Sandbox.create("fsr-disk64", timeout=300)
+    sbx = Sandbox.create(base_template_with(node, "fsr-disk64", cpuCount=1, memoryMB=512,
+                                            diskSizeMB=64), timeout=300)
     sid = sbx.sandbox_id
     try:
         snap = snapshot(api, sid)

@@ -15,7 +15,8 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.runtime.oci import CPU_PERIOD_US, CPU_RESERVE, file_size_limit, nproc_limit
-from agentenv.testing import SHARED_HOME, Node
+from agentenv.testing import Node
+from sandbox_helpers import base_template_with
 
 # Its figures are compared with unloaded ones: run alone (make test).
 pytestmark = pytest.mark.serial
@@ -139,13 +140,8 @@ def test_disk_quota_follows_the_templates_disk_size(node: Node, api: httpx.Clien
     """A template's diskSizeMB is the quota of its sandboxes' writable layer: a filler
     meets RLIMIT_FSIZE exactly at it (many files meet envd's polling guard: runsc has
     no size limit for the in-memory root layer), and the sandbox lives on."""
-    tdir = node.home / "templates" / "xsn-disk64"
-    tdir.mkdir(parents=True, exist_ok=True)
-    (tdir / "template.json").write_text(json.dumps(
-        {"templateID": "xsn-disk64", "cpuCount": 1, "memoryMB": 512, "diskSizeMB": 64}))
-    if not (tdir / "rootfs").exists():
-        (tdir / "rootfs").symlink_to(SHARED_HOME / "images" / "templates" / "base" / "rootfs")
-    sbx = Sandbox.create("xsn-disk64", timeout=300)
+    sbx = Sandbox.create(base_template_with(node, "xsn-disk64", cpuCount=1, memoryMB=512,
+                                            diskSizeMB=64), timeout=300)
     try:
         assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["diskSizeMB"] == 64
         r = sbx.commands.run("dd if=/dev/zero of=/home/user/fill bs=1M count=400 2>&1; "
