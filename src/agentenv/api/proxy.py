@@ -269,6 +269,11 @@ class SandboxProxy:
                                  sandbox_id)
                 return
             if isinstance(exc, httpx.ConnectError):
+                # Usually nothing listens; the cause (refused, unreachable, reset) says
+                # when it is the network instead (a forked child was seen answering,
+                # then refusing under load: tests/test_fork.py).
+                log.info("proxy to port %s of %s at %s: %r", url.port, sandbox_id, url.host,
+                         exc.__cause__ or exc)
                 await send_error(scope, send, 502, f"The sandbox {sandbox_id} is running but "
                                                    f"port is not open: {url.port}")
                 return
