@@ -59,7 +59,8 @@ run-cluster: setup ui
 # run after, alone. Every run's log ends with the 25 slowest steps (--durations).
 test: system venv
 	@$(MAKE) --no-print-directory -j3 templates js ui lint
-	@status=0; $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" --durations=25 || status=$$?; \
+	@status=0; $(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder \
+	  -m "not serial" --durations=25 || status=$$?; \
 	$(VENV)/bin/pytest -m serial --durations=25 || status=$$?; exit $$status
 
 # The headline benchmarks, each beside its floor, then one summary table (bench/README.md).

@@ -15,9 +15,13 @@ TEST_PREFIX = f"t{os.getpid() % 46656:03x}"
 # 10.50-89 is the session nodes' alone: the nodes single test files start use
 # fixed or per-file ranges (10.13-44, 10.120-249); a session node sharing one with
 # them (as 10.100-199 could) broke their creates on the host's routes. Under
-# pytest-xdist each of the two workers has a session node, in its own half.
+# pytest-xdist each worker has a session node, in a share of its own of that range
+# (a half each of two workers, a quarter each of up to four).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-TEST_CIDR = free_cidr(50 + 20 * (int(WORKER) % 2 if WORKER.isdigit() else 0), 20, os.getpid())
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_SHARE = 40 // min(max(WORKERS, 2), 4)
+TEST_CIDR = free_cidr(50 + _SHARE * (int(WORKER) % (40 // _SHARE) if WORKER.isdigit() else 0),
+                      _SHARE, os.getpid())
 
 
 @pytest.fixture(scope="session")
@@ -41,19 +45,25 @@ def api(node: Node):
         yield client
 
 
-# The files that take longest (seconds of one worker, summed from --junitxml, in a run
-# of the whole parallel part on this 2-core machine), started first: `make test` hands
-# whole files to two workers, and a long file left for last makes the run as long as
-# it (longest first keeps the tail short). Every `make test` log ends with the slowest
-# steps (--durations=25): re-rank from there when this drifts. (test_cluster's place is
-# the last CI run's: its cluster did not come up in this one.)
-SLOW_FILES = ("test_cli.py", "test_envd_dormant.py", "test_sandbox_snapshots.py",
-              "test_crash_safety.py", "test_security_memory.py", "test_idle_freeze.py",
-              "test_images_node.py", "test_cluster.py", "test_code_interpreter_parity.py",
-              "test_template_build_cli.py", "test_fork.py", "test_e2b_js.py",
-              "test_images_cleanup.py", "test_rl_client.py", "test_e2b_code_interpreter.py",
-              "test_deploy_compose.py", "test_snapshot_store.py", "test_cluster_gateways.py",
-              "test_security_round3.py", "test_crash.py", "test_images_lazy.py")
+# The files that take longest (seconds of one worker, summed per file from each test's
+# setup, call and teardown, in a `make test` on this 2-core machine), started first:
+# `make test` hands whole files to the workers, and a long file left for last makes
+# the run as long as it (longest first keeps the tail short). The Makefile passes
+# --no-loadscope-reorder: without it pytest-xdist orders the files by their number of
+# tests instead, and this order is lost. Every `make test` log ends with the slowest
+# steps (--durations): re-rank from there when this drifts.
+SLOW_FILES = ("test_envd_dormant.py", "test_crash_safety.py", "test_cluster.py",
+              "test_idle_freeze.py", "test_sandbox_snapshots.py", "test_e2b_js.py",
+              "test_code_interpreter_parity.py", "test_fork.py", "test_cli.py",
+              "test_security_round3.py", "test_images_node.py", "test_template_build_cli.py",
+              "test_security_memory.py", "test_crash.py", "test_snapshot_store.py",
+              "test_deploy_compose.py", "test_e2b_code_interpreter.py",
+              "test_images_cleanup.py", "test_rl_client.py", "test_rl_server.py",
+              "test_images_lazy.py", "test_security_egress.py", "test_envd_sleep.py",
+              "test_node.py", "test_cluster_gateways.py", "test_snapshot_runsc.py",
+              "test_sandbox_snapshot_faults.py", "test_pause_filesystem.py",
+              "test_template_build.py", "test_reset.py", "test_e2b_sandbox.py",
+              "test_cold_memory.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
