@@ -66,17 +66,16 @@ run-cluster: setup ui
 # The JS SDKs install and the console builds while the venv installs; then the
 # templates (their build may use the venv's pip). The lint runs beside the parallel
 # part's first minute (its output follows that part's): none of the tests needs it.
-# Two pytest workers, a file each at a time, the longest files first
-# (tests/conftest.py ranks them; --no-loadscope-reorder keeps that order): the suite
-# mostly waits on sandboxes, and a file's nodes stay its own. The files marked serial
-# compare figures with unloaded ones: they run after, alone. Every run's log ends with
-# the 25 slowest steps (--durations).
+# Two pytest workers, a file each at a time: the suite mostly waits on sandboxes, and
+# a file's nodes stay its own. The files marked serial compare figures with unloaded
+# ones: they run after, alone. Every run's log ends with the 25 slowest steps
+# (--durations).
 test: system
 	@$(MAKE) --no-print-directory -j3 venv js ui
 	@$(MAKE) --no-print-directory templates
 	@status=0; lintlog=$$(mktemp); trap 'rm -f "$$lintlog"' EXIT; \
 	$(MAKE) --no-print-directory lint >"$$lintlog" 2>&1 & lint=$$!; \
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile \
 	  -m "not serial" --durations=25 || status=$$?; \
 	wait $$lint || status=$$?; cat "$$lintlog"; \
 	$(VENV)/bin/pytest -m serial --durations=25 || status=$$?; exit $$status
