@@ -16,7 +16,7 @@ TEST_PREFIX = f"t{os.getpid() % 46656:03x}"
 # fixed or per-file ranges (10.13-44, 10.120-249); a session node sharing one with
 # them (as 10.100-199 could) broke their creates on the host's routes. Under
 # pytest-xdist each worker has a session node, in a share of its own of that range
-# (a half each of two workers, a quarter each of up to four).
+# (a half each of two workers, a third of three, a quarter of four).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _SHARE = 40 // min(max(WORKERS, 2), 4)
