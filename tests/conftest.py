@@ -15,9 +15,13 @@ TEST_PREFIX = f"t{os.getpid() % 46656:03x}"
 # 10.50-89 is the session nodes' alone: the nodes single test files start use
 # fixed or per-file ranges (10.13-44, 10.120-249); a session node sharing one with
 # them (as 10.100-199 could) broke their creates on the host's routes. Under
-# pytest-xdist each of the two workers has a session node, in its own half.
+# pytest-xdist each worker has a session node, in a share of its own of that range
+# (a half each of two workers, a third of three, a quarter of four).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-TEST_CIDR = free_cidr(50 + 20 * (int(WORKER) % 2 if WORKER.isdigit() else 0), 20, os.getpid())
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_SHARE = 40 // min(max(WORKERS, 2), 4)
+TEST_CIDR = free_cidr(50 + _SHARE * (int(WORKER) % (40 // _SHARE) if WORKER.isdigit() else 0),
+                      _SHARE, os.getpid())
 
 
 @pytest.fixture(scope="session")
@@ -42,11 +46,14 @@ def api(node: Node):
 
 
 # The files that take longest (seconds of one worker, summed from --junitxml, in a run
-# of the whole parallel part on this 2-core machine), started first: `make test` hands
-# whole files to two workers, and a long file left for last makes the run as long as
-# it (longest first keeps the tail short). Every `make test` log ends with the slowest
-# steps (--durations=25): re-rank from there when this drifts. (test_cluster's place is
-# the last CI run's: its cluster did not come up in this one.)
+# of the whole parallel part on this 2-core machine). pytest-xdist's loadfile hands
+# out the files with the most tests first (its loadscope reorder, on by default), so
+# this order only breaks ties between files of as many tests. Longest first for
+# everything (--no-loadscope-reorder) was tried: it starts the heavy files side by
+# side (test_fork's sixteen children beside test_e2b_js's three SDK files at a time),
+# and the fork test failed on a child's port refused after it answered (502), the one
+# run of it with two workers (parallel part 1109 s against 960 s) as with three.
+# (test_cluster's place is the last CI run's: its cluster did not come up in this one.)
 SLOW_FILES = ("test_cli.py", "test_envd_dormant.py", "test_sandbox_snapshots.py",
               "test_crash_safety.py", "test_security_memory.py", "test_idle_freeze.py",
               "test_images_node.py", "test_cluster.py", "test_code_interpreter_parity.py",
