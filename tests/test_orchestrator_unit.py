@@ -230,8 +230,8 @@ async def test_reset_in_place_keeps_the_slot_and_a_failed_one_ends_in_error(node
     record = await mgr.create(CreateRequest("base"))
     sid, slot, expiry = record.sandbox_id, record.slot_index, record.end_at
     manifest = await mgr.snapshot(sid, "start")
-    back, used = await mgr.reset(sid)
-    assert back is record and used.snapshot_id == manifest.snapshot_id
+    back, used, mode = await mgr.reset(sid)
+    assert back is record and used.snapshot_id == manifest.snapshot_id and mode == "memory"
     assert record.state is SandboxState.RUNNING and record.end_at == expiry
     assert record.slot_index == slot and list(node.slots.holding) == [slot]  # the same slot
     assert node.runtime.calls[-2:] == [("destroy", sid), ("restore", sid)]
@@ -280,6 +280,36 @@ async def test_a_paused_sandbox_whose_reset_fails_stays_paused(node: Node) -> No
     assert record.state is SandboxState.PAUSED and node.clean()
     await mgr.reset(record.sandbox_id, ttl=60)
     assert record.state is SandboxState.RUNNING and record.slot_index
+
+
+async def test_a_filesystem_reset_is_envd_s_once_layered_and_a_full_one_otherwise(
+        node: Node) -> None:
+    """mode filesystem (issue 28): no layer for the snapshot yet, a full reset (destroy,
+    restore) then a push; the next, envd's alone (no runtime call); envd failing or
+    refusing, a full one again; a bad mode, 400 before anything is touched."""
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid = record.sandbox_id
+    snap = (await mgr.snapshot(sid, "start")).snapshot_id
+    with pytest.raises(BadRequest, match="mode must be"):
+        await mgr.reset(sid, mode="files")
+    calls = len(node.runtime.calls)
+    _, _, mode = await mgr.reset(sid, mode="filesystem")
+    assert mode == "memory" and node.runtime.calls[calls:] == [("destroy", sid),
+                                                               ("restore", sid)]
+    assert node.envd.layer_calls == [("reset", snap), ("push", snap)]
+    calls = len(node.runtime.calls)
+    _, _, mode = await mgr.reset(sid, mode="filesystem")
+    assert mode == "filesystem" and node.runtime.calls[calls:] == []
+    assert [r["mode"] for r in record.resets] == ["memory", "filesystem"]
+    # envd not answering: a full reset puts the sandbox back all the same.
+    node.envd.faults.fail("layer_reset", EnvdUnavailable("envd did not answer"))
+    calls = len(node.runtime.calls)
+    _, _, mode = await mgr.reset(sid, mode="filesystem")
+    assert mode == "memory" and ("restore", sid) in node.runtime.calls[calls:]
+    assert record.state is SandboxState.RUNNING
+    await mgr.kill(sid)
+    assert node.clean()
 
 
 async def test_a_sandbox_being_killed_has_no_endpoint_from_the_start(node: Node) -> None:

@@ -138,10 +138,13 @@ class EnvdClient:
         """``push`` a files layer tagged ``tag`` over the sandbox's files, or ``reset``
         the layer so tagged (envd/layers.py). LayerRefused when envd has no such layer
         or cannot layer (the caller then resets in full); EnvdUnavailable otherwise."""
-        r = await self._http.post(
-            httpx.URL(scheme="http", host=address, port=ENVD_PORT, path="/aenv/layer"),
-            headers={"X-Access-Token": token}, json={"op": op, "tag": tag},
-            timeout=httpx.Timeout(5.0, read=30.0))
+        try:
+            r = await self._http.post(
+                httpx.URL(scheme="http", host=address, port=ENVD_PORT, path="/aenv/layer"),
+                headers={"X-Access-Token": token}, json={"op": op, "tag": tag},
+                timeout=httpx.Timeout(5.0, read=30.0))
+        except httpx.HTTPError as exc:
+            raise EnvdUnavailable(f"envd /aenv/layer {op}: {exc!r}") from exc
         try:
             body = r.json()
         except ValueError:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..network import CompiledPolicy, Slot, SlotPoolExhausted
-from ..orchestrator.envd_client import EnvdUnavailable
+from ..orchestrator.envd_client import EnvdUnavailable, LayerRefused
 from ..runtime import RuntimeFailure, RuntimeSandbox, SandboxSpec
 
 
@@ -248,9 +248,24 @@ class FakeEnvd:
     inits: dict[str, dict] = field(default_factory=dict)
     commands: list[str] = field(default_factory=list)
     disk_uploads: list[tuple[str, str, bytes]] = field(default_factory=list)
+    # Each address's files layers (envd/layers.py), by tag, lowest first; and the calls.
+    layers: dict[str, list[str]] = field(default_factory=dict)
+    layer_calls: list[tuple[str, str]] = field(default_factory=list)
 
     async def close(self) -> None:
         pass
+
+    async def layer(self, address: str, token: str, op: str, tag: str) -> dict:
+        await self.faults.check(f"layer_{op}")
+        self.layer_calls.append((op, tag))
+        stack = self.layers.setdefault(address, [])
+        if op == "push":
+            stack.append(tag)
+        elif tag in stack:
+            del stack[len(stack) - stack[::-1].index(tag):]
+        else:
+            raise LayerRefused(f"no files layer for '{tag}' in this sandbox")
+        return {"depth": len(stack), "killed": 0, "ms": 1.0}
 
     async def wait_ready(self, address: str, deadline_s: float = 15.0,
                          progress: Callable[[], float | None] | None = None) -> None:
