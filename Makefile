@@ -63,22 +63,14 @@ run: setup ui
 run-cluster: setup ui
 	@bash deploy/run-cluster.sh
 
-# The JS SDKs install and the console builds while the venv installs; then the
-# templates (their build may use the venv's pip). The lint runs beside the parallel
-# part's first minute (its output follows that part's): none of the tests needs it.
-# Two pytest workers, a file each at a time: the suite mostly waits on sandboxes, and
-# a file's nodes stay its own. The files marked serial compare figures with unloaded
-# ones: they run after, alone. Every run's log ends with the 25 slowest steps
-# (--durations).
+# The JS SDKs install and the console builds while the venv installs; then the base
+# template (every session node needs it; its build may use the venv's pip), then
+# scripts/test-suite.sh: the other two templates build beside the tests that do not
+# need them, and the lint beside the parallel part; the serial files last.
 test: system
 	@$(MAKE) --no-print-directory -j3 venv js ui
-	@$(MAKE) --no-print-directory templates
-	@status=0; lintlog=$$(mktemp); trap 'rm -f "$$lintlog"' EXIT; \
-	$(MAKE) --no-print-directory lint >"$$lintlog" 2>&1 & lint=$$!; \
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile \
-	  -m "not serial" --durations=25 || status=$$?; \
-	wait $$lint || status=$$?; cat "$$lintlog"; \
-	$(VENV)/bin/pytest -m serial --durations=25 || status=$$?; exit $$status
+	@bash scripts/build-base-template.sh
+	@TEST_WORKERS=$(TEST_WORKERS) bash scripts/test-suite.sh
 
 # The headline benchmarks, each beside its floor, then one summary table (bench/README.md).
 bench: setup

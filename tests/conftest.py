@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +68,29 @@ SLOW_FILES = ("test_cli.py", "test_envd_dormant.py", "test_sandbox_snapshots.py"
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
+
+
+# `make test` builds the code-interpreter template and the deployment base beside the
+# parallel part (scripts/test-suite.sh): a test marked needs_build("name") waits for
+# that build to end, and fails with its log if it failed. Run any other way (no such
+# build under way), the mark waits for nothing.
+BUILD_WAIT_S = 1800.0
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    pending = os.environ.get("AENV_TEST_PENDING_BUILDS")
+    if not pending:
+        return
+    for mark in item.iter_markers("needs_build"):
+        name = mark.args[0]
+        log, rc = Path(pending) / f"{name}.log", Path(pending) / f"{name}.rc"
+        if not log.exists():
+            continue
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while not rc.exists():
+            if time.monotonic() > deadline:
+                pytest.fail(f"building {name} still under way after {BUILD_WAIT_S:.0f} s")
+            time.sleep(1.0)
+        if rc.read_text().strip() != "0":
+            pytest.fail(f"building {name} failed:\n{log.read_text()[-4000:]}")

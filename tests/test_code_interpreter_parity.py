@@ -16,6 +16,8 @@ from e2b_code_interpreter.charts import ChartType
 
 from agentenv.testing import Node
 
+pytestmark = pytest.mark.needs_build("code-interpreter")
+
 CREATE_ENVS = {"FROM_CREATE": "visible", "SHARED": "sandbox's"}
 # (language, code printing FROM_CREATE, PER_RUN and SHARED, separated by spaces)
 ENV_PROBES = [

@@ -29,7 +29,8 @@ OVERRIDE = ROOT / "tests" / "deploy" / "compose.templates.yml"
 BASE_TAR = SHARED_HOME / "images" / "deploy-base.tar"
 TEMPLATES = SHARED_HOME / "images" / "templates"
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for dockerd")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root for dockerd"),
+              pytest.mark.needs_build("deploy-base")]
 
 
 def compose_binary() -> str:

@@ -73,6 +73,7 @@ def test_template_detail_and_alias(client) -> None:
     assert Template.exists("no-such-template") is False
 
 
+@pytest.mark.needs_build("code-interpreter")
 def test_code_interpreter_template_is_listed(client) -> None:
     by_id = {t.template_id: t for t in get_templates.sync_detailed(client=client).parsed}
     ci = by_id["code-interpreter"]

@@ -79,6 +79,7 @@ async def test_async_sandbox_main_paths(node: Node) -> None:
     assert not await sbx.is_running()
 
 
+@pytest.mark.needs_build("code-interpreter")
 async def test_async_code_interpreter(node: Node) -> None:
     sbx = await AsyncCodeSandbox.create(timeout=120)
     try:

@@ -15,6 +15,8 @@ from e2b_code_interpreter import Sandbox
 
 from agentenv.testing import Node
 
+pytestmark = pytest.mark.needs_build("code-interpreter")
+
 
 @pytest.fixture(scope="module")
 def sbx(node: Node):

@@ -12,6 +12,8 @@ import pytest
 
 from agentenv.testing import Node
 
+pytestmark = pytest.mark.needs_build("code-interpreter")
+
 JS = Path(__file__).resolve().parent / "js"
 
 
