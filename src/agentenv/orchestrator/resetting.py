@@ -135,9 +135,9 @@ class Resetting(Pausing):
                 listener(sandbox_id)
             self._reset_done(record, manifest, seconds, "filesystem")
             log.info("reset %s to snapshot %s in %.1f ms (its files layer; envd %.1f ms, "
-                     "%s processes ended)", sandbox_id, manifest.snapshot_id,
-                     (time.perf_counter() - t0) * 1000, done.get("ms", 0),
-                     done.get("killed", 0))
+                     "of which its kill pass %.1f ms, %s processes ended)", sandbox_id,
+                     manifest.snapshot_id, (time.perf_counter() - t0) * 1000,
+                     done.get("ms", 0), done.get("kill_ms", 0), done.get("killed", 0))
             return record
 
     def _reset_done(self, record: SandboxRecord, manifest: Manifest, seconds: int | None,
