@@ -9,6 +9,7 @@ import pytest
 from fastapi import FastAPI
 
 from agentenv.builds import BuildError
+from agentenv.images import ImageInUse
 from agentenv.orchestrator import Conflict
 from agentenv.snapshot import (
     CorruptSnapshot,
@@ -17,7 +18,7 @@ from agentenv.snapshot import (
     SnapshotNotFound,
     StorageFull,
 )
-from agentenv.web.errors import install_error_handlers
+from agentenv.web.errors import install_error_handlers, status_and_message
 
 RAISED = {
     "not-found": SnapshotNotFound("snapshot 'nope' not found"),
@@ -27,6 +28,8 @@ RAISED = {
     "exists": SnapshotExists("snapshot s1 already exists"),
     "conflict": Conflict("sandbox 'x' is paused"),
     "too-large": BuildError("the context archive is larger than 2 GiB", 413),
+    "in-use": ImageInUse("image template 'a' is in use by 1 sandbox(es) (s1); kill them first"),
+    "bug": KeyError("secret-looking detail"),
 }
 
 
@@ -51,13 +54,18 @@ def app() -> FastAPI:
     ("exists", 409, "snapshot: snapshot s1 already exists"),
     ("conflict", 409, "sandbox 'x' is paused"),
     ("too-large", 413, "the context archive is larger than 2 GiB"),
+    ("in-use", 409, "image template 'a' is in use by 1 sandbox(es) (s1); kill them first"),
+    ("bug", 500, "internal error: KeyError"),
 ])
 async def test_an_error_is_answered_with_its_class_s_status_and_prefix(
         app: FastAPI, what: str, status: int, message: str) -> None:
-    transport = httpx.ASGITransport(app=app)
+    # Starlette re-raises an unexpected error once answered: the answer is what counts.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
         r = await client.get(f"/raise/{what}")
     assert r.status_code == status
     assert r.json() == {"code": status, "message": message}
+    # An answer already streaming (an image pull's last line) says the same.
+    assert status_and_message(RAISED[what]) == (status, message)
     # A body refused unread is not read to its end: the connection closes instead.
     assert (r.headers.get("connection") == "close") == (status == 413)

@@ -25,6 +25,16 @@ def public_message(exc: AgentenvError) -> str:
     return f"{exc.message_prefix}: {exc}" if exc.message_prefix else str(exc)
 
 
+def status_and_message(exc: BaseException) -> tuple[int, str]:
+    """The status and message any error is answered with: an ``AgentenvError``'s own,
+    else a 500 that names the error's type only. The handlers below answer with it;
+    so does an answer already streaming (an image pull's last line), which no handler
+    can reach."""
+    if isinstance(exc, AgentenvError):
+        return exc.status, public_message(exc)
+    return 500, f"internal error: {type(exc).__name__}"
+
+
 def _describe(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
@@ -63,7 +73,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _agentenv(_: Request, exc: AgentenvError) -> JSONResponse:
         if exc.status >= 500:
             log.error("request failed: %s", exc)
-        response = error_response(exc.status, public_message(exc))
+        response = error_response(*status_and_message(exc))
         response.headers.update(exc.headers or {})  # e.g. Retry-After
         return _close_if_body_unread(response)
 
@@ -83,7 +93,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
+        return error_response(*status_and_message(exc))
 
 
 ERROR_SCHEMA = {

@@ -21,9 +21,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from ...builds import check_name_not_reserved
-from ...images import ImageError, ImageService
+from ...images import ImageInUse, ImageService
 from ...templates import TemplateNotFound
-from ...web.errors import error_response
+from ...web.errors import error_response, status_and_message
 from ..models import ImageCredentials
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,9 @@ async def pull_image(request: Request, body: PullRequest) -> Response:
             break
         if isinstance(item, BaseException):
             await worker
-            return _error(item)
+            if isinstance(item, Exception):
+                raise item  # answered by the error handlers (web/errors.py)
+            return error_response(*status_and_message(item))
         if item is None:
             break
         first.append(item)
@@ -99,7 +101,10 @@ async def pull_image(request: Request, body: PullRequest) -> Response:
                 if item is None:
                     return
                 if isinstance(item, BaseException):
-                    status, message = _describe(item)
+                    # The answer's status is sent: the error is the stream's last line.
+                    status, message = status_and_message(item)
+                    if status >= 500:
+                        log.error("image pull failed: %s", message, exc_info=item)
                     yield _line({"status": "error", "code": status, "message": message})
                     return
                 yield _line(item)
@@ -109,20 +114,6 @@ async def pull_image(request: Request, body: PullRequest) -> Response:
             await asyncio.shield(worker)
 
     return StreamingResponse(stream(), media_type="application/x-ndjson")
-
-
-def _describe(exc: BaseException) -> tuple[int, str]:
-    if isinstance(exc, ImageError):
-        return exc.status, str(exc)
-    log.error("image pull failed", exc_info=exc)
-    return 500, f"internal error: {type(exc).__name__}"
-
-
-def _error(exc: BaseException) -> Response:
-    status, message = _describe(exc)
-    if status >= 500:
-        log.warning("image pull failed: %s", message)
-    return error_response(status, message)
 
 
 @router.get("/images")
@@ -146,12 +137,9 @@ async def delete_image(request: Request, name: str) -> Response:
     if template is not None:
         users = [r.sandbox_id for r in manager.list() if r.template_id == template.template_id]
         if users:
-            return error_response(409, f"image template '{name}' is in use by {len(users)} "
-                                       f"sandbox(es) ({', '.join(users[:3])}); kill them first")
-    try:
-        await asyncio.to_thread(_service(request).delete, name)
-    except ImageError as exc:
-        return _error(exc)
+            raise ImageInUse(f"image template '{name}' is in use by {len(users)} "
+                             f"sandbox(es) ({', '.join(users[:3])}); kill them first")
+    await asyncio.to_thread(_service(request).delete, name)
     if template is not None:
         await asyncio.to_thread(manager.templates.unpublish, template)
     return Response(status_code=204)
