@@ -119,6 +119,11 @@ def test_closed_port_is_a_clear_502(node: Node, served: Sandbox) -> None:
     body = r.json()
     assert body["code"] == 502
     assert "port is not open" in body["message"] and "9999" in body["message"]
+    # The node's log says what the connect met: refused (nothing listens there), as
+    # opposed to a network fault (unreachable, reset, timed out).
+    said = [line for line in node.log_path.read_text(errors="replace").splitlines()
+            if f"proxy to port 9999 of {served.sandbox_id} at " in line]
+    assert said and "ECONNREFUSED" in said[-1], said
     # a WebSocket to a closed port is refused, not left hanging
     sock = socket.create_connection(("127.0.0.1", node.port))
     with pytest.raises((websockets.InvalidStatus, websockets.ConnectionClosed,
