@@ -35,7 +35,10 @@ def served(node: Node):
     start_ws_echo(sbx)
     start_host_echo(sbx, HOST_PORT)
     sbx.files.write("/home/user/www/index.html", "served from the sandbox\n")
-    sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
+    # The module's tests may outlast the SDK's default command timeout (60 s), which
+    # would end the server: timeout=0.
+    sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True,
+                     timeout=0)
     wait_port(sbx, 8080)
     yield sbx
     sbx.kill()
