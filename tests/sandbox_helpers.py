@@ -64,7 +64,9 @@ def start_ws_echo(sbx: Sandbox) -> None:
         for p in pkg.rglob("*.py")
     ])
     sbx.files.write("/home/user/echo.py", _WS_ECHO)
-    sbx.commands.run("python3 /home/user/echo.py", background=True)
+    # timeout=0: a command's timeout (the SDK's 60 s by default) ends a background one
+    # too, and a module's tests may use the server for longer than that.
+    sbx.commands.run("python3 /home/user/echo.py", background=True, timeout=0)
     wait_port(sbx, WS_ECHO_PORT)
 
 
@@ -99,7 +101,7 @@ def start_host_echo(sbx: Sandbox, port: int) -> None:
     """An HTTP server on ``port`` answering every GET with the Host and X-Forwarded-Host
     it received (JSON), each also appended to HOST_ECHO_LOG (WebSocket handshakes too)."""
     sbx.files.write("/home/user/host_echo.py", _HOST_ECHO)
-    sbx.commands.run(f"python3 /home/user/host_echo.py {port}", background=True)
+    sbx.commands.run(f"python3 /home/user/host_echo.py {port}", background=True, timeout=0)
     wait_port(sbx, port)
 
 

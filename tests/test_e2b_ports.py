@@ -35,7 +35,10 @@ def served(node: Node):
     start_ws_echo(sbx)
     start_host_echo(sbx, HOST_PORT)
     sbx.files.write("/home/user/www/index.html", "served from the sandbox\n")
-    sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
+    # The module's tests may outlast the SDK's default command timeout (60 s), which
+    # would end the server: timeout=0.
+    sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True,
+                     timeout=0)
     wait_port(sbx, 8080)
     yield sbx
     sbx.kill()
@@ -119,6 +122,11 @@ def test_closed_port_is_a_clear_502(node: Node, served: Sandbox) -> None:
     body = r.json()
     assert body["code"] == 502
     assert "port is not open" in body["message"] and "9999" in body["message"]
+    # The node's log says what the connect met: refused (nothing listens there), as
+    # opposed to a network fault (unreachable, reset, timed out).
+    said = [line for line in node.log_path.read_text(errors="replace").splitlines()
+            if f"proxy to port 9999 of {served.sandbox_id} at " in line]
+    assert said and "ECONNREFUSED" in said[-1], said
     # a WebSocket to a closed port is refused, not left hanging
     sock = socket.create_connection(("127.0.0.1", node.port))
     with pytest.raises((websockets.InvalidStatus, websockets.ConnectionClosed,

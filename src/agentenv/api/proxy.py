@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import time
@@ -272,8 +273,8 @@ class SandboxProxy:
                 # Usually nothing listens; the cause (refused, unreachable, reset) says
                 # when it is the network instead (a forked child was seen answering,
                 # then refusing under load: tests/test_fork.py).
-                log.info("proxy to port %s of %s at %s: %r", url.port, sandbox_id, url.host,
-                         exc.__cause__ or exc)
+                log.info("proxy to port %s of %s at %s: %s", url.port, sandbox_id, url.host,
+                         connect_cause(exc))
                 await send_error(scope, send, 502, f"The sandbox {sandbox_id} is running but "
                                                    f"port is not open: {url.port}")
                 return
@@ -305,6 +306,25 @@ class SandboxProxy:
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
 
         await relay_websocket(receive, send, upstream)
+
+
+def connect_cause(exc: BaseException) -> str:
+    """What a failed connect met, from the innermost OSError under ``exc`` (httpx wraps
+    anyio's "All connection attempts failed", which wraps the socket's own error):
+    "ECONNREFUSED (...)", "EHOSTUNREACH (...)", ..., else the exception's repr."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        err = todo.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None:
+            return f"{errno.errorcode.get(err.errno, err.errno)} ({err.strerror})"
+        if isinstance(err, BaseExceptionGroup):
+            todo.extend(err.exceptions)
+        todo.extend(e for e in (err.__cause__, err.__context__) if e is not None)
+    return repr(exc)
 
 
 def _header_matches(scope: Scope, name: str, expected: str) -> bool:
