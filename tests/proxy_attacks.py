@@ -144,7 +144,7 @@ def assert_bad_routing_is_400(proxy_port: int, sandbox_id: str) -> None:
 
 def start_header_echo(sbx: Sandbox) -> None:
     sbx.files.write("/home/user/echo_headers.py", _HEADER_ECHO)
-    sbx.commands.run("python3 /home/user/echo_headers.py", background=True)
+    sbx.commands.run("python3 /home/user/echo_headers.py", background=True, timeout=0)
     wait_port(sbx, ECHO_PORT)
 
 

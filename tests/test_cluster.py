@@ -167,7 +167,8 @@ def test_ports_by_host_and_headers_http_and_websocket(cluster: Cluster) -> None:
     sbx = Sandbox.create(template="base", timeout=120)
     try:
         sbx.files.write("/home/user/www/index.html", "via the gateway\n")
-        sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
+        sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True,
+                         timeout=0)
         wait_port(sbx, 8080)
         start_ws_echo(sbx)
         host = gateway_host(cluster, sbx, 8080)
@@ -474,7 +475,7 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
     network = api.get(f"/sandboxes/{sbx.sandbox_id}").json()["network"]
     assert network["denyOut"] == ["0.0.0.0/0"] and network["allowPublicTraffic"] is False
     sbx.files.write("/home/user/kept.txt", "survives its node")
-    sbx.commands.run(COUNTER, background=True)
+    sbx.commands.run(COUNTER, background=True, timeout=0)
     assert counting(sbx)
     home = owner(cluster, sbx.sandbox_id)
     # running sandboxes on the same node: one never paused dies with it; one paused

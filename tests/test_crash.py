@@ -69,7 +69,7 @@ def test_kill9_while_paused_in_memory_loses_nothing(tmp_path, monkeypatch) -> No
         boxes = [Sandbox.create("base", timeout=300) for _ in range(2)]
         for i, sbx in enumerate(boxes):
             sbx.files.write("/home/user/mark.txt", f"box {i}")
-            sbx.commands.run(COUNTER, background=True)
+            sbx.commands.run(COUNTER, background=True, timeout=0)
             assert counting(sbx)
         for sbx in boxes:
             sbx.pause()
@@ -118,7 +118,7 @@ def test_resumed_before_its_pause_committed_then_kill9(tmp_path, monkeypatch) ->
             monkeypatch.setenv(k, v)
         sbx = Sandbox.create("base", timeout=300)
         sbx.files.write("/home/user/mark.txt", "kept")
-        sbx.commands.run(COUNTER, background=True)
+        sbx.commands.run(COUNTER, background=True, timeout=0)
         assert counting(sbx)
         earlier: set[str] = set()
         for i in range(2):

@@ -70,7 +70,7 @@ def test_files_go_back_in_place_processes_of_the_rollout_end_the_service_stays(
                          "echo \"print('setup')\" > main.py && echo 'assert True' > test_main.py"
                          " && echo -n 'from the setup' > /tmp/setup.txt && "
                          "sudo sh -c 'echo backup > /etc/hostname.bak'")
-        sbx.commands.run(SERVICE, background=True)
+        sbx.commands.run(SERVICE, background=True, timeout=0)
         service = pid_of(sbx, SERVICE)
         assert service
         snap = snapshot(api, sid)

@@ -65,7 +65,7 @@ def test_a_frozen_sandbox_answers_a_command_and_proxied_http(fnode: Node) -> Non
     try:
         sbx.files.write("/home/user/index.html", "hello from a frozen sandbox\n")
         server = sbx.commands.run("cd /home/user && python3 -m http.server 8080",
-                                  background=True)
+                                  background=True, timeout=0)
         server.disconnect()  # nothing in flight: the idle server may be frozen
         host = {"Host": sbx.get_host(8080)}
         end = time.monotonic() + 20

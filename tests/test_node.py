@@ -148,8 +148,8 @@ def test_sandboxes_cannot_see_each_other(node: Node, api: httpx.Client) -> None:
     try:
         a, b = Sandbox.connect(a_id), Sandbox.connect(b_id)
         a.files.write("/home/user/secret-a", "mine")
-        a.commands.run("sleep 4242", background=True)
-        a.commands.run("python3 -m http.server 8080 --bind 0.0.0.0", background=True)
+        a.commands.run("sleep 4242", background=True, timeout=0)
+        a.commands.run("python3 -m http.server 8080 --bind 0.0.0.0", background=True, timeout=0)
         _wait_port(a, 8080)
 
         assert b.commands.run("ls /home/user").stdout.strip() == ""

@@ -62,7 +62,7 @@ def test_pause_without_memory_reboots_with_every_file_kept(node: Node) -> None:
         assert r.exit_code == 0, r.stderr
         r = sbx.commands.run(AS_ROOT, user="root")
         assert r.exit_code == 0, r.stderr
-        sbx.commands.run("sleep 4242", background=True)
+        sbx.commands.run("sleep 4242", background=True, timeout=0)
         boot_id, _, sleeper = _boot(sbx)
         assert sleeper
 
@@ -82,7 +82,7 @@ def test_pause_without_memory_reboots_with_every_file_kept(node: Node) -> None:
         assert sbx.files.read("/home/user/work/deep/er/a.txt") == "kept one\n"
 
         # Paused again, with memory: the rebooted sandbox pauses and resumes as any other.
-        sbx.commands.run("sleep 4242", background=True)
+        sbx.commands.run("sleep 4242", background=True, timeout=0)
         sbx.pause()
         Sandbox.connect(sbx.sandbox_id)
         assert _boot(sbx)[2]  # a memory pause keeps the processes
@@ -95,7 +95,7 @@ def test_timeout_pauses_without_memory_when_the_lifecycle_says_so(node: Node) ->
         "on_timeout": {"action": "pause", "mode": "filesystem"}})
     try:
         sbx.files.write("/home/user/note.txt", "before the timeout")
-        sbx.commands.run("sleep 4242", background=True)
+        sbx.commands.run("sleep 4242", background=True, timeout=0)
         deadline = time.time() + 60
         while sbx.get_info().state.value != "paused":
             assert time.time() < deadline, "the sandbox was not paused at its timeout"
@@ -128,7 +128,7 @@ def test_a_filesystem_snapshot_boots_new_sandboxes_with_its_files(node: Node, ap
     sbx = Sandbox.create("base", timeout=120)
     try:
         sbx.files.write("/home/user/seed.txt", "from the snapshot")
-        sbx.commands.run("sleep 4242", background=True)
+        sbx.commands.run("sleep 4242", background=True, timeout=0)
         snap = sbx.create_snapshot(mode="filesystem")
         assert _boot(sbx)[2]  # the source runs on, its processes too
         child = Sandbox.create(snap.snapshot_id, timeout=120)

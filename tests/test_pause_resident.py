@@ -25,7 +25,7 @@ def test_resident_pause_thaws_and_an_evicted_one_restores(node: Node, api: httpx
     sbx = Sandbox.create("base", timeout=300)
     try:
         sbx.files.write("/home/user/kept.txt", "kept")
-        sbx.commands.run(COUNTER, background=True)
+        sbx.commands.run(COUNTER, background=True, timeout=0)
         assert counting(sbx)
         sbx.pause()
         assert sbx.get_info().state.value == "paused"

@@ -23,7 +23,7 @@ def served(node: Node, api: httpx.Client):
     sbx = Sandbox.connect(sid)
     start_ws_echo(sbx)
     sbx.commands.run("mkdir -p www && echo hello-from-sandbox > www/index.html")
-    sbx.commands.run("cd www && python3 -m http.server 8080", background=True)
+    sbx.commands.run("cd www && python3 -m http.server 8080", background=True, timeout=0)
     for _ in range(100):
         if sbx.commands.run("curl -s localhost:8080/ || true").stdout:
             break

@@ -60,11 +60,11 @@ def private_web(api: httpx.Client) -> Iterator[tuple[Sandbox, str]]:
     assert r.status_code == 201, r.text
     sbx = Sandbox.connect(r.json()["sandboxID"])
     try:
-        sbx.commands.run(COUNTER, background=True)
+        sbx.commands.run(COUNTER, background=True, timeout=0)
         sbx.files.write("/home/user/state.txt", "at the snapshot")
         sbx.files.write("/home/user/doomed.txt", "removed after the snapshot")
         sbx.commands.run(f"python3 -m http.server {WEB_PORT} --directory /home/user",
-                         background=True)
+                         background=True, timeout=0)
         wait_port(sbx, WEB_PORT)
         assert counting(sbx)
         yield sbx, r.json()["trafficAccessToken"]
@@ -89,7 +89,7 @@ def test_reset_brings_back_memory_processes_and_files_same_id_and_tokens(
     sbx.files.write("/home/user/state.txt", "changed")
     sbx.files.write("/home/user/new.txt", "new")
     sbx.files.remove("/home/user/doomed.txt")
-    sbx.commands.run("sleep 4242", background=True)
+    sbx.commands.run("sleep 4242", background=True, timeout=0)
     assert web.get("/state.txt").text == "changed"  # the proxy holds a connection now
     expiry = end_at(api, sid)
     running_on = advance(sbx, at_snapshot + 40)
@@ -178,7 +178,7 @@ def test_reset_to_another_sandboxs_snapshot_and_two_resets_at_once(
     try:
         for label in ("A", "B"):
             source.files.write("/home/user/which.txt", label)
-            source.commands.run(f"sleep 42{ord(label)}", background=True)
+            source.commands.run(f"sleep 42{ord(label)}", background=True, timeout=0)
             snaps.append(snapshot(api, source.sandbox_id))
         results: list[httpx.Response] = []
 
@@ -216,7 +216,7 @@ def test_reset_of_a_paused_sandbox_and_to_a_files_only_snapshot(api: httpx.Clien
     snaps = []
     try:
         sbx.files.write("/home/user/state.txt", "files only")
-        sbx.commands.run("sleep 4343", background=True)
+        sbx.commands.run("sleep 4343", background=True, timeout=0)
         snaps.append(snapshot(api, sid, memory=False))
         sbx.files.write("/home/user/state.txt", "with memory")
         snaps.append(snapshot(api, sid))

@@ -83,7 +83,7 @@ def counting_sandbox(node: Node, api, monkeypatch) -> tuple[str, Sandbox]:
         monkeypatch.setenv(k, v)
     sid = api.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
     sbx = Sandbox.connect(sid)
-    sbx.commands.run(COUNTER, background=True)
+    sbx.commands.run(COUNTER, background=True, timeout=0)
     return sid, sbx
 
 

@@ -61,7 +61,7 @@ def running_sandbox(api: httpx.Client, **body) -> Sandbox:
     r = api.post("/sandboxes", json={"templateID": "base", "timeout": 600, **body})
     assert r.status_code == 201, r.text
     sbx = Sandbox.connect(r.json()["sandboxID"])
-    sbx.commands.run(COUNTER, background=True)
+    sbx.commands.run(COUNTER, background=True, timeout=0)
     sbx.files.write("/home/user/state.txt", "kept")
     assert counting(sbx)
     return sbx

@@ -97,7 +97,7 @@ def test_private_ports_want_the_traffic_token(node: Node, api: httpx.Client) -> 
         token = sbx.traffic_access_token
         assert token and len(token) >= 32
         # envd traffic (the SDK's own calls) goes on with the envd token alone.
-        sbx.commands.run(HEADER_ECHO, background=True)
+        sbx.commands.run(HEADER_ECHO, background=True, timeout=0)
         wait_port(sbx, APP_PORT)
         sid = sbx.sandbox_id
         for headers in ({}, {"e2b-traffic-access-token": "wrong"},
@@ -122,7 +122,7 @@ def test_private_ports_want_the_traffic_token(node: Node, api: httpx.Client) -> 
     pub = Sandbox.create("base", timeout=300)
     try:
         assert pub.traffic_access_token is None
-        pub.commands.run(HEADER_ECHO, background=True)
+        pub.commands.run(HEADER_ECHO, background=True, timeout=0)
         wait_port(pub, APP_PORT)
         assert _via_proxy(node, pub.sandbox_id, APP_PORT).status_code == 200
     finally:

@@ -133,7 +133,7 @@ def test_no_route_to_host_node_metadata_or_other_sandboxes(
     other = Sandbox.create("base", timeout=300)
     sbx = Sandbox.create("base", timeout=300)
     try:
-        other.commands.run("python3 -m http.server 8000 --bind 0.0.0.0", background=True)
+        other.commands.run("python3 -m http.server 8000 --bind 0.0.0.0", background=True, timeout=0)
         other.commands.run("for i in $(seq 100); do (echo > /dev/tcp/127.0.0.1/8000) "
                            "2>/dev/null && exit 0; sleep 0.1; done; exit 1")
         slots = slot_addresses(node.prefix)
