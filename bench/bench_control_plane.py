@@ -33,9 +33,14 @@ import redis
 from agentenv.testing.cluster import Cluster
 from common import write
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 1.0  # --heartbeat-s
 CAPACITY = 1000  # per simulated node: room is never what limits a create here
 IDLE_WINDOW_S = 6.0
+
+
+def ttl_ms() -> int:
+    """A node's heartbeat TTL: five heartbeats, at least 5 s."""
+    return max(5000, round(5000 * HEARTBEAT_S))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -149,7 +154,7 @@ def wait_up(cluster: Cluster, nodes: int, wait: float = 120) -> None:
 def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: int
             ) -> dict[str, Any]:
     cluster = Cluster(root / f"cp{nodes}", f"p{os.getpid() % 256:02x}", nodes=0,
-                      node_ttl_ms=5000, gateway_queue_s=10.0)
+                      node_ttl_ms=ttl_ms(), gateway_queue_s=10.0)
     sim: subprocess.Popen | None = None
     try:
         cluster.start()
@@ -280,8 +285,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                   f"- Redis commands per heartbeat (idle): "
                   f"{growth(rows, lambda r: r['idle']['commands_per_heartbeat'])}"]
     lines += ["", "A node is listed while it is up: one whose heartbeats the scheduler did not "
-              "record within the TTL (5 s) is down, and its sandboxes are missing from "
-              "`list v1 all` (items of those held).", "",
+              f"record within the TTL ({ttl_ms() / 1000:g} s) is down, and its sandboxes are "
+              "missing from `list v1 all` (items of those held).", "",
               "Redis commands per create, the most frequent (largest size): "
               + ", ".join(f"{k} {v}" for k, v in rows[-1]["burst"]["top_commands_per_create"]
                           .items())]
@@ -289,13 +294,17 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
+    global HEARTBEAT_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="10,100")
     parser.add_argument("--creates", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--sequential", type=int, default=50)
     parser.add_argument("--name", default="control_plane")
+    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
+                        help="each simulated node's heartbeat interval (TTL: five of them)")
     args = parser.parse_args()
+    HEARTBEAT_S = args.heartbeat_s
     rows = []
     with tempfile.TemporaryDirectory(prefix="aenv-cp-") as tmp:
         for n in (int(x) for x in args.nodes.split(",")):
