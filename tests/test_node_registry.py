@@ -17,7 +17,7 @@ from agentenv.cluster.node_registry import (
     SandboxEntry,
 )
 from agentenv.cluster.placement import PlacementRequest
-from agentenv.cluster.placer import Placer
+from agentenv.cluster.placer import MIN_FRESH_S, Placer
 from agentenv.testing import start_redis
 
 
@@ -148,8 +148,10 @@ def test_a_placement_reads_redis_the_same_whatever_the_number_of_nodes(redis_url
             assert [len(g) for g in got] == [1, 1, 1, 0, 0, 0]
             nodes = {n.node_id: n for n in await registry.nodes()}
             assert nodes["tight"].effective_load == nodes["tight"].capacity
-            # Room freed (a kill between heartbeats) is room again.
+            # Room freed (a kill between heartbeats) is room again: a placement its view
+            # refuses reads the nodes again once that view is MIN_FRESH_S old.
             assert await registry.release("tight", await registry.beat("tight"), 60_000)
+            await asyncio.sleep(2 * MIN_FRESH_S)
             assert len(await b.place(PlacementRequest())) == 1
         finally:
             await registry.close()
