@@ -13,8 +13,11 @@ Keys (under ``prefix``, default ``aenv:``):
   so schedulers placing from views a moment old never overfill a node;
 - ``beat:<id>``: the number of the node's last heartbeat (a release counts only if
   no heartbeat came while it was made: that heartbeat may already show it);
-- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``, ``item`` (how
+- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``, ``key`` (the
+  caller key ID that made it through a gateway, when a quota counts it), ``item`` (how
   its node lists it, JSON: the gateway lists it so once the node is lost);
+- ``key-run:<key ID>``: a caller key's running sandboxes and creates under way
+  (``quotas.py``; ``sbx:<id>``'s ``key`` names the key);
 - ``node-fp:<id>``: hash, each sandbox ID the node reported last -> a fingerprint of
   its entry (state, snapshot, listing): a heartbeat writes only the entries whose
   fingerprint changed, and checks their owners (all of them when the node was down,
@@ -153,13 +156,16 @@ class Registry:
         full = not was_alive or int(beat) % FULL_CHECK_EVERY == 0
         sids = list(reported) if full else list(news)
         # A round trip per step, not per sandbox: a node holds hundreds of them.
-        owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node") for sid in sids])
+        # Each one's node and the key that made it (a cluster-wide quota's: quotas.py).
+        found = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key")
+                                            for sid in sids])
+        owners = [node for node, _ in found]
         others = sorted({o for o in owners if o and o != nid})
         alive = await self._each(lambda p: [p.exists(self._k("alive", o)) for o in others])
         up = {o for o, a in zip(others, alive, strict=True) if a}
         disown = []
         writes = self.redis.pipeline(transaction=False)
-        for sid, owner in zip(sids, owners, strict=True):
+        for sid, (owner, key) in zip(sids, found, strict=True):
             entry = reported[sid]
             # A sandbox another live node has taken over (from its last pause, this
             # node being lost meanwhile) stays with that node: this one drops its copy.
@@ -170,13 +176,19 @@ class Registry:
             writes.hset(self._k("sbx", sid),
                         mapping=_entry(nid, entry.state, entry.snapshot_id, entry.committed,
                                        entry.item))
+            if key and entry.state == "running":
+                writes.zadd(self._k("key-run", key), {sid: 0})
+            elif key:  # paused (or on its way): it holds none of its key's quota
+                writes.zrem(self._k("key-run", key), sid)
         if disown:  # checked again while the node still reports them
             writes.hdel(self._k("node-fp", nid), *disown)
-        gone_owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node")
+        gone_owners = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key")
                                                   for sid in gone])
-        for sid, owner in zip(gone, gone_owners, strict=True):
+        for sid, (owner, key) in zip(gone, gone_owners, strict=True):
             if owner == nid:
                 writes.delete(self._k("sbx", sid))
+                if key:  # ended on its node (a timeout): its key's room again
+                    writes.zrem(self._k("key-run", key), sid)
         if len(writes):
             await writes.execute()
         return disown, not was_alive
