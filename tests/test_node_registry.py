@@ -127,7 +127,9 @@ def test_a_placement_reads_redis_the_same_whatever_the_number_of_nodes(redis_url
             for size in (10, 200):
                 for k in range(size):
                     await registry.heartbeat(_status(f"s{size}-{k}", load=0), 60_000)
-                placer = Placer(registry, 60_000)
+                # One read of the nodes for the forty (a loaded machine would read them
+                # again every 0.2 s: a count of its own, whatever the number of nodes).
+                placer = Placer(registry, 60_000, refresh_s=60)
                 count = _commands(registry)
                 before = await count()
                 for _ in range(40):
@@ -135,9 +137,9 @@ def test_a_placement_reads_redis_the_same_whatever_the_number_of_nodes(redis_url
                 per_size.append((await count() - before - 1) / 40)
                 for k in range(size):
                     await registry.forget_node(f"s{size}-{k}")
-            # A reservation each (a script: 7 commands as Redis counts them) and a read
-            # of the nodes (6) now and then: the same at 10 and at 200 nodes.
-            assert per_size[1] <= per_size[0] + 1 and max(per_size) <= 10, per_size
+            # A reservation each (a script: 7 commands as Redis counts them) and the
+            # read of the nodes (7): the same at 10 and at 200 nodes.
+            assert per_size[1] <= per_size[0] + 0.5 and max(per_size) <= 8, per_size
 
             # One node with room for 3 (capacity 8, load 5), two schedulers that both
             # read it with room: 3 placements succeed between them, the rest are refused.

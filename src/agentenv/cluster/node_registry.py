@@ -263,17 +263,24 @@ class Registry:
         return out
 
     async def mark_down(self, node_id: str) -> bool:
-        """Record that a node stopped heartbeating; True if this call made the change."""
+        """Record that a node stopped heartbeating; True if this call made the change.
+        A node this process saw marked down since its last heartbeat is not read again
+        (the sweeper asks of every down node, every sweep)."""
+        cached = self._bodies.get(node_id)
+        if cached is not None and cached[1].state == "down":
+            return False
         key = self._k("node", node_id)
         raw = await self.redis.get(key)
         if raw is None:
             return False
         body = json.loads(raw)
-        if body.get("state") == "down":
-            return False
-        body["state"] = "down"
-        await self.redis.set(key, json.dumps(body))
-        return True
+        made = body.get("state") != "down"
+        if made:
+            body["state"] = "down"
+            await self.redis.set(key, json.dumps(body))
+        if cached is not None:
+            cached[1].state = "down"  # until a heartbeat (a new number) is read
+        return made
 
     async def reserve(self, node_id: str, ttl_ms: int) -> str:
         """Count a placement against a node until its next heartbeat reports it;
