@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,18 @@ class RedisMeter:
     def top(self) -> dict[str, int]:
         return {k.removeprefix("cmdstat_"): int(v["calls"])
                 for k, v in self.r.info("commandstats").items()}
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user and system), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpus(cluster: Cluster, sim: subprocess.Popen | None) -> dict[str, float]:
+    procs = {"gateway": cluster.gateway, "scheduler": cluster.scheduler,
+             "redis": cluster.redis, "sim_nodes": sim}
+    return {name: cpu_s(p.pid) for name, p in procs.items() if p is not None}
 
 
 def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -172,7 +185,11 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
         time.sleep(2 * HEARTBEAT_S)  # every node past its first heartbeat
         meter = RedisMeter(cluster.redis_port, nodes)
         out: dict[str, Any] = {"nodes": nodes}
+        cpu_before = cpus(cluster, sim)
         out["idle"] = {"nodes_up": up_count(cluster), **idle_cost(meter)}
+        cpu_after = cpus(cluster, sim)
+        out["cpu_idle_per_s"] = {k: round((cpu_after[k] - cpu_before[k]) / IDLE_WINDOW_S, 3)
+                                 for k in cpu_after}
 
         with cluster.client(cluster.scheduler_url) as c:
             a_node = c.get("/nodes").json()[0]["url"]
@@ -190,7 +207,9 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
                     "p50": round(pct(via, 0.5) - pct(direct, 0.5), 2),
                     "p99": round(pct(via, 0.99) - pct(direct, 0.99), 2)}
                 before, top_before = meter.read(), meter.top()
+                cpu_before = cpus(cluster, sim)
                 wall, took = await burst(client, cluster.gateway_url, creates, concurrency)
+                cpu_after = cpus(cluster, sim)
                 after, top_after = meter.read(), meter.top()
                 d = delta(before, after)
                 idle = out["idle"]
@@ -203,6 +222,11 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
                     "redis_commands_per_create": round(
                         (d["commands"] - heartbeat_commands) / creates, 1),
                     "redis_bytes_per_create": round((d["bytes"] - heartbeat_bytes) / creates),
+                    # CPU per create of each process, heartbeats and sweeps included (the
+                    # idle share is small: see cpu_idle_per_s).
+                    "cpu_ms_per_create": {
+                        k: round((cpu_after[k] - cpu_before[k]) * 1000 / creates, 2)
+                        for k in cpu_after},
                     "top_commands_per_create": {
                         k: round((top_after.get(k, 0) - top_before.get(k, 0)) / creates, 1)
                         for k in sorted(top_after, key=lambda k: top_before.get(k, 0)
@@ -245,6 +269,14 @@ def growth(rows: list[dict[str, Any]], pick: Any) -> str:
     return f"x{b / a:.2f} for x{last['nodes'] / first['nodes']:g} nodes"
 
 
+def _cpu(row: dict[str, Any]) -> str:
+    c = row["burst"].get("cpu_ms_per_create") or {}
+    idle = row.get("cpu_idle_per_s") or {}
+    return (f"{c.get('gateway', '?')} / {c.get('scheduler', '?')} / {c.get('redis', '?')} "
+            f"({c.get('sim_nodes', '?')}); idle: scheduler "
+            f"{round(idle.get('scheduler', 0) * 1000)} ms/s")
+
+
 def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = ["## Control plane at fleet scale (simulated nodes)", "",
              f"The real gateway, scheduler and Redis (one each) over simulated nodes "
@@ -258,8 +290,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
              "| list v2 page p50 / p99 ms | list v1 all p50 ms (items) "
              "| Redis cmds / bytes per heartbeat (idle) | same, holding (sandboxes/node) "
-             "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) |",
-             "| " + " | ".join(["---"] * 12) + " |"]
+             "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) "
+             "| CPU ms per create, heartbeats meanwhile included: gateway / scheduler / Redis "
+             "(sim nodes); the scheduler's when idle |",
+             "| " + " | ".join(["---"] * 13) + " |"]
     for r in rows:
         b, lst, i, h = r["burst"], r["list"], r["idle"], r["idle_holding"]
         lines.append(
@@ -274,7 +308,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
             f"({h['sandboxes_per_node']}) "
             f"| {i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
-            f"({r['nodes'] / HEARTBEAT_S:g}; up {i['nodes_up']} / {h['nodes_up']}) |")
+            f"({r['nodes'] / HEARTBEAT_S:g}; up {i['nodes_up']} / {h['nodes_up']}) "
+            f"| {_cpu(r)} |")
     if len(rows) > 1:
         lines += ["", "Growth from the smallest to the largest size:", "",
                   f"- creates/s: {growth(rows, lambda r: r['burst']['creates_per_s'])}",
@@ -287,7 +322,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                   f"- list v2 first page p50: "
                   f"{growth(rows, lambda r: r['list']['v2_first_page']['p50_ms'])}",
                   f"- Redis commands per heartbeat (idle): "
-                  f"{growth(rows, lambda r: r['idle']['commands_per_heartbeat'])}"]
+                  f"{growth(rows, lambda r: r['idle']['commands_per_heartbeat'])}",
+                  f"- gateway CPU per create: "
+                  f"{growth(rows, lambda r: r['burst']['cpu_ms_per_create']['gateway'])}"]
     lines += ["", "A node is listed while it is up: one whose heartbeats the scheduler did not "
               f"record within the TTL ({ttl_ms() / 1000:g} s) is down, and its sandboxes are "
               "missing from `list v1 all` (items of those held).", "",
@@ -295,6 +332,15 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
               + ", ".join(f"{k} {v}" for k, v in rows[-1]["burst"]["top_commands_per_create"]
                           .items())]
     return "\n".join(lines) + "\n"
+
+
+def rerender(name: str, heartbeat_s: float) -> None:
+    """The .md of ``name``'s .json again (after a change of the table's columns)."""
+    global HEARTBEAT_S
+    HEARTBEAT_S = heartbeat_s
+    data = json.loads((Path(__file__).parent / "results" / f"{name}.json").read_text())
+    args = argparse.Namespace(**data["args"])
+    (Path(__file__).parent / "results" / f"{name}.md").write_text(render(data["rows"], args))
 
 
 def main() -> None:
