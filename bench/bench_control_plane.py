@@ -284,8 +284,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              f"no node latency). One 2-core machine shared with other work runs all of it.",
              f"Burst: {args.creates} creates, {args.concurrency} at once; sequential "
              f"latency: {args.sequential} creates one at a time. Reproduce: "
-             f"`PYTHONPATH=src python bench/bench_control_plane.py --nodes "
-             f"{','.join(str(r['nodes']) for r in rows)}`.", "",
+             f"`PYTHONPATH=src:bench python bench/bench_control_plane.py --nodes "
+             f"{','.join(str(r['nodes']) for r in rows)} --creates {args.creates} "
+             f"--sequential {args.sequential} --heartbeat-s {HEARTBEAT_S:g}"
+             f"{'' if args.name == 'control_plane' else ' --name ' + args.name}`.", "",
              "| nodes | creates/s | burst create p50 / p99 ms | create direct p50 / p99 ms "
              "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
              "| list v2 page p50 / p99 ms | list v1 all p50 ms (items) "
