@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -33,9 +34,14 @@ import redis
 from agentenv.testing.cluster import Cluster
 from common import write
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 1.0  # --heartbeat-s
 CAPACITY = 1000  # per simulated node: room is never what limits a create here
 IDLE_WINDOW_S = 6.0
+
+
+def ttl_ms() -> int:
+    """A node's heartbeat TTL: five heartbeats, at least 5 s."""
+    return max(5000, round(5000 * HEARTBEAT_S))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -65,6 +71,18 @@ class RedisMeter:
     def top(self) -> dict[str, int]:
         return {k.removeprefix("cmdstat_"): int(v["calls"])
                 for k, v in self.r.info("commandstats").items()}
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user and system), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpus(cluster: Cluster, sim: subprocess.Popen | None) -> dict[str, float]:
+    procs = {"gateway": cluster.gateway, "scheduler": cluster.scheduler,
+             "redis": cluster.redis, "sim_nodes": sim}
+    return {name: cpu_s(p.pid) for name, p in procs.items() if p is not None}
 
 
 def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -123,7 +141,11 @@ async def timed_gets(client: httpx.AsyncClient, url: str, params: dict[str, Any]
     out, count = [], 0
     for _ in range(n):
         t0 = time.perf_counter()
-        r = await client.get(url, params=params)
+        try:
+            r = await client.get(url, params=params)
+        except httpx.TimeoutException:  # a thousand nodes asked, one by one: recorded
+            out.append(float("inf"))
+            break
         out.append(time.perf_counter() - t0)
         r.raise_for_status()
         count = len(r.json())
@@ -149,7 +171,7 @@ def wait_up(cluster: Cluster, nodes: int, wait: float = 120) -> None:
 def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: int
             ) -> dict[str, Any]:
     cluster = Cluster(root / f"cp{nodes}", f"p{os.getpid() % 256:02x}", nodes=0,
-                      node_ttl_ms=5000, gateway_queue_s=10.0)
+                      node_ttl_ms=ttl_ms(), gateway_queue_s=10.0)
     sim: subprocess.Popen | None = None
     try:
         cluster.start()
@@ -163,7 +185,11 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
         time.sleep(2 * HEARTBEAT_S)  # every node past its first heartbeat
         meter = RedisMeter(cluster.redis_port, nodes)
         out: dict[str, Any] = {"nodes": nodes}
+        cpu_before = cpus(cluster, sim)
         out["idle"] = {"nodes_up": up_count(cluster), **idle_cost(meter)}
+        cpu_after = cpus(cluster, sim)
+        out["cpu_idle_per_s"] = {k: round((cpu_after[k] - cpu_before[k]) / IDLE_WINDOW_S, 3)
+                                 for k in cpu_after}
 
         with cluster.client(cluster.scheduler_url) as c:
             a_node = c.get("/nodes").json()[0]["url"]
@@ -181,7 +207,9 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
                     "p50": round(pct(via, 0.5) - pct(direct, 0.5), 2),
                     "p99": round(pct(via, 0.99) - pct(direct, 0.99), 2)}
                 before, top_before = meter.read(), meter.top()
+                cpu_before = cpus(cluster, sim)
                 wall, took = await burst(client, cluster.gateway_url, creates, concurrency)
+                cpu_after = cpus(cluster, sim)
                 after, top_after = meter.read(), meter.top()
                 d = delta(before, after)
                 idle = out["idle"]
@@ -194,13 +222,18 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
                     "redis_commands_per_create": round(
                         (d["commands"] - heartbeat_commands) / creates, 1),
                     "redis_bytes_per_create": round((d["bytes"] - heartbeat_bytes) / creates),
+                    # CPU per create of each process, heartbeats and sweeps included (the
+                    # idle share is small: see cpu_idle_per_s).
+                    "cpu_ms_per_create": {
+                        k: round((cpu_after[k] - cpu_before[k]) * 1000 / creates, 2)
+                        for k in cpu_after},
                     "top_commands_per_create": {
                         k: round((top_after.get(k, 0) - top_before.get(k, 0)) / creates, 1)
                         for k in sorted(top_after, key=lambda k: top_before.get(k, 0)
                                         - top_after[k])[:6]}}
                 held = creates + 2 * (sequential + 1)
                 # Fewer at a thousand nodes: each asks every node.
-                reps = 20 if nodes <= 100 else 5
+                reps = 20 if nodes <= 100 else 5 if nodes <= 300 else 2
                 page, n_page = await timed_gets(client, cluster.gateway_url + "/v2/sandboxes",
                                                 {"limit": 100}, reps)
                 whole, n_whole = await timed_gets(client, cluster.gateway_url + "/sandboxes",
@@ -236,6 +269,14 @@ def growth(rows: list[dict[str, Any]], pick: Any) -> str:
     return f"x{b / a:.2f} for x{last['nodes'] / first['nodes']:g} nodes"
 
 
+def _cpu(row: dict[str, Any]) -> str:
+    c = row["burst"].get("cpu_ms_per_create") or {}
+    idle = row.get("cpu_idle_per_s") or {}
+    return (f"{c.get('gateway', '?')} / {c.get('scheduler', '?')} / {c.get('redis', '?')} "
+            f"({c.get('sim_nodes', '?')}); idle: scheduler "
+            f"{round(idle.get('scheduler', 0) * 1000)} ms/s")
+
+
 def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = ["## Control plane at fleet scale (simulated nodes)", "",
              f"The real gateway, scheduler and Redis (one each) over simulated nodes "
@@ -243,14 +284,18 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              f"no node latency). One 2-core machine shared with other work runs all of it.",
              f"Burst: {args.creates} creates, {args.concurrency} at once; sequential "
              f"latency: {args.sequential} creates one at a time. Reproduce: "
-             f"`PYTHONPATH=src python bench/bench_control_plane.py --nodes "
-             f"{','.join(str(r['nodes']) for r in rows)}`.", "",
+             f"`PYTHONPATH=src:bench python bench/bench_control_plane.py --nodes "
+             f"{','.join(str(r['nodes']) for r in rows)} --creates {args.creates} "
+             f"--sequential {args.sequential} --heartbeat-s {HEARTBEAT_S:g}"
+             f"{'' if args.name == 'control_plane' else ' --name ' + args.name}`.", "",
              "| nodes | creates/s | burst create p50 / p99 ms | create direct p50 / p99 ms "
              "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
              "| list v2 page p50 / p99 ms | list v1 all p50 ms (items) "
              "| Redis cmds / bytes per heartbeat (idle) | same, holding (sandboxes/node) "
-             "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) |",
-             "| " + " | ".join(["---"] * 12) + " |"]
+             "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) "
+             "| CPU ms per create, heartbeats meanwhile included: gateway / scheduler / Redis "
+             "(sim nodes); the scheduler's when idle |",
+             "| " + " | ".join(["---"] * 13) + " |"]
     for r in rows:
         b, lst, i, h = r["burst"], r["list"], r["idle"], r["idle_holding"]
         lines.append(
@@ -265,7 +310,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
             f"({h['sandboxes_per_node']}) "
             f"| {i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
-            f"({r['nodes'] / HEARTBEAT_S:g}; up {i['nodes_up']} / {h['nodes_up']}) |")
+            f"({r['nodes'] / HEARTBEAT_S:g}; up {i['nodes_up']} / {h['nodes_up']}) "
+            f"| {_cpu(r)} |")
     if len(rows) > 1:
         lines += ["", "Growth from the smallest to the largest size:", "",
                   f"- creates/s: {growth(rows, lambda r: r['burst']['creates_per_s'])}",
@@ -278,24 +324,39 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                   f"- list v2 first page p50: "
                   f"{growth(rows, lambda r: r['list']['v2_first_page']['p50_ms'])}",
                   f"- Redis commands per heartbeat (idle): "
-                  f"{growth(rows, lambda r: r['idle']['commands_per_heartbeat'])}"]
+                  f"{growth(rows, lambda r: r['idle']['commands_per_heartbeat'])}",
+                  f"- gateway CPU per create: "
+                  f"{growth(rows, lambda r: r['burst']['cpu_ms_per_create']['gateway'])}"]
     lines += ["", "A node is listed while it is up: one whose heartbeats the scheduler did not "
-              "record within the TTL (5 s) is down, and its sandboxes are missing from "
-              "`list v1 all` (items of those held).", "",
+              f"record within the TTL ({ttl_ms() / 1000:g} s) is down, and its sandboxes are "
+              "missing from `list v1 all` (items of those held).", "",
               "Redis commands per create, the most frequent (largest size): "
               + ", ".join(f"{k} {v}" for k, v in rows[-1]["burst"]["top_commands_per_create"]
                           .items())]
     return "\n".join(lines) + "\n"
 
 
+def rerender(name: str, heartbeat_s: float) -> None:
+    """The .md of ``name``'s .json again (after a change of the table's columns)."""
+    global HEARTBEAT_S
+    HEARTBEAT_S = heartbeat_s
+    data = json.loads((Path(__file__).parent / "results" / f"{name}.json").read_text())
+    args = argparse.Namespace(**data["args"])
+    (Path(__file__).parent / "results" / f"{name}.md").write_text(render(data["rows"], args))
+
+
 def main() -> None:
+    global HEARTBEAT_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="10,100")
     parser.add_argument("--creates", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--sequential", type=int, default=50)
     parser.add_argument("--name", default="control_plane")
+    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
+                        help="each simulated node's heartbeat interval (TTL: five of them)")
     args = parser.parse_args()
+    HEARTBEAT_S = args.heartbeat_s
     rows = []
     with tempfile.TemporaryDirectory(prefix="aenv-cp-") as tmp:
         for n in (int(x) for x in args.nodes.split(",")):

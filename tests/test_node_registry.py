@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,8 @@ from agentenv.cluster.node_registry import (
     Registry,
     SandboxEntry,
 )
+from agentenv.cluster.placement import PlacementRequest
+from agentenv.cluster.placer import MIN_FRESH_S, Placer
 from agentenv.testing import start_redis
 
 
@@ -100,5 +103,60 @@ def test_heartbeats_own_sandboxes_and_nodes_are_read_whole(redis_url: str) -> No
         finally:
             await registry.redis.flushdb()
             await registry.close()
+
+    asyncio.run(scenario())
+
+
+def _commands(registry: Registry) -> Any:
+    async def read() -> int:
+        return int((await registry.redis.info("stats"))["total_commands_processed"])
+    return read
+
+
+def test_a_placement_reads_redis_the_same_whatever_the_number_of_nodes(redis_url: str
+                                                                       ) -> None:
+    """Placements from the scheduler's view: their Redis commands do not grow with the
+    nodes (before: four per node per placement), and a node's room is reserved
+    atomically, so two schedulers whose views are stale never overfill it."""
+
+    async def scenario() -> None:
+        registry = Registry(redis_url, prefix="place-test:")
+        other = Registry(redis_url, prefix="place-test:")
+        try:
+            per_size = []
+            for size in (10, 200):
+                for k in range(size):
+                    await registry.heartbeat(_status(f"s{size}-{k}", load=0), 60_000)
+                # One read of the nodes for the forty (a loaded machine would read them
+                # again every 0.2 s: a count of its own, whatever the number of nodes).
+                placer = Placer(registry, 60_000, refresh_s=60)
+                count = _commands(registry)
+                before = await count()
+                for _ in range(40):
+                    assert len(await placer.place(PlacementRequest())) == 1
+                per_size.append((await count() - before - 1) / 40)
+                for k in range(size):
+                    await registry.forget_node(f"s{size}-{k}")
+            # A reservation each (a script: 7 commands as Redis counts them) and the
+            # read of the nodes (7): the same at 10 and at 200 nodes.
+            assert per_size[1] <= per_size[0] + 0.5 and max(per_size) <= 8, per_size
+
+            # One node with room for 3 (capacity 8, load 5), two schedulers that both
+            # read it with room: 3 placements succeed between them, the rest are refused.
+            await registry.heartbeat(_status("tight", load=5), 60_000)
+            a, b = Placer(registry, 60_000, refresh_s=60), Placer(other, 60_000, refresh_s=60)
+            assert await a._view(60) and await b._view(60)
+            got = [await p.place(PlacementRequest()) for p in (a, b, a, b, a, b)]
+            assert [len(g) for g in got] == [1, 1, 1, 0, 0, 0]
+            nodes = {n.node_id: n for n in await registry.nodes()}
+            assert nodes["tight"].effective_load == nodes["tight"].capacity
+            # Room freed (a kill between heartbeats) is room again: a placement its view
+            # refuses reads the nodes again once that view is MIN_FRESH_S old.
+            assert await registry.release("tight", await registry.beat("tight"), 60_000)
+            await asyncio.sleep(2 * MIN_FRESH_S)
+            assert len(await b.place(PlacementRequest())) == 1
+        finally:
+            await registry.close()
+            await other.close()
 
     asyncio.run(scenario())

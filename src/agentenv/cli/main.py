@@ -172,7 +172,8 @@ def gateway(
     asgi = create_gateway_app(config.redis_url,
                               scheduler_url or config.scheduler_url or "http://127.0.0.1:9090",
                               load_or_create_api_key(config.secrets_dir), config.domain,
-                              config.admission_queue_timeout_s, config.node_ttl_ms)
+                              config.admission_queue_timeout_s, config.node_ttl_ms,
+                              config.key_max_sandboxes, config.key_quotas)
     typer.echo(f"agentenv gateway on http://{host}:{port}", err=True)
     _serve(asgi, host, port, fd, timeout_graceful_shutdown=5,
            **server_options(config.http_head_timeout))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp
@@ -37,6 +38,7 @@ from .gateway_creates import Creates
 from .gateway_proxy import GatewayProxy
 from .gateway_runs import GatewayRuns
 from .node_registry import Registry
+from .quotas import KeyQuotas
 from .routes import GatewayServices, fork, listing, passthrough, relay, runs, sandboxes, terminal
 from .routing import Gateway
 
@@ -45,7 +47,10 @@ __all__ = ["Gateway", "GatewayProxy", "create_gateway_app"]
 
 def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
                        domain: str = "localhost", queue_timeout_s: float = 30.0,
-                       node_ttl_ms: int = 5000) -> ASGIApp:
+                       node_ttl_ms: int = 5000, key_max_sandboxes: int = 0,
+                       key_quotas: dict[str, Any] | None = None) -> ASGIApp:
+    """``key_max_sandboxes`` (0: none) and ``key_quotas`` (per key ID overrides, as a
+    node's config has them) are quotas of running sandboxes across the cluster."""
     registry = Registry(redis_url)
     gw = Gateway(registry, scheduler_url, api_key)
     holder: dict[str, GatewayProxy] = {}
@@ -70,7 +75,8 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
     app.state.services = GatewayServices(
         gw=gw, registry=registry,
         creates=Creates(gw, registry, queue_timeout_s, node_ttl_ms, relay),
-        runs=GatewayRuns(gw, registry), api_key=api_key, node_ttl_ms=node_ttl_ms)
+        runs=GatewayRuns(gw, registry), api_key=api_key, node_ttl_ms=node_ttl_ms,
+        quotas=KeyQuotas(registry, key_max_sandboxes, key_quotas))
     install_error_handlers(app)
     # The first route whose path matches wins: a fork and /sandboxes/metrics before a
     # sandbox's own routes, and the catch-all (passthrough) last.

@@ -59,7 +59,7 @@ def cached_as(body: dict[str, Any]) -> str:
     return template if isinstance(template, str) else ""
 
 
-def _valid_key(key: str) -> bool:
+def valid_key(key: str) -> bool:
     """What a node takes as an Idempotency-Key: 1..255 printable ASCII characters."""
     return 0 < len(key) <= MAX_KEY_CHARS and all(" " <= c <= "~" for c in key)
 
@@ -123,7 +123,7 @@ class Creates:
         # the queue time, then 429 with Retry-After; a full node's 503/429 sends the
         # create to the next best node.
         key = request.headers.get("idempotency-key", "")
-        if not _valid_key(key):
+        if not valid_key(key):
             key = ""  # the node answers it with its 400; nothing of it goes to Redis
         deadline = time.monotonic() + self.queue_timeout_s
         exclude: list[str] = []

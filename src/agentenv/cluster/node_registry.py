@@ -8,11 +8,20 @@ Keys (under ``prefix``, default ``aenv:``):
 - ``released:<id>``: sandboxes the gateway saw end or pause on the node since its
   last heartbeat (and placements whose create failed), so room freed between
   heartbeats is room at once;
+- ``room:<id>``: the sandboxes the node had room for at its last heartbeat
+  (capacity less load): a placement reserves against it atomically (``reserve_room``),
+  so schedulers placing from views a moment old never overfill a node;
 - ``beat:<id>``: the number of the node's last heartbeat (a release counts only if
   no heartbeat came while it was made: that heartbeat may already show it);
-- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``, ``item`` (how
+- ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``, ``key`` (the
+  caller key ID that made it through a gateway, when a quota counts it), ``item`` (how
   its node lists it, JSON: the gateway lists it so once the node is lost);
-- ``node-sbx:<id>``: the sandbox IDs the node reported last.
+- ``key-run:<key ID>``: a caller key's running sandboxes and creates under way
+  (``quotas.py``; ``sbx:<id>``'s ``key`` names the key);
+- ``node-fp:<id>``: hash, each sandbox ID the node reported last -> a fingerprint of
+  its entry (state, snapshot, listing): a heartbeat writes only the entries whose
+  fingerprint changed, and checks their owners (all of them when the node was down,
+  and every ``FULL_CHECK_EVERY``-th heartbeat).
 
 Nothing lives only in a process: a gateway or scheduler restarted, or a second
 one started, sees the same cluster.
@@ -21,6 +30,7 @@ one started, sees the same cluster.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -53,6 +63,32 @@ return 1
 """
 
 
+# reserved:<n> += 1 if room:<n> (room at the last heartbeat) is more than reserved:<n>
+# less released:<n>; the heartbeat's number, or false when the node is full.
+_RESERVE_ROOM = """
+local room = redis.call('GET', KEYS[1])
+if room then
+  local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+               - tonumber(redis.call('GET', KEYS[3]) or '0')
+  if used >= tonumber(room) then return false end
+end
+redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return redis.call('GET', KEYS[4]) or '0'
+"""
+
+
+# A heartbeat checks and writes every sandbox it reports, changed or not, this often
+# (an owner moved while the node was up is seen by then; see ``heartbeat``).
+FULL_CHECK_EVERY = 20
+
+
+def _fingerprint(entry: SandboxEntry) -> str:
+    raw = json.dumps([entry.state, entry.snapshot_id, entry.committed, entry.item],
+                     sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
 def _entry(node_id: str, state: str, snapshot_id: str, committed: bool,
            item: dict[str, Any] | None) -> dict[str, str]:
     """A sandbox's ``sbx:<id>`` hash."""
@@ -73,6 +109,7 @@ class Registry:
         self._bodies: dict[str, tuple[str, NodeStatus]] = {}
         self._route = self.redis.register_script(_ROUTE)
         self._release = self.redis.register_script(_RELEASE)
+        self._reserve_room = self.redis.register_script(_RESERVE_ROOM)
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -95,44 +132,65 @@ class Registry:
         body.pop("sandboxes")
         nid = status.node_id
         reported = {s.sandbox_id: s for s in status.sandboxes}
-        previous = await self.redis.smembers(self._k("node-sbx", nid))
+        prints = {sid: _fingerprint(e) for sid, e in reported.items()}
+        previous: dict[str, str] = await self.redis.hgetall(self._k("node-fp", nid))
+        gone = sorted(set(previous) - set(reported))
         pipe = self.redis.pipeline()
         pipe.exists(self._k("alive", nid))
         pipe.sadd(self._k("nodes"), nid)
         pipe.set(self._k("node", nid), json.dumps(body))
         pipe.set(self._k("alive", nid), "1", px=ttl_ms)
+        pipe.set(self._k("room", nid), max(status.capacity - status.load, 0))
         pipe.delete(self._k("reserved", nid))
         pipe.delete(self._k("released", nid))
         pipe.incr(self._k("beat", nid))
-        pipe.delete(self._k("node-sbx", nid))
-        if reported:
-            pipe.sadd(self._k("node-sbx", nid), *reported)
-        was_alive, *_ = await pipe.execute()
+        if gone:
+            pipe.hdel(self._k("node-fp", nid), *gone)
+        news = {sid: fp for sid, fp in prints.items() if previous.get(sid) != fp}
+        if news:
+            pipe.hset(self._k("node-fp", nid), mapping=news)
+        was_alive, _, _, _, _, _, _, beat, *_ = await pipe.execute()
+        # What did not change since the last heartbeat was written then (and its owner
+        # checked): only what did is, unless the node was down (another node may have
+        # taken its sandboxes over meanwhile) or a full check is due.
+        full = not was_alive or int(beat) % FULL_CHECK_EVERY == 0
+        sids = list(reported) if full else list(news)
         # A round trip per step, not per sandbox: a node holds hundreds of them.
-        sids = list(reported)
-        owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node") for sid in sids])
+        # Each one's node and the key that made it (a cluster-wide quota's: quotas.py).
+        found = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key")
+                                            for sid in sids])
+        owners = [node for node, _ in found]
         others = sorted({o for o in owners if o and o != nid})
         alive = await self._each(lambda p: [p.exists(self._k("alive", o)) for o in others])
         up = {o for o, a in zip(others, alive, strict=True) if a}
         disown = []
         writes = self.redis.pipeline(transaction=False)
-        for entry, owner in zip(reported.values(), owners, strict=True):
+        for sid, (owner, key) in zip(sids, found, strict=True):
+            entry = reported[sid]
             # A sandbox another live node has taken over (from its last pause, this
             # node being lost meanwhile) stays with that node: this one drops its copy.
             if owner and owner != nid and owner in up:
                 if entry.state in ("paused", "running"):
-                    disown.append(entry.sandbox_id)
+                    disown.append(sid)
                 continue
-            writes.hset(self._k("sbx", entry.sandbox_id),
+            writes.hset(self._k("sbx", sid),
                         mapping=_entry(nid, entry.state, entry.snapshot_id, entry.committed,
                                        entry.item))
-        gone = sorted(previous - set(reported))
-        gone_owners = await self._each(lambda p: [p.hget(self._k("sbx", sid), "node")
+            if key and entry.state == "running":
+                writes.zadd(self._k("key-run", key), {sid: 0})
+            elif key:  # paused (or on its way): it holds none of its key's quota
+                writes.zrem(self._k("key-run", key), sid)
+        if disown:  # checked again while the node still reports them
+            writes.hdel(self._k("node-fp", nid), *disown)
+        gone_owners = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key")
                                                   for sid in gone])
-        for sid, owner in zip(gone, gone_owners, strict=True):
+        for sid, (owner, key) in zip(gone, gone_owners, strict=True):
             if owner == nid:
                 writes.delete(self._k("sbx", sid))
-        await writes.execute()
+                if key:  # ended on its node (a timeout): its key's room again
+                    writes.zrem(self._k("key-run", key), sid)
+        if len(writes):
+            await writes.execute()
         return disown, not was_alive
 
     async def _each(self, queue: Callable[[Any], list[Any]]) -> list[Any]:
@@ -170,17 +228,20 @@ class Registry:
         newer than the counts read with it: its room is undercounted for that read only.
         """
         ids = sorted(await self.redis.smembers(self._k("nodes")))
+        if not ids:
+            self._bodies.clear()
+            return []
+        # Four MGETs whatever the number of nodes (one command each, not one per node).
         pipe = self.redis.pipeline()
-        for nid in ids:
-            pipe.get(self._k("beat", nid))
-            pipe.exists(self._k("alive", nid))
-            pipe.get(self._k("reserved", nid))
-            pipe.get(self._k("released", nid))
-        flat = await pipe.execute() if ids else []
-        counts = {nid: flat[4 * i:4 * i + 4] for i, nid in enumerate(ids)}
+        for kind in ("beat", "alive", "reserved", "released"):
+            pipe.mget([self._k(kind, nid) for nid in ids])
+        beats, alives, reserveds, releaseds = await pipe.execute()
+        counts = {nid: (beats[i], alives[i], reserveds[i], releaseds[i])
+                  for i, nid in enumerate(ids)}
         stale = [nid for nid in ids
                  if nid not in self._bodies or self._bodies[nid][0] != (counts[nid][0] or "0")]
-        bodies = await self._each(lambda p: [p.get(self._k("node", nid)) for nid in stale])
+        bodies = await self.redis.mget([self._k("node", nid) for nid in stale]) \
+            if stale else []
         for nid, raw in zip(stale, bodies, strict=True):
             if raw is None:
                 self._bodies.pop(nid, None)
@@ -202,17 +263,24 @@ class Registry:
         return out
 
     async def mark_down(self, node_id: str) -> bool:
-        """Record that a node stopped heartbeating; True if this call made the change."""
+        """Record that a node stopped heartbeating; True if this call made the change.
+        A node this process saw marked down since its last heartbeat is not read again
+        (the sweeper asks of every down node, every sweep)."""
+        cached = self._bodies.get(node_id)
+        if cached is not None and cached[1].state == "down":
+            return False
         key = self._k("node", node_id)
         raw = await self.redis.get(key)
         if raw is None:
             return False
         body = json.loads(raw)
-        if body.get("state") == "down":
-            return False
-        body["state"] = "down"
-        await self.redis.set(key, json.dumps(body))
-        return True
+        made = body.get("state") != "down"
+        if made:
+            body["state"] = "down"
+            await self.redis.set(key, json.dumps(body))
+        if cached is not None:
+            cached[1].state = "down"  # until a heartbeat (a new number) is read
+        return made
 
     async def reserve(self, node_id: str, ttl_ms: int) -> str:
         """Count a placement against a node until its next heartbeat reports it;
@@ -224,6 +292,16 @@ class Registry:
         pipe.get(self._k("beat", node_id))
         *_, beat = await pipe.execute()
         return str(beat or "0")
+
+    async def reserve_room(self, node_id: str, ttl_ms: int) -> str | None:
+        """``reserve`` if the node has room as Redis counts it (its last heartbeat's
+        room less what was placed there since, plus what was freed): the heartbeat's
+        number, or None when another placement took the last of it."""
+        beat = await self._reserve_room(
+            keys=[self._k("room", node_id), self._k("reserved", node_id),
+                  self._k("released", node_id), self._k("beat", node_id)],
+            args=[ttl_ms])
+        return None if beat is None else str(beat)
 
     async def beat(self, node_id: str) -> str:
         """The number of the node's last heartbeat (read before a delete or a create
@@ -241,7 +319,8 @@ class Registry:
 
     async def forget_node(self, node_id: str) -> None:
         await self.redis.srem(self._k("nodes"), node_id)
-        await self.redis.delete(self._k("node", node_id), self._k("alive", node_id))
+        await self.redis.delete(self._k("node", node_id), self._k("alive", node_id),
+                                self._k("room", node_id), self._k("node-fp", node_id))
 
     # -- sandboxes ----------------------------------------------------------------
 
@@ -254,15 +333,17 @@ class Registry:
     async def lost(self) -> list[tuple[dict[str, str], NodeStatus]]:
         """The sandboxes of nodes that are down (past their heartbeat TTL), as their
         node last reported them, that no other node has taken over."""
-        out = []
-        for node in await self.nodes():
-            if node.state != "down":
-                continue
-            for sid in sorted(await self.redis.smembers(self._k("node-sbx", node.node_id))):
-                entry = await self.sandbox(sid)
-                if entry and entry.get("node") == node.node_id:
-                    out.append(({"sandboxID": sid, **entry}, node))
-        return out
+        down = [node for node in await self.nodes() if node.state == "down"]
+        # Two round trips whatever the number of lost sandboxes: their IDs, then entries.
+        members = await self._each(lambda p: [p.hkeys(self._k("node-fp", n.node_id))
+                                              for n in down])
+        owned = [(sid, node) for node, sids in zip(down, members, strict=True)
+                 for sid in sorted(sids)]
+        entries = await self._each(lambda p: [p.hgetall(self._k("sbx", sid))
+                                              for sid, _ in owned])
+        return [({"sandboxID": sid, **entry}, node)
+                for (sid, node), entry in zip(owned, entries, strict=True)
+                if entry and entry.get("node") == node.node_id]
 
     async def sandbox(self, sandbox_id: str) -> dict[str, str] | None:
         data = await self.redis.hgetall(self._k("sbx", sandbox_id))

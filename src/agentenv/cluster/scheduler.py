@@ -21,6 +21,7 @@ from .. import __version__, metrics
 from ..web.errors import install_error_handlers, serve_openapi
 from ..web.keys import require_api_key
 from .node_registry import NodeStatus, Registry
+from .placer import Placer
 from .routes import scheduler as routes
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def create_scheduler_app(redis_url: str, api_key: str, node_ttl_ms: int = 5000) 
     app.state.api_key = api_key
     app.state.registry = registry
     app.state.node_ttl_ms = node_ttl_ms
+    app.state.placer = Placer(registry, node_ttl_ms)
     install_error_handlers(app)
     serve_openapi(app, require_api_key)
     app.include_router(metrics.metrics_router(require_api_key))

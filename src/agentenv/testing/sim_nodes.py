@@ -114,6 +114,9 @@ class SimNode:
         self.snapshots: set[str] = set()
         self.heartbeating = True
         self.beats = 0
+        # Idempotency-Key -> (the create's body, its answer once it has one): a retry
+        # gets the first create's answer (or waits for it), as a real node's does.
+        self.keyed: dict[str, tuple[bytes, asyncio.Future[Answer]]] = {}
 
     def load(self) -> int:
         """Sandboxes holding room, as the node counts them (a paused one holds none)."""
@@ -286,6 +289,9 @@ class SimNodes:
                     spec = json.loads(body) if body else {}
                 except ValueError:
                     return _error(400, "invalid JSON body")
+                key = headers.get(b"idempotency-key", b"").decode()
+                if name == "create" and key:
+                    return await self._once(node, key, body, handler(node, parts, query, spec))
                 return await handler(node, parts, query, spec)
         return _error(404, f"{method} {path} is not simulated")
 
@@ -316,6 +322,29 @@ class SimNodes:
             ("GET", ("runs", "*")): ("runs", self._none),
             ("GET", ("templates",)): ("templates", self._empty_list),
         }
+
+    async def _once(self, node: SimNode, key: str, body: bytes,
+                    create: Coroutine[Any, Any, Answer]) -> Answer:
+        """A create under an Idempotency-Key: made once; only a success is kept."""
+        if key in node.keyed:
+            create.close()  # not made: the first create's answer is this one's
+            first_body, first = node.keyed[key]
+            if first_body != body:
+                return _error(422, "Idempotency-Key was used with another request")
+            return await asyncio.shield(first)
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        node.keyed[key] = (body, future)
+        try:
+            answer = await create
+        except BaseException as exc:
+            node.keyed.pop(key, None)
+            future.set_exception(exc)
+            future.exception()  # retrieved: no warning when no retry waits on it
+            raise
+        if answer[0] != 201:
+            node.keyed.pop(key, None)
+        future.set_result(answer)
+        return answer
 
     async def _health(self, node: SimNode, parts: list[str], query: dict[str, str],
                       spec: Any) -> Answer:

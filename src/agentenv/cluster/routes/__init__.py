@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..gateway_creates import Creates
     from ..gateway_runs import GatewayRuns
     from ..node_registry import Registry
+    from ..quotas import KeyQuotas
     from ..routing import Gateway
 
 
@@ -32,6 +33,8 @@ class GatewayServices:
     api_key: str
     # How long a reservation or release the gateway counts lasts without a heartbeat.
     node_ttl_ms: int
+    # Each caller key's running sandboxes across the cluster (cluster-wide quotas).
+    quotas: KeyQuotas
 
 
 def services(conn: HTTPConnection) -> GatewayServices:

@@ -5,15 +5,17 @@ with the room it frees or takes counted between heartbeats."""
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 from typing import Any
 
 import httpx
 from fastapi import APIRouter, Depends, Request, Response
 
 from ...sandbox_api import NotFound
-from ...web.keys import require_api_key
+from ...web.keys import caller, require_api_key
 from ..common import ClusterError
-from ..gateway_creates import cached_as
+from ..gateway_creates import cached_as, valid_key
 from ..gateway_runs import parse_body, run_of
 from . import GatewayServices, relay, services
 
@@ -29,13 +31,33 @@ async def create(request: Request) -> Response:
     body = await request.body()
     parsed = parse_body(body)
     run_id = run_of(request, parsed)
-    if run_id:  # on the run's node, which queues it if it must
-        r, node = await svc.runs.create_in_run(request, run_id, body)
-        if r.status_code == 201:
-            await svc.registry.set_sandbox(r.json()["sandboxID"], node.node_id, "running")
-        return relay(r)
-    # Placed where the template's (or image's) cache is warm, if a node has room.
-    return await svc.creates.create(request, body, cached_as(parsed))
+    owner = caller(request)
+    counted = svc.quotas.limit(owner) > 0
+    token = ""
+    if counted:  # the key's quota across the cluster (a retry of a create sent is in it)
+        key = request.headers.get("idempotency-key", "")
+        if not (valid_key(key) and await svc.creates.keyed.node_of(key)):
+            token = await svc.quotas.admit(
+                owner, time.monotonic() + svc.creates.queue_timeout_s, request.is_disconnected)
+    made = ""
+    try:
+        if run_id:  # on the run's node, which queues it if it must
+            r, node = await svc.runs.create_in_run(request, run_id, body)
+            if r.status_code == 201:
+                made = r.json()["sandboxID"]
+                await svc.registry.set_sandbox(made, node.node_id, "running")
+            answer = relay(r)
+        else:
+            # Placed where the template's (or image's) cache is warm, if a node has room.
+            answer = await svc.creates.create(request, body, cached_as(parsed))
+            if answer.status_code == 201:
+                made = json.loads(bytes(answer.body))["sandboxID"]
+        if made and counted:
+            await svc.quotas.made(owner, token, made)
+    finally:
+        if not (made and counted):
+            await svc.quotas.unclaim(owner, token)
+    return answer
 
 
 @router.get("/sandboxes/metrics")
@@ -90,6 +112,8 @@ async def sandbox_scoped(sandbox_id: str, request: Request) -> Response:
             late = await _kill_on_late_node(svc, sandbox_id)
             if late is not None:
                 return late
+            lost = await registry.sandbox(sandbox_id) or {}
+            await svc.quotas.ended(sandbox_id, lost.get("key"))
             await registry.forget_sandbox(sandbox_id)  # nothing is left to kill
             return Response(status_code=204)
         raise
@@ -98,11 +122,25 @@ async def sandbox_scoped(sandbox_id: str, request: Request) -> Response:
     # Read before the request: a heartbeat that comes meanwhile may count its effect.
     beat = await registry.beat(node.node_id) \
         if (request.method == "DELETE" and whole) or action == "pause" else ""
+    # A paused sandbox resumed runs again: its caller's quota admits it first.
+    owner = caller(request)
+    wakes = request.method == "POST" and action in ("resume", "connect") \
+        and entry.get("state") == "paused" and svc.quotas.limit(owner) > 0
+    token = await svc.quotas.admit(owner, time.monotonic() + svc.creates.queue_timeout_s,
+                                   request.is_disconnected) if wakes else ""
     try:
         r = await svc.gw.forward(request, node.url)
     except httpx.HTTPError as exc:
+        await svc.quotas.unclaim(owner, token)
         raise ClusterError(502, f"node {node.node_id} of sandbox '{sandbox_id}' did not "
                                 f"answer: {exc}") from exc
+    if wakes and r.status_code in (200, 201):
+        await svc.quotas.made(owner, token, sandbox_id)
+    else:
+        await svc.quotas.unclaim(owner, token)
+    if (request.method == "DELETE" and whole and r.status_code in (204, 404)) or \
+            (action == "pause" and r.status_code in (200, 204)):
+        await svc.quotas.ended(sandbox_id, entry.get("key"))
     if request.method == "DELETE" and r.status_code in (204, 404) and whole:
         await registry.forget_sandbox(sandbox_id)
         if r.status_code == 204 and entry.get("state") != "paused":

@@ -13,7 +13,8 @@ from ... import __version__, metrics
 from ...web.keys import require_api_key
 from ..common import ClusterError, NodeStatus
 from ..node_registry import Registry
-from ..placement import PlacementRequest, place
+from ..placement import PlacementRequest
+from ..placer import Placer
 
 log = logging.getLogger("agentenv.cluster.scheduler")
 router = APIRouter()
@@ -99,17 +100,15 @@ async def sandbox(request: Request, sandbox_id: str) -> dict[str, Any]:
 
 @router.post("/placements", dependencies=auth)
 async def placements(request: Request, body: Placement) -> dict[str, Any]:
-    registry = _registry(request)
     req = PlacementRequest(template=body.template, snapshot=body.snapshot,
                            runtime_kind=body.runtime_kind,
                            runtime_version=body.runtime_version,
                            exclude=body.exclude, count=body.count)
-    picks = place(await registry.nodes(), req)
+    placer: Placer = request.app.state.placer
+    picks = await placer.place(req)
     metrics.PLACEMENTS.labels("placed" if picks else "refused").inc()
     if not picks:
         raise ClusterError(503, "no node can take the sandbox: every node is down, full "
                                 "or of another runtime; retry later")
-    node_ttl_ms = request.app.state.node_ttl_ms
-    beats = [await registry.reserve(pick.node_id, node_ttl_ms) for pick in picks]
     return {"nodes": [{"nodeID": p.node_id, "url": p.url, "beat": beat}
-                      for p, beat in zip(picks, beats, strict=True)]}
+                      for p, beat in picks]}
