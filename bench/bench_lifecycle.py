@@ -100,7 +100,15 @@ def main() -> None:
     ap.add_argument("--forks", type=int, default=1)
     ap.add_argument("--cpu", action="store_true",
                     help="CPU-seconds per operation beside bare runsc (lifecycle_cpu.py)")
+    ap.add_argument("--files-only", action="store_true",
+                    help="with --cpu: only the filesystem-mode resets "
+                         "(results/lifecycle_cpu_files_STEP)")
+    ap.add_argument("--step", choices=("both", "file", "command", "none"), default="both",
+                    help="with --files-only: what each rollout does before its reset")
     args = ap.parse_args()
+    if args.cpu and args.files_only:
+        lifecycle_cpu.run_files(args.n, args.step)
+        return
     if args.cpu:
         lifecycle_cpu.run(args.n)
         return

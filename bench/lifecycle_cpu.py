@@ -29,6 +29,7 @@ from agentenv.envd.dormancy import DORMANT_LINE, WOKEN_LINE
 from agentenv.network.slot import reset_slot
 from agentenv.testing import Node, leaks
 from agentenv.testing.nodes import free_cidr
+from bench_node import exec_native
 from common import write
 from cpu_meter import ACCT, CpuMeter
 from restore_floor import MASK, Floor, answered
@@ -266,8 +267,67 @@ def run(n: int) -> None:
     report(samples, floor_rows, loads, idle_rate, left, n)
 
 
+def run_files(n: int, step: str = "both") -> None:
+    """The filesystem-mode rows alone (``--files-only``), n resets of one sandbox, each
+    after a rollout's ``step``: ``file`` (a file written: a file worker to end, as in
+    the full run's row), ``command`` (a command left running with nohup), ``both``, or
+    ``none`` (then the window ends with the call)."""
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
+    prefix = "lcpf"
+    node = Node(work / "home", prefix, free_cidr(90, 30, os.getpid()), AENV_MAX_SANDBOXES="4",
+                AENV_WARM_POOL_SIZE="0", AENV_IDLE_FREEZE_S="0")
+    try:
+        node.start()
+    except BaseException:
+        node.stop()
+        raise
+    meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
+    samples: dict[str, list] = {RESET_FILES: [], RESET_FILES_CALL: []}
+    loads: list[float] = []
+    try:
+        with node.client() as api, httpx.Client(base_url=node.url, timeout=60) as http:
+            t = Tracker(node, api)
+            _, src = t.create("base")
+            sid, token = src["sandboxID"], src["envdAccessToken"]
+            until_command(node, sid, token, time.perf_counter(), http=http)
+            _, snap = t.snapshot(sid)
+            c0 = meter.read()
+            time.sleep(3)
+            idle_rate = CpuMeter.delta_s(c0, meter.read())["sandboxes"] / 3
+            body = {"snapshotID": snap["snapshotID"], "mode": "filesystem"}
+            api.post(f"/sandboxes/{sid}/reset", json=body)  # the full one, that layers
+            until_command(node, sid, token, time.perf_counter(), http=http)
+            for _ in range(n):
+                loads.append(os.getloadavg()[0])
+                if step in ("file", "both"):
+                    http.post("/files?path=/home/user/rollout.txt", content=b"x", headers={
+                        "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
+                        "X-Access-Token": token})
+                if step in ("command", "both"):
+                    exec_native(http, sid, token,
+                                ["/bin/sh", "-c", "nohup sleep 86399 >/dev/null 2>&1 &"])
+                time.sleep(0.3)
+                w, call, t0 = Window(meter, node), Window(meter, node), time.perf_counter()
+                r = api.post(f"/sandboxes/{sid}/reset", json=body)
+                if r.status_code != 200 or r.json()["mode"] != "filesystem":
+                    raise RuntimeError(f"reset: {r.status_code} {r.text[:200]}")
+                samples[RESET_FILES_CALL].append(
+                    call.close(prefix, None, idle_rate, time.perf_counter() - t0))
+                if step != "none":
+                    until_command(node, sid, token, t0, http=http)
+                samples[RESET_FILES].append(
+                    w.close(prefix, None, idle_rate, time.perf_counter() - t0))
+                time.sleep(0.3)
+            t.cleanup([])  # type: ignore[arg-type]
+    finally:
+        node.stop()
+        meter.close()
+    left = leaks(prefix, node.home)
+    report(samples, {}, loads, idle_rate, left, n, name=f"lifecycle_cpu_files_{step}")
+
+
 def report(samples: dict, floor_rows: dict, loads: list[float], idle_rate: float,
-           left: list, n: int) -> None:
+           left: list, n: int, name: str = "lifecycle_cpu") -> None:
     cols = ["node process", "node's commands (runsc CLI, ip, ...)", "sentry", "gofer",
             "sandboxes, other", "total", "wall"]
     lines = ["### CPU-seconds per operation, host-wide (one node, operations one at a time)", "",
@@ -287,6 +347,6 @@ def report(samples: dict, floor_rows: dict, loads: list[float], idle_rate: float
     if left:
         lines.append(f"\nLeft behind: {left}")
     text = "\n".join(lines) + "\n"
-    write("lifecycle_cpu", {"rows": rows, "samples": samples, "floor": floor_rows,
+    write(name, {"rows": rows, "samples": samples, "floor": floor_rows,
                             "loads": loads, "idle_rate_s_per_s": idle_rate, "leaks": left}, text)
     print(text)

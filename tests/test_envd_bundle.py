@@ -4,10 +4,13 @@ no Python and no glibc (plain chroot in a private mount namespace)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import tempfile
 import time
@@ -193,3 +196,62 @@ async def test_envd_runs_in_busybox(busybox_envd, rootfs):
     await files.write("notes/a.txt", "in busybox", user="user")
     assert (rootfs / "home" / "user" / "notes" / "a.txt").stat().st_uid == 1000
     assert await files.read("/home/user/notes/a.txt", user="root") == "in busybox"
+
+
+def test_layer_keeper_runs_a_batch_in_order_and_names_the_first_failure(bundle, scratch):
+    """envd's mounts for a filesystem reset go to layer-keeper a batch to a request
+    (layers.py): done in order up to the first failure, which the answer names; a
+    batch beyond the keeper's bounds is split; a malformed request does nothing. The
+    keeper runs in a mount namespace of its own, as envd's real root is to it."""
+    from agentenv.envd.layers import KEEPER_FD, KEEPER_MAX_OPS, LayerError, Layers
+
+    d = scratch / "keeper"
+    d.mkdir()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.posix_spawn(shutil.which("unshare") or "unshare",
+                         ["unshare", "--mount", "--propagation", "private",
+                          str(bundle / "bin" / "layer-keeper")], dict(os.environ),
+                         file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])
+    theirs.close()
+    os.dup2(ours.fileno(), KEEPER_FD)
+
+    def tmpfs(name: str) -> tuple:
+        (d / name).mkdir(exist_ok=True)
+        return ("M", "tmpfs", str(d / name), "tmpfs", 0, "size=1m")
+
+    def mounted() -> set[str]:
+        lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        return {Path(line.split()[4]).name for line in lines
+                if line.split()[4].startswith(str(d))}
+
+    try:
+        layers = Layers()
+        missing = ("U", str(d / "never-mounted"), 2)
+        # Unmounts allowed to fail, then a mount: all in one request.
+        layers._keeper([missing, missing, tmpfs("a")], may_fail=2)
+        assert mounted() == {"a"}
+        # In order, stopped at the first failure, which the error names.
+        with pytest.raises(LayerError, match="never-mounted: No such file or directory"):
+            layers._keeper([tmpfs("b"), missing, tmpfs("c")])
+        assert mounted() == {"a", "b"}
+        # A failure that may not happen is one even among those that may.
+        with pytest.raises(LayerError, match="never-mounted"):
+            layers._keeper([missing, missing], may_fail=1)
+        # More operations than one request holds: split, all done.
+        many = [tmpfs(f"m{i}") for i in range(KEEPER_MAX_OPS + 3)]
+        layers._keeper(many)
+        assert {f"m{i}" for i in range(KEEPER_MAX_OPS + 3)} <= mounted()
+        # A malformed request (a mount short of its fields after a good one, too many
+        # operations, an unknown one) does nothing and says EINVAL at operation 0.
+        good = b"Mtmpfs\0" + str(d / "x").encode() + b"\0tmpfs\x000\0\0"
+        (d / "x").mkdir()
+        for bad in (good + b"Mtmpfs\0", good * (KEEPER_MAX_OPS + 1), good + b"X\0",
+                    b"U" + str(d / "a").encode() + b"\0two\0"):
+            os.write(KEEPER_FD, bad)
+            assert struct.unpack("ii", os.read(KEEPER_FD, 8)) == (0, errno.EINVAL)
+        assert "x" not in mounted() and "a" in mounted()
+    finally:
+        os.close(KEEPER_FD)
+        ours.close()
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # it ends when envd's end closes

@@ -94,6 +94,34 @@ def test_files_go_back_in_place_processes_of_the_rollout_end_the_service_stays(
         sbx.kill()
 
 
+def test_processes_forking_as_the_reset_kills_them_all_end(
+        node: Node, api: httpx.Client) -> None:
+    """A rollout that leaves processes forking as fast as they can (their children
+    orphaned to envd, a session of their own): the reset's kill pass races them, and
+    still ends every one, then the sandbox works on in the reset files."""
+    sbx = Sandbox.create("base", timeout=600)
+    sid = sbx.sandbox_id
+    try:
+        sbx.commands.run(SERVICE, background=True)
+        service = pid_of(sbx, SERVICE)
+        snap = snapshot(api, sid)
+        assert reset(api, sid, snap)["mode"] == "memory"
+        for _ in range(2):
+            sbx.commands.run("setsid nohup sh -c 'while :; do (sleep 86397 &); done' "
+                             ">/dev/null 2>&1 & setsid nohup sh -c 'while :; do sleep 86396 & "
+                             "done' >/dev/null 2>&1 &")
+            sbx.commands.run("sleep 0.3; echo forked > /home/user/left.txt")
+            assert int(sbx.commands.run("pgrep -c -f 'sleep 8639[67]'").stdout) > 2
+            done = reset(api, sid, snap)
+            assert done["mode"] == "filesystem", done
+            left = sbx.commands.run("pgrep -fa 'sleep 8639[67]|[w]hile :' || true").stdout
+            assert left.strip() == ""
+            assert pid_of(sbx, SERVICE) == service
+            assert sbx.commands.run("ls /home/user").stdout.count("left.txt") == 0
+    finally:
+        sbx.kill()
+
+
 def version(sbx: Sandbox) -> str:
     return sbx.commands.run("cat /home/user/v.txt; ls /home/user").stdout
 

@@ -7,10 +7,16 @@
  * of a filesystem reset (layers.py). Nothing else can reach it: the pair has no name,
  * and envd's end is never inherited by a command.
  *
- * A request is one packet: 'M' SOURCE \0 TARGET \0 FSTYPE \0 FLAGS \0 DATA \0 (mount),
- * or 'U' TARGET \0 FLAGS \0 (umount2); FLAGS in decimal. The answer is four bytes:
- * 0, or the errno. The helper exits when envd's end closes. Its paths resolve in its
- * own root, the sandbox's real one, whatever envd's root is at the time.
+ * A request is one packet of 1 to MAX_OPS operations back to back, each one
+ * 'M' SOURCE \0 TARGET \0 FSTYPE \0 FLAGS \0 DATA \0 (mount) or 'U' TARGET \0 FLAGS \0
+ * (umount2); FLAGS in decimal; at most MAX_REQUEST bytes in all. The whole packet is
+ * checked first: a malformed one performs nothing. The operations then run in order
+ * and the first that fails stops the rest. The answer is eight bytes, two native ints:
+ * how many operations succeeded (so the index of the one that failed), and 0 when all
+ * did, else that operation's errno (EINVAL with a count of 0 for a malformed packet).
+ * A layer's mounts are so one round trip (layers.py). The helper exits when envd's end
+ * closes. Its paths resolve in its own root, the sandbox's real one, whatever envd's
+ * root is at the time.
  *
  * Built without libc like exec_as.c (x86_64 raw system calls): ~16 KiB of memory. */
 
@@ -29,6 +35,7 @@
 #define FD 3
 #define MAX_REQUEST 8192
 #define MAX_FIELDS 5
+#define MAX_OPS 32
 
 struct sigaction_k { long handler; unsigned long flags; long restorer; unsigned long mask; };
 
@@ -55,31 +62,57 @@ static long number(const char *s) {
     return v;
 }
 
-static int handle(long got) {
-    const char *field[MAX_FIELDS];
-    int want = buf[0] == 'M' ? 5 : buf[0] == 'U' ? 2 : 0;
-    if (!want) return EINVAL;
-    /* Fields after the op byte, each ended by a NUL inside the packet. */
-    long at = 1;
-    for (int i = 0; i < want; i++) {
-        field[i] = buf + at;
-        while (at < got && buf[at]) at++;
-        if (at >= got) return EINVAL;
-        at++;
+struct op { char kind; const char *field[MAX_FIELDS]; long flags; };
+
+static struct op ops[MAX_OPS];
+
+/* The packet's operations into ops; their count, or -1 when it is malformed. */
+static int parse(long got) {
+    long at = 0;
+    int n = 0;
+    while (at < got) {
+        if (n == MAX_OPS) return -1;
+        struct op *o = &ops[n++];
+        o->kind = buf[at++];
+        int want = o->kind == 'M' ? 5 : o->kind == 'U' ? 2 : 0;
+        if (!want) return -1;
+        /* Fields after the op byte, each ended by a NUL inside the packet. */
+        for (int i = 0; i < want; i++) {
+            o->field[i] = buf + at;
+            while (at < got && buf[at]) at++;
+            if (at >= got) return -1;
+            at++;
+        }
+        o->flags = number(o->field[want == 5 ? 3 : 1]);
+        if (o->flags < 0) return -1;
     }
-    if (at != got) return EINVAL;
-    long r;
-    if (buf[0] == 'M') {
-        long flags = number(field[3]);
-        if (flags < 0) return EINVAL;
-        r = sys5(SYS_mount, (long)(*field[0] ? field[0] : 0), (long)field[1],
-                 (long)(*field[2] ? field[2] : 0), flags, (long)(*field[4] ? field[4] : 0));
-    } else {
-        long flags = number(field[1]);
-        if (flags < 0) return EINVAL;
-        r = sys5(SYS_umount2, (long)field[0], flags, 0, 0, 0);
+    return n;
+}
+
+static long perform(const struct op *o) {
+    if (o->kind == 'M')
+        return sys5(SYS_mount, (long)(*o->field[0] ? o->field[0] : 0), (long)o->field[1],
+                    (long)(*o->field[2] ? o->field[2] : 0), o->flags,
+                    (long)(*o->field[4] ? o->field[4] : 0));
+    return sys5(SYS_umount2, (long)o->field[0], o->flags, 0, 0, 0);
+}
+
+/* answer[0]: operations done; answer[1]: 0, or the errno of the one that failed. */
+static void handle(long got, int answer[2]) {
+    answer[0] = 0;
+    answer[1] = EINVAL;
+    int n = got > MAX_REQUEST ? -1 : parse(got);
+    if (n <= 0) return;
+    for (int i = 0; i < n; i++) {
+        long r = perform(&ops[i]);
+        if (r < 0) {
+            answer[0] = i;
+            answer[1] = (int)-r;
+            return;
+        }
     }
-    return r < 0 ? (int)-r : 0;
+    answer[0] = n;
+    answer[1] = 0;
 }
 
 void cmain(void) {
@@ -93,8 +126,9 @@ void cmain(void) {
         long got = sys5(SYS_read, FD, (long)buf, MAX_REQUEST + 1, 0, 0);
         if (got == -EINTR) continue;
         if (got <= 0) break; /* envd's end closed (or the pair is gone) */
-        int answer = got > MAX_REQUEST ? EINVAL : handle(got);
-        sys5(SYS_write, FD, (long)&answer, 4, 0, 0);
+        int answer[2];
+        handle(got, answer);
+        sys5(SYS_write, FD, (long)answer, 8, 0, 0);
     }
     sys5(SYS_exit, 0, 0, 0, 0, 0);
     for (;;) {}

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -47,6 +48,9 @@ log = logging.getLogger("envd")
 
 KEEPER_NAME = "layer-keeper"
 KEEPER_FD = 1000
+# The keeper's bounds on one request (layer_keeper.c's MAX_OPS and MAX_REQUEST).
+KEEPER_MAX_OPS = 32
+KEEPER_MAX_REQUEST = 8192
 ROOT_FD = 1001
 LAYERS_DIR = "/.aenv-layers"
 MAX_DEPTH = 4
@@ -105,12 +109,19 @@ def start_keeper() -> int | None:
 
 def _stat_of(pid: int) -> tuple[int, str] | None:
     """(start time, state) of a process, from /proc/PID/stat; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
+    try:  # three system calls (open() would make six), each dear under gVisor
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        try:
+            fields = os.read(fd, 4096).rsplit(b")", 1)[1].split()
+        finally:
+            os.close(fd)
         return int(fields[19]), fields[0].decode()
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _pids() -> set[int]:
+    return {int(name) for name in os.listdir("/proc") if name.isdigit()}
 
 
 def processes() -> dict[int, tuple[int, str]]:
@@ -232,10 +243,10 @@ class Layers:
             t_kill = time.perf_counter()
             self._to_real_root()
             try:
-                for d in range(len(self.levels), depth - 1, -1):
-                    self._drop(d)
+                # One request drops the layers from the top down to this one and mounts
+                # its fresh tmpfs, a second mounts the rest.
+                self._build(depth, drop=len(self.levels))
                 del self.levels[depth:]
-                self._build(depth)
             except BaseException:
                 # The layer is gone: envd stays on the one below (the files as they
                 # were when it was pushed, plus what its own processes wrote since).
@@ -290,24 +301,54 @@ class Layers:
     async def _kill_since(self, base: list[tuple[int, int]],
                           reap: Callable[[], None]) -> int:
         """SIGKILL every process not in ``base`` (nor envd, nor the keeper) until none
-        is left: a process forking as it is killed is caught on the next pass."""
+        is left. One scan of /proc reads every process; the ones killed are then
+        watched alone (reaped, as envd is init) until each has ended; then /proc is
+        listed again and only the processes new since are read: one a victim forked
+        before it died is caught so, and killed in turn. Once every victim has ended
+        none can fork, so a listing with nothing new in it is the end."""
         keep = set(base)
         spared = {os.getpid(), self.keeper_pid}
+        seen: set[int] = set()  # every pid read in this pass
         killed: set[tuple[int, int]] = set()
         deadline = time.monotonic() + KILL_DEADLINE_S
+        pids = _pids()
         while True:
-            victims = [(pid, st[0]) for pid, st in processes().items()
-                       if pid not in spared and (pid, st[0]) not in keep and st[1] != "Z"]
+            victims = []
+            for pid in pids - seen:
+                seen.add(pid)
+                st = _stat_of(pid)
+                if st is not None and pid not in spared and (pid, st[0]) not in keep \
+                        and st[1] != "Z":
+                    victims.append((pid, st[0]))
             if not victims:
                 return len(killed)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # forks as fast as it is killed
                 raise LayerError(500, f"{len(victims)} processes would not end")
-            for pid, start in victims:
+            for pid, _ in victims:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                killed.add((pid, start))
+            killed.update(victims)
+            await self._ended(victims, reap, deadline)
+            pids = _pids()
+
+    @staticmethod
+    async def _ended(victims: list[tuple[int, int]], reap: Callable[[], None],
+                     deadline: float) -> None:
+        """Until every one of ``victims`` (killed) has ended: gone, or a zombie."""
+        pending = dict(victims)
+        wait = 0.0
+        while True:
             reap()
-            await asyncio.sleep(0.002)
+            for pid, start in list(pending.items()):
+                st = _stat_of(pid)
+                if st is None or st[0] != start or st[1] == "Z":
+                    del pending[pid]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise LayerError(500, f"{len(pending)} processes would not end")
+            await asyncio.sleep(wait)
+            wait = min(0.002, wait * 2 or 0.0002)
 
     def _to_real_root(self) -> None:
         os.fchdir(ROOT_FD)
@@ -320,60 +361,91 @@ class Layers:
             os.chroot(f"{LAYERS_DIR}/{depth}/m")
             os.chdir("/")
 
-    def _keeper(self, *fields: str | int) -> None:
-        op = str(fields[0])
-        packet = op.encode() + b"".join(str(f).encode() + b"\0" for f in fields[1:])
-        os.write(KEEPER_FD, packet)
-        answer = os.read(KEEPER_FD, 4)
-        err = struct.unpack("i", answer)[0] if len(answer) == 4 else 5
-        if err:
-            raise LayerError(500, f"layer keeper: {op} {fields[1]}: {os.strerror(err)}")
+    def _keeper(self, ops: list[tuple[str | int, ...]], may_fail: int = 0) -> None:
+        """Operations done by the keeper, as few requests as its bounds allow (one for a
+        layer's mounts; layer_keeper.c), in order: the first ``may_fail`` of them may
+        fail (an unmount of what a failed build never mounted), the rest then going
+        on from the next one; any other failure raises, the operations after it undone
+        by no one and not done."""
+        encoded = [str(op[0]).encode() + b"".join(str(f).encode() + b"\0" for f in op[1:])
+                   for op in ops]
+        at = 0
+        while at < len(ops):
+            n, size = 0, 0
+            while at + n < len(ops) and n < KEEPER_MAX_OPS and \
+                    size + len(encoded[at + n]) <= KEEPER_MAX_REQUEST:
+                size += len(encoded[at + n])
+                n += 1
+            if n == 0:
+                raise LayerError(500, f"layer keeper: {ops[at][0]} {ops[at][1]}: too long")
+            os.write(KEEPER_FD, b"".join(encoded[at:at + n]))
+            answer = os.read(KEEPER_FD, 8)
+            done, err = struct.unpack("ii", answer) if len(answer) == 8 else (0, errno.EIO)
+            if not err:
+                at += n
+            elif 0 <= done < n and at + done < may_fail:
+                at += done + 1  # that one may fail: on with the next
+            else:
+                op = ops[at + min(max(done, 0), n - 1)]
+                raise LayerError(500, f"layer keeper: {op[0]} {op[1]}: {os.strerror(err)}")
 
-    def _mount(self, source: str, target: str, fstype: str, flags: int, data: str = "") -> None:
-        self._keeper("M", source, target, fstype, flags, data)
+    @staticmethod
+    def _mount(source: str, target: str, fstype: str, flags: int,
+               data: str = "") -> tuple[str | int, ...]:
+        return ("M", source, target, fstype, flags, data)
+
+    @staticmethod
+    def _unmounts(depth: int) -> list[tuple[str | int, ...]]:
+        top = f"{LAYERS_DIR}/{depth}"
+        return [("U", target, _MNT_DETACH) for target in (f"{top}/m", top)]
 
     def _drop(self, depth: int) -> None:
-        top = f"{LAYERS_DIR}/{depth}"
-        for target in (f"{top}/m", top):
-            with contextlib.suppress(LayerError):
-                self._keeper("U", target, _MNT_DETACH)
+        with contextlib.suppress(LayerError):
+            self._keeper(self._unmounts(depth), may_fail=2)
 
-    def _build(self, depth: int) -> None:
+    def _build(self, depth: int, drop: int = 0) -> None:
         """Layer ``depth``'s mounts (envd in the real root): a tmpfs holding the upper
-        layers, the root's overlay over the layer below, then the other mounts."""
+        layers, the root's overlay over the layer below, then the other mounts; two
+        requests to the keeper. ``drop``: layers above ``depth - 1`` to drop first, in
+        the first request (a reset: from the top down to ``depth`` itself)."""
         top = f"{LAYERS_DIR}/{depth}"
         below = f"{LAYERS_DIR}/{depth - 1}/m" if depth > 1 else None
         os.makedirs(top, mode=0o700, exist_ok=True)
-        self._mount("tmpfs", top, "tmpfs", _MS_NOSUID | _MS_NODEV,
-                    ",".join(o for o in ("mode=0700", self.size) if o))
+        unmounts = [u for d in range(drop, depth - 1, -1) for u in self._unmounts(d)] \
+            if drop else []
+        self._keeper([*unmounts, self._mount(
+            "tmpfs", top, "tmpfs", _MS_NOSUID | _MS_NODEV,
+            ",".join(o for o in ("mode=0700", self.size) if o))], may_fail=len(unmounts))
         try:
             overlaid = [p for p in self.binds if p in OVERLAID]
             for name in ("u", "w", "m", *(f"u{i}" for i in range(len(overlaid))),
                          *(f"w{i}" for i in range(len(overlaid)))):
                 os.mkdir(f"{top}/{name}", 0o755)
             lower = below if below is not None else self._real_root_bind()
-            self._overlay(lower, f"{top}/u", f"{top}/w", f"{top}/m")
+            mounts = [self._overlay(lower, f"{top}/u", f"{top}/w", f"{top}/m")]
             for point in self.binds:
                 target = f"{top}/m{point}"
                 if point in OVERLAID:
                     i = overlaid.index(point)
                     source = f"{below}{point}" if below is not None else \
                         self._real_bind(point, "t")
-                    self._overlay(source, f"{top}/u{i}", f"{top}/w{i}", target)
+                    mounts.append(self._overlay(source, f"{top}/u{i}", f"{top}/w{i}", target))
                 else:
-                    self._mount(point, target, "", _MS_BIND | _MS_REC)
+                    mounts.append(self._mount(point, target, "", _MS_BIND | _MS_REC))
+            self._keeper(mounts)
         except BaseException:
             self._drop(depth)
             raise
 
-    def _overlay(self, lower: str, upper: str, work: str, target: str) -> None:
+    def _overlay(self, lower: str, upper: str, work: str,
+                 target: str) -> tuple[str | int, ...]:
         # The upper directory's root takes the lower's mode and owner (a user's /tmp
         # stays 1777), as overlayfs does for a copied-up directory.
         st = os.stat(lower)
         os.chmod(upper, st.st_mode & 0o7777)
         os.chown(upper, st.st_uid, st.st_gid)
-        self._mount("overlay", target, "overlay", 0,
-                    f"lowerdir={lower},upperdir={upper},workdir={work}")
+        return self._mount("overlay", target, "overlay", 0,
+                           f"lowerdir={lower},upperdir={upper},workdir={work}")
 
     def _real_root_bind(self) -> str:
         return self._real_bind("/", "r")
@@ -384,7 +456,7 @@ class Layers:
         path = f"{LAYERS_DIR}/base-{name}{point.replace('/', '_')}"
         if not os.path.ismount(path):
             os.makedirs(path, mode=0o755, exist_ok=True)
-            self._mount(point, path, "", _MS_BIND)
+            self._keeper([self._mount(point, path, "", _MS_BIND)])
         return path
 
 
