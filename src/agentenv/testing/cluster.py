@@ -371,7 +371,7 @@ class Cluster:
             time.sleep(0.1)
         raise AssertionError(f"node-{k} is not {state} after {wait}s: {self.states()}")
 
-    def wait_nodes_up(self, ks: list[int], wait: float = 30) -> None:
+    def wait_nodes_up(self, ks: list[int], wait: float = 90) -> None:
         for k in ks:
             self.wait_state(k, "up", wait)
 
