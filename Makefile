@@ -7,7 +7,7 @@ export AENV_HOME
 UV_VERSION := 0.13.9
 UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY)
 # pytest workers of `make test`'s parallel part: more than two only share the two
-# cores (three: 6 % sooner, and the sixteen-children fork test ran out of time).
+# cores (2026-12-04, the same tree on a quiet machine: two 16:52, three 18:01).
 TEST_WORKERS ?= 2
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 
