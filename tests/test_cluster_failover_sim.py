@@ -19,14 +19,15 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from agentenv.testing.cluster import Cluster
-from agentenv.testing.sim_nodes import Behaviour, InThread, running
+from agentenv.testing.sim_cluster import InThread, heartbeating, up_nodes, wait_for
+from agentenv.testing.sim_records import Behaviour
 
 NODES = 10
 HEARTBEAT_S = 0.3
@@ -47,31 +48,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def sim(cluster: Cluster) -> Iterator[InThread]:
-    schedulers = ",".join(f"http://127.0.0.1:{p}" for p in cluster.scheduler_ports)
     # A create takes 50 ms on the node: some are on their way at each kill.
-    with running(NODES, schedulers, cluster.api_key,
-                 Behaviour(capacity=100, heartbeat_s=HEARTBEAT_S, create_s=0.05)) as nodes:
-        wait_for(lambda: len(up_nodes(cluster)) == NODES, "every simulated node up")
+    with heartbeating(cluster, NODES, Behaviour(capacity=100, heartbeat_s=HEARTBEAT_S,
+                                                create_s=0.05), wait=30) as nodes:
         yield nodes
-
-
-def wait_for(check: Callable[[], bool], what: str, wait: float = 30) -> None:
-    end = time.monotonic() + wait
-    while not check():
-        assert time.monotonic() < end, f"not within {wait}s: {what}"
-        time.sleep(0.05)
-
-
-def up_nodes(cluster: Cluster) -> set[str]:
-    for url in (f"http://127.0.0.1:{p}" for p in cluster.scheduler_ports):
-        try:
-            with cluster.client(url) as c:
-                r = c.get("/nodes", params={"state": "up"}, timeout=5)
-        except httpx.HTTPError:
-            continue  # killed: the other one
-        if r.status_code == 200:
-            return {n["node_id"] for n in r.json()}
-    return set()
 
 
 class Flow:
@@ -155,7 +135,7 @@ def test_kills_lose_and_double_no_create(cluster: Cluster, sim: InThread) -> Non
         cluster.redis.kill()
         cluster.redis.wait()
         wait_for(lambda: cluster.redis_primary() == cluster.replica_port,
-                 "Sentinel promoted the replica")
+                 "Sentinel promoted the replica", 30)
         made_since(flow, flow.count(), 20, "after the Redis primary's kill")
     finally:
         flow.stop()
@@ -168,7 +148,7 @@ def test_kills_lose_and_double_no_create(cluster: Cluster, sim: InThread) -> Non
     assert sorted(held) == sorted(flow.made.values()), (
         f"{len(held)} held for {len(flow.made)} keys")
     # None lost: the gateway left lists every one, every node up again.
-    wait_for(lambda: len(up_nodes(cluster)) == NODES, "every node up after the kills")
+    wait_for(lambda: len(up_nodes(cluster)) == NODES, "every node up after the kills", 30)
     survivor = cluster.gateway_urls()[1]
     with cluster.client(survivor) as api:
         listed = {i["sandboxID"] for i in api.get("/sandboxes").json()}

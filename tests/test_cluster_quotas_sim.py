@@ -13,15 +13,15 @@ forty (agentenv.testing.sim_nodes):
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from agentenv.testing.cluster import Cluster
-from agentenv.testing.sim_nodes import Behaviour, InThread, running
+from agentenv.testing.sim_cluster import InThread, heartbeating, wait_for
+from agentenv.testing.sim_records import Behaviour
 
 NODES = 10
 QUOTA = 5
@@ -40,22 +40,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def sim(cluster: Cluster) -> Iterator[InThread]:
-    with running(NODES, cluster.scheduler_url, cluster.api_key,
-                 Behaviour(capacity=4, heartbeat_s=HEARTBEAT_S)) as nodes:
-        wait_for(lambda: up(cluster) == NODES, "every simulated node up")
+    with heartbeating(cluster, NODES, Behaviour(capacity=4, heartbeat_s=HEARTBEAT_S)) as nodes:
         yield nodes
-
-
-def wait_for(check: Callable[[], bool], what: str, wait: float = 15) -> None:
-    end = time.monotonic() + wait
-    while not check():
-        assert time.monotonic() < end, f"not within {wait}s: {what}"
-        time.sleep(0.05)
-
-
-def up(cluster: Cluster) -> int:
-    with cluster.client(cluster.scheduler_url) as c:
-        return len(c.get("/nodes", params={"state": "up"}).json())
 
 
 def running_ids(sim: InThread) -> set[str]:

@@ -14,9 +14,8 @@ the cluster protocol, no sandboxes):
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
@@ -24,7 +23,8 @@ import httpx
 import pytest
 
 from agentenv.testing.cluster import Cluster
-from agentenv.testing.sim_nodes import Behaviour, InThread, running
+from agentenv.testing.sim_cluster import InThread, heartbeating, up_nodes, wait_for
+from agentenv.testing.sim_records import Behaviour
 
 NODES = 10
 CAPACITY = 4
@@ -44,9 +44,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def sim(cluster: Cluster) -> Iterator[InThread]:
-    with running(NODES, cluster.scheduler_url, cluster.api_key,
-                 Behaviour(capacity=CAPACITY, heartbeat_s=HEARTBEAT_S)) as nodes:
-        wait_for(lambda: len(up_nodes(cluster)) == NODES, "every simulated node up")
+    with heartbeating(cluster, NODES, Behaviour(capacity=CAPACITY,
+                                                heartbeat_s=HEARTBEAT_S)) as nodes:
         yield nodes
 
 
@@ -54,18 +53,6 @@ def sim(cluster: Cluster) -> Iterator[InThread]:
 def api(cluster: Cluster) -> Iterator[httpx.Client]:
     with cluster.client() as client:
         yield client
-
-
-def wait_for(check: Callable[[], bool], what: str, wait: float = 15) -> None:
-    end = time.monotonic() + wait
-    while not check():
-        assert time.monotonic() < end, f"not within {wait}s: {what}"
-        time.sleep(0.05)
-
-
-def up_nodes(cluster: Cluster) -> set[str]:
-    with cluster.client(cluster.scheduler_url) as c:
-        return {n["node_id"] for n in c.get("/nodes", params={"state": "up"}).json()}
 
 
 def owner(cluster: Cluster, sandbox_id: str) -> str:

@@ -19,7 +19,7 @@ added to every answer, ``create_s`` to a create, and ``failure_rate`` of creates
 500. A node's ``heartbeating`` off is a heartbeat lapse: the scheduler marks it down
 after its TTL while it still answers (a slow or cut-off node, as the gateway expects).
 
-Run it in a thread of the caller (``running``), or as its own process:
+Run it in a thread of the caller (``sim_cluster.running``), or as its own process:
 ``python -m agentenv.testing.sim_nodes --nodes 100 --scheduler-url URL`` (the API key
 in ``AENV_SIM_API_KEY``).
 """
@@ -34,105 +34,20 @@ import json
 import os
 import random
 import resource
-import secrets
 import socket
-import string
-import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 from urllib.parse import parse_qs
 
 import httpx
 import uvicorn
 
-from ..cluster.common import Failover, NodeStatus, SandboxEntry
+from ..cluster.common import Failover
+from .sim_records import Answer, Behaviour, SimNode, SimSandbox, new_id
 
-T = TypeVar("T")
-Answer = tuple[int, Any, dict[str, str]]
-_ID_ALPHABET = string.ascii_lowercase + string.digits
-ENVD_VERSION = "0.6.4"
 HEARTBEATS_IN_FLIGHT = 32
-
-
-@dataclass
-class Behaviour:
-    """How every simulated node behaves."""
-
-    capacity: int = 100
-    heartbeat_s: float = 1.0
-    latency_s: float = 0.0  # added to every answer of the node API
-    create_s: float = 0.0  # a create's own time on the node (a boot or a restore)
-    failure_rate: float = 0.0  # share of creates answered 500
-    templates: tuple[str, ...] = ("base",)
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=UTC).isoformat().replace("+00:00", "Z")
-
-
-def _new_id(prefix: str = "") -> str:
-    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
-
-
-@dataclass
-class SimSandbox:
-    sandbox_id: str
-    template_id: str
-    state: str  # creating, running, paused
-    started_at: float
-    end_at: float
-    metadata: dict[str, str] = field(default_factory=dict)
-    snapshot_id: str = ""
-
-    def listed(self) -> dict[str, Any]:
-        """As the node lists it (E2B's ListedSandbox)."""
-        return {"templateID": self.template_id, "sandboxID": self.sandbox_id,
-                "clientID": "sim", "startedAt": _iso(self.started_at),
-                "endAt": _iso(self.end_at), "cpuCount": 1, "memoryMB": 512,
-                "diskSizeMB": 1024, "metadata": self.metadata, "state": self.state,
-                "envdVersion": ENVD_VERSION}
-
-    def created(self) -> dict[str, Any]:
-        """As a create, a resume or a connect answers it (SandboxCreated)."""
-        return {"templateID": self.template_id, "sandboxID": self.sandbox_id,
-                "clientID": "sim", "envdVersion": ENVD_VERSION,
-                "envdAccessToken": "sim-token", "domain": None}
-
-
-class SimNode:
-    """One simulated node: its records, its heartbeats' switch and its API's."""
-
-    def __init__(self, node_id: str, url: str, behaviour: Behaviour) -> None:
-        self.node_id = node_id
-        self.url = url
-        self.behaviour = behaviour
-        self.sandboxes: dict[str, SimSandbox] = {}
-        self.snapshots: set[str] = set()
-        self.heartbeating = True
-        self.beats = 0
-        # Idempotency-Key -> (the create's body, its answer once it has one): a retry
-        # gets the first create's answer (or waits for it), as a real node's does.
-        self.keyed: dict[str, tuple[bytes, asyncio.Future[Answer]]] = {}
-
-    def load(self) -> int:
-        """Sandboxes holding room, as the node counts them (a paused one holds none)."""
-        return sum(1 for s in self.sandboxes.values() if s.state in ("creating", "running"))
-
-    def status(self) -> NodeStatus:
-        entries = [SandboxEntry(sandbox_id=s.sandbox_id, state=s.state,
-                                snapshot_id=s.snapshot_id,
-                                committed=bool(s.snapshot_id) and s.state != "creating",
-                                item=s.listed())
-                   for s in self.sandboxes.values() if s.state != "creating"]
-        return NodeStatus(node_id=self.node_id, url=self.url,
-                          capacity=self.behaviour.capacity, load=self.load(),
-                          free_memory_mb=64_000, runtime_kind="gvisor",
-                          runtime_version="sim", templates=list(self.behaviour.templates),
-                          snapshots=sorted(self.snapshots), sandboxes=entries)
 
 
 def _error(status: int, message: str) -> Answer:
@@ -359,7 +274,7 @@ class SimNodes:
                                f"({node.behaviour.capacity} sandboxes)")
         now = time.time()
         timeout = int(spec.get("timeout") or 300)
-        sbx = SimSandbox(_new_id(), str(spec.get("templateID") or "base"), "creating", now,
+        sbx = SimSandbox(new_id(), str(spec.get("templateID") or "base"), "creating", now,
                          now + timeout, dict(spec.get("metadata") or {}))
         node.sandboxes[sbx.sandbox_id] = sbx  # holds its room while it comes up
         if node.behaviour.create_s:
@@ -425,7 +340,7 @@ class SimNodes:
             return _error(404, f"sandbox '{parts[1]}' not found")
         if sbx.state != "running":
             return _error(409, f"sandbox '{parts[1]}' is {sbx.state}")
-        sbx.state, sbx.snapshot_id = "paused", _new_id("snap_")
+        sbx.state, sbx.snapshot_id = "paused", new_id("snap_")
         return 204, None, {}
 
     async def _resume(self, node: SimNode, parts: list[str], query: dict[str, str],
@@ -472,7 +387,7 @@ class SimNodes:
                         spec: Any) -> Answer:
         if self._sandbox(node, parts[1]) is None:
             return _error(404, f"sandbox '{parts[1]}' not found")
-        snapshot = _new_id("snap_")
+        snapshot = new_id("snap_")
         node.snapshots.add(snapshot)
         return 201, {"snapshotID": snapshot}, {}
 
@@ -508,60 +423,6 @@ def _raise_fd_limit(wanted: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(wanted, soft), hard), hard))
-
-
-class InThread:
-    """Simulated nodes served by an event loop in a thread of their own; ``call`` runs a
-    coroutine there (the nodes' records are the loop's alone)."""
-
-    def __init__(self, sim: SimNodes) -> None:
-        self.sim = sim
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="sim-nodes",
-                                        daemon=True)
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def start(self) -> None:
-        self._thread.start()
-        self.call(self.sim.start())
-
-    def states(self) -> dict[str, dict[str, str]]:
-        """Every node's sandboxes and their states (read on the nodes' loop)."""
-        async def read() -> dict[str, dict[str, str]]:
-            return {n.node_id: {s.sandbox_id: s.state for s in n.sandboxes.values()}
-                    for n in self.sim.nodes}
-        return self.call(read())
-
-    def set_heartbeating(self, node_id: str, on: bool) -> None:
-        async def switch() -> None:
-            self.sim.node(node_id).heartbeating = on
-        self.call(switch())
-
-    def beat(self, node_id: str) -> None:
-        """One heartbeat of the node now (its answer's disowns applied)."""
-        self.call(self.sim.beat(self.sim.node(node_id)))
-
-    def stop(self) -> None:
-        try:
-            self.call(self.sim.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            self.loop.close()
-
-
-@contextlib.contextmanager
-def running(count: int, scheduler_url: str, api_key: str,
-            behaviour: Behaviour | None = None) -> Iterator[InThread]:
-    """``count`` simulated nodes in a thread, heartbeating to ``scheduler_url``."""
-    runner = InThread(SimNodes(count, scheduler_url, api_key, behaviour))
-    runner.start()
-    try:
-        yield runner
-    finally:
-        runner.stop()
 
 
 def main() -> None:
