@@ -1,6 +1,8 @@
 """The control plane at fleet scale: the real gateway, scheduler and Redis over simulated
 nodes (agentenv.testing.sim_nodes, its own process: the cluster protocol, no sandboxes),
-at 10, 100 and 300 nodes (``--nodes``; a thousand overruns one scheduler on 2 cores).
+at 10, 100 and 1,000 nodes (``--nodes``; a thousand need ``--heartbeat-s`` of 10 s or
+more on one scheduler here), each node holding ``--preload`` sandboxes from its start
+(1,000 x 300: the issue's 300,000).
 
 Per size:
 - Redis commands and bytes per heartbeat (nodes idle, then holding the creates'
@@ -9,10 +11,13 @@ Per size:
   simulated node directly: the difference is what the control plane adds;
 - placement throughput: ``--creates`` creates, ``--concurrency`` at once, through one
   gateway, and Redis commands and bytes per create (the heartbeats' share taken out);
-- list latency through the gateway (``GET /v2/sandboxes`` first page of 100, and
-  ``GET /sandboxes``, every sandbox) with the creates' sandboxes held.
+- list latency through the gateway with every sandbox held: ``GET /v2/sandboxes``'s
+  first page of 100, pages followed by their tokens, a page by metadata (one job of
+  100: 1 % of the sandboxes) and by state; ``GET /sandboxes`` (every sandbox, no
+  paging) below ``V1_MAX`` sandboxes; Redis's memory and the gateway's RSS.
 
-Writes bench/results/control_plane.{md,json}.
+Writes bench/results/control_plane.{md,json}: one row per number of nodes, a run's rows
+replacing the same sizes' rows of earlier runs (each row says how it was run).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from common import write
 HEARTBEAT_S = 1.0  # --heartbeat-s
 CAPACITY = 1000  # per simulated node: room is never what limits a create here
 IDLE_WINDOW_S = 6.0
+# GET /sandboxes (every sandbox in one answer) is timed below this many.
+V1_MAX = 20_000
+NAME = "control_plane"
 
 
 def ttl_ms() -> int:
@@ -77,6 +85,13 @@ def cpu_s(pid: int) -> float:
     """A process's CPU time so far (user and system), in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
 
 
 def cpus(cluster: Cluster, sim: subprocess.Popen | None) -> dict[str, float]:
@@ -168,8 +183,54 @@ def wait_up(cluster: Cluster, nodes: int, wait: float = 120) -> None:
     raise RuntimeError(f"fewer than 9 in 10 of {nodes} simulated nodes came up")
 
 
-def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: int
-            ) -> dict[str, Any]:
+def wait_indexed(port: int, want: int, wait: float = 900) -> float:
+    """Until the listings' index holds ``want`` sandboxes (the nodes' first heartbeats
+    with their preloaded ones recorded); the seconds that took."""
+    r = redis.Redis(port=port)
+    t0 = time.monotonic()
+    while r.zcard("aenv:lst:all") < want:
+        if time.monotonic() - t0 > wait:
+            raise RuntimeError(f"{r.zcard('aenv:lst:all')} of {want} sandboxes indexed "
+                               f"after {wait:g} s")
+        time.sleep(1)
+    return round(time.monotonic() - t0, 1)
+
+
+async def follow(client: httpx.AsyncClient, url: str, params: dict[str, Any], pages: int
+                 ) -> list[float]:
+    """``pages`` pages in a row, each asked with the previous one's token."""
+    took, token = [], None
+    for _ in range(pages):
+        t0 = time.perf_counter()
+        r = await client.get(url, params={**params, **({"nextToken": token} if token else {})})
+        took.append(time.perf_counter() - t0)
+        r.raise_for_status()
+        token = r.headers.get("x-next-token")
+        if not token:
+            break
+    return took
+
+
+async def listings(client: httpx.AsyncClient, cluster: Cluster, held: int, reps: int
+                   ) -> dict[str, Any]:
+    url = cluster.gateway_url + "/v2/sandboxes"
+    page, n_page = await timed_gets(client, url, {"limit": 100}, reps)
+    deep = await follow(client, url, {"limit": 100}, reps)
+    by_job, n_job = await timed_gets(client, url, {"limit": 100, "metadata": "job=j7"}, reps)
+    running, _ = await timed_gets(client, url, {"limit": 100, "state": "running"}, reps)
+    out: dict[str, Any] = {"sandboxes_held": held, "v2_first_page": lat(page),
+                           "v2_page_items": n_page, "v2_followed_pages": lat(deep),
+                           "v2_by_metadata": lat(by_job), "v2_by_metadata_items": n_job,
+                           "v2_running": lat(running)}
+    if held <= V1_MAX:
+        whole, n_whole = await timed_gets(client, cluster.gateway_url + "/sandboxes", {},
+                                          max(reps // 10, 2))
+        out.update(v1_all=lat(whole), v1_items=n_whole)
+    return out
+
+
+def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: int,
+            preload: int) -> dict[str, Any]:
     cluster = Cluster(root / f"cp{nodes}", f"p{os.getpid() % 256:02x}", nodes=0,
                       node_ttl_ms=ttl_ms(), gateway_queue_s=10.0)
     sim: subprocess.Popen | None = None
@@ -178,13 +239,17 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
         sim = subprocess.Popen(
             [sys.executable, "-m", "agentenv.testing.sim_nodes", "--nodes", str(nodes),
              "--scheduler-url", cluster.scheduler_url, "--capacity", str(CAPACITY),
-             "--heartbeat-s", str(HEARTBEAT_S)],
+             "--heartbeat-s", str(HEARTBEAT_S), "--preload", str(preload)],
             env={**os.environ, "AENV_SIM_API_KEY": cluster.api_key},
             stdout=subprocess.DEVNULL, stderr=open(root / f"sim{nodes}.log", "ab"))
         wait_up(cluster, nodes)
+        indexed_s = wait_indexed(cluster.redis_port, int(0.99 * nodes * preload))
         time.sleep(2 * HEARTBEAT_S)  # every node past its first heartbeat
         meter = RedisMeter(cluster.redis_port, nodes)
-        out: dict[str, Any] = {"nodes": nodes}
+        out: dict[str, Any] = {"nodes": nodes, "preload": preload,
+                               "heartbeat_s": HEARTBEAT_S, "creates": creates,
+                               "concurrency": concurrency, "sequential": sequential,
+                               "preload_indexed_s": indexed_s}
         cpu_before = cpus(cluster, sim)
         out["idle"] = {"nodes_up": up_count(cluster), **idle_cost(meter)}
         cpu_after = cpus(cluster, sim)
@@ -231,21 +296,17 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
                         k: round((top_after.get(k, 0) - top_before.get(k, 0)) / creates, 1)
                         for k in sorted(top_after, key=lambda k: top_before.get(k, 0)
                                         - top_after[k])[:6]}}
-                held = creates + 2 * (sequential + 1)
-                # Fewer at a thousand nodes: each asks every node.
-                reps = 20 if nodes <= 100 else 5 if nodes <= 300 else 2
-                page, n_page = await timed_gets(client, cluster.gateway_url + "/v2/sandboxes",
-                                                {"limit": 100}, reps)
-                whole, n_whole = await timed_gets(client, cluster.gateway_url + "/sandboxes",
-                                                  {}, reps // 2)
-                out["list"] = {"sandboxes_held": held, "v2_first_page": lat(page),
-                               "v2_page_items": n_page, "v1_all": lat(whole),
-                               "v1_items": n_whole}
+                held = creates + 2 * (sequential + 1) + nodes * preload
+                out["list"] = await listings(client, cluster, held, 100)
+                out["list"]["redis_used_mb"] = round(
+                    meter.r.info("memory")["used_memory"] / 2 ** 20, 1)
+                out["list"]["gateway_rss_mb"] = rss_mb(cluster.gateway.pid)
 
         asyncio.run(run())
         time.sleep(2 * HEARTBEAT_S)
         out["idle_holding"] = {"sandboxes_per_node": round(
-            (creates + 2 * (sequential + 1)) / nodes, 1), "nodes_up": up_count(cluster),
+            (creates + 2 * (sequential + 1)) / nodes + preload, 1),
+            "nodes_up": up_count(cluster),
             **idle_cost(meter)}
         return out
     finally:
@@ -277,72 +338,83 @@ def _cpu(row: dict[str, Any]) -> str:
             f"{round(idle.get('scheduler', 0) * 1000)} ms/s")
 
 
-def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def _pp(d: dict[str, Any] | None) -> str:
+    return f"{d['p50_ms']} / {d['p99_ms']}" if d else "n/a"
+
+
+def _how(r: dict[str, Any]) -> str:
+    return (f"`--nodes {r['nodes']} --preload {r.get('preload', 0)} --heartbeat-s "
+            f"{r.get('heartbeat_s', 1):g} --creates {r.get('creates', 300)} --sequential "
+            f"{r.get('sequential', 30)}` ({r.get('when', '?')})")
+
+
+def render(rows: list[dict[str, Any]]) -> str:
     lines = ["## Control plane at fleet scale (simulated nodes)", "",
-             f"The real gateway, scheduler and Redis (one each) over simulated nodes "
-             f"(agentenv.testing.sim_nodes, one process; heartbeat every {HEARTBEAT_S:g} s; "
-             f"no node latency). One 2-core machine shared with other work runs all of it.",
-             f"Burst: {args.creates} creates, {args.concurrency} at once; sequential "
-             f"latency: {args.sequential} creates one at a time. Reproduce: "
-             f"`PYTHONPATH=src:bench python bench/bench_control_plane.py --nodes "
-             f"{','.join(str(r['nodes']) for r in rows)} --creates {args.creates} "
-             f"--sequential {args.sequential} --heartbeat-s {HEARTBEAT_S:g}"
-             f"{'' if args.name == 'control_plane' else ' --name ' + args.name}`.", "",
-             "| nodes | creates/s | burst create p50 / p99 ms | create direct p50 / p99 ms "
-             "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
-             "| list v2 page p50 / p99 ms | list v1 all p50 ms (items) "
-             "| Redis cmds / bytes per heartbeat (idle) | same, holding (sandboxes/node) "
-             "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) "
-             "| CPU ms per create, heartbeats meanwhile included: gateway / scheduler / Redis "
-             "(sim nodes); the scheduler's when idle |",
-             "| " + " | ".join(["---"] * 13) + " |"]
+             "The real gateway, scheduler and Redis (one each) over simulated nodes "
+             "(agentenv.testing.sim_nodes, one process; no node latency), each holding "
+             "`--preload` sandboxes from its start. One 2-core machine shared with other "
+             "work runs all of it: counts are reliable, rates and latencies are not. "
+             "Reproduce a row: `PYTHONPATH=src:bench python bench/bench_control_plane.py` "
+             "and its arguments (each run replaces its sizes' rows):", ""]
+    lines += [f"- {r['nodes']} nodes: {_how(r)}" for r in rows]
+    lines += ["", "Creates:", "",
+              "| nodes | creates/s | burst create p50 / p99 ms | create direct p50 / p99 ms "
+              "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
+              "| CPU ms per create, heartbeats meanwhile included: gateway / scheduler / "
+              "Redis (sim nodes); the scheduler's when idle |",
+              "| " + " | ".join(["---"] * 8) + " |"]
     for r in rows:
-        b, lst, i, h = r["burst"], r["list"], r["idle"], r["idle_holding"]
+        b = r["burst"]
         lines.append(
             f"| {r['nodes']} | {b['creates_per_s']} | {b['p50_ms']} / {b['p99_ms']} "
-            f"| {r['create_direct']['p50_ms']} / {r['create_direct']['p99_ms']} "
-            f"| {r['create_via_gateway']['p50_ms']} / {r['create_via_gateway']['p99_ms']} "
+            f"| {_pp(r['create_direct'])} | {_pp(r['create_via_gateway'])} "
             f"| {r['create_added_ms']['p50']} / {r['create_added_ms']['p99']} "
             f"| {b['redis_commands_per_create']} / {b['redis_bytes_per_create']} "
-            f"| {lst['v2_first_page']['p50_ms']} / {lst['v2_first_page']['p99_ms']} "
-            f"| {lst['v1_all']['p50_ms']} ({lst['v1_items']} of {lst['sandboxes_held']}) "
-            f"| {i['commands_per_heartbeat']} / {i['bytes_per_heartbeat']} "
+            f"| {_cpu(r)} |")
+    lines += ["", "Listings through the gateway (from Redis; p50 / p99 ms; 100 of each):", "",
+              "| nodes | sandboxes held | v2 first page (100) | v2 pages followed by token "
+              "| v2 by metadata, 1 % match (items) | v2 state=running | v1 all (items) "
+              "| Redis used MB | gateway RSS MB |",
+              "| " + " | ".join(["---"] * 9) + " |"]
+    for r in rows:
+        lst = r["list"]
+        v1 = f"{_pp(lst.get('v1_all'))} ({lst['v1_items']})" if lst.get("v1_all") \
+            else f"not timed (over {V1_MAX})"
+        lines.append(
+            f"| {r['nodes']} | {lst['sandboxes_held']} | {_pp(lst['v2_first_page'])} "
+            f"| {_pp(lst.get('v2_followed_pages'))} "
+            f"| {_pp(lst.get('v2_by_metadata'))} ({lst.get('v2_by_metadata_items', '?')}) "
+            f"| {_pp(lst.get('v2_running'))} | {v1} | {lst.get('redis_used_mb', '?')} "
+            f"| {lst.get('gateway_rss_mb', '?')} |")
+    lines += ["", "Heartbeats:", "",
+              "| nodes | Redis cmds / bytes per heartbeat (idle) "
+              "| same, holding (sandboxes/node) "
+              "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) "
+              "| first heartbeats' preload indexed in s |",
+              "| " + " | ".join(["---"] * 5) + " |"]
+    for r in rows:
+        i, h = r["idle"], r["idle_holding"]
+        lines.append(
+            f"| {r['nodes']} | {i['commands_per_heartbeat']} / {i['bytes_per_heartbeat']} "
             f"| {h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
             f"({h['sandboxes_per_node']}) "
             f"| {i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
-            f"({r['nodes'] / HEARTBEAT_S:g}; up {i['nodes_up']} / {h['nodes_up']}) "
-            f"| {_cpu(r)} |")
+            f"({r['nodes'] / r.get('heartbeat_s', 1):g}; up {i['nodes_up']} / "
+            f"{h['nodes_up']}) | {r.get('preload_indexed_s', 'n/a')} |")
     if len(rows) > 1:
         lines += ["", "Growth from the smallest to the largest size:", "",
                   f"- creates/s: {growth(rows, lambda r: r['burst']['creates_per_s'])}",
-                  f"- added create latency p50: "
-                  f"{growth(rows, lambda r: r['create_added_ms']['p50'])}",
                   f"- Redis commands per create: "
                   f"{growth(rows, lambda r: r['burst']['redis_commands_per_create'])}",
-                  f"- Redis bytes per create: "
-                  f"{growth(rows, lambda r: r['burst']['redis_bytes_per_create'])}",
                   f"- list v2 first page p50: "
                   f"{growth(rows, lambda r: r['list']['v2_first_page']['p50_ms'])}",
-                  f"- Redis commands per heartbeat (idle): "
-                  f"{growth(rows, lambda r: r['idle']['commands_per_heartbeat'])}",
+                  f"- sandboxes held: {growth(rows, lambda r: r['list']['sandboxes_held'])}",
                   f"- gateway CPU per create: "
                   f"{growth(rows, lambda r: r['burst']['cpu_ms_per_create']['gateway'])}"]
-    lines += ["", "A node is listed while it is up: one whose heartbeats the scheduler did not "
-              f"record within the TTL ({ttl_ms() / 1000:g} s) is down, and its sandboxes are "
-              "missing from `list v1 all` (items of those held).", "",
-              "Redis commands per create, the most frequent (largest size): "
+    lines += ["", "Redis commands per create, the most frequent (largest size): "
               + ", ".join(f"{k} {v}" for k, v in rows[-1]["burst"]["top_commands_per_create"]
                           .items())]
     return "\n".join(lines) + "\n"
-
-
-def rerender(name: str, heartbeat_s: float) -> None:
-    """The .md of ``name``'s .json again (after a change of the table's columns)."""
-    global HEARTBEAT_S
-    HEARTBEAT_S = heartbeat_s
-    data = json.loads((Path(__file__).parent / "results" / f"{name}.json").read_text())
-    args = argparse.Namespace(**data["args"])
-    (Path(__file__).parent / "results" / f"{name}.md").write_text(render(data["rows"], args))
 
 
 def main() -> None:
@@ -351,19 +423,26 @@ def main() -> None:
     parser.add_argument("--nodes", default="10,100")
     parser.add_argument("--creates", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--sequential", type=int, default=50)
-    parser.add_argument("--name", default="control_plane")
+    parser.add_argument("--sequential", type=int, default=30)
+    parser.add_argument("--preload", type=int, default=0,
+                        help="sandboxes each simulated node holds from its start")
     parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
                         help="each simulated node's heartbeat interval (TTL: five of them)")
     args = parser.parse_args()
     HEARTBEAT_S = args.heartbeat_s
-    rows = []
+    path = Path(__file__).parent / "results" / f"{NAME}.json"
+    kept = json.loads(path.read_text()).get("rows", []) if path.exists() else []
+    rows = {r["nodes"]: r for r in kept if "preload" in r}  # older runs' rows differ
     with tempfile.TemporaryDirectory(prefix="aenv-cp-") as tmp:
         for n in (int(x) for x in args.nodes.split(",")):
             t0 = time.monotonic()
-            rows.append(measure(Path(tmp), n, args.creates, args.concurrency, args.sequential))
+            row = measure(Path(tmp), n, args.creates, args.concurrency, args.sequential,
+                          args.preload)
+            row["when"] = time.strftime("%Y-%m-%d", time.gmtime())
+            rows[n] = row
             print(f"{n} nodes measured in {time.monotonic() - t0:.0f} s", flush=True)
-    write(args.name, {"rows": rows, "args": vars(args)}, render(rows, args))
+    ordered = [rows[n] for n in sorted(rows)]
+    write(NAME, {"rows": ordered}, render(ordered))
 
 
 if __name__ == "__main__":

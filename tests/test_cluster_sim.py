@@ -13,6 +13,7 @@ the cluster protocol, no sandboxes):
 
 from __future__ import annotations
 
+import base64
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -75,7 +76,10 @@ def create(api: httpx.Client, n: int) -> list[str]:
 
 def test_creates_are_placed_across_nodes_and_listed(cluster: Cluster, sim: InThread,
                                                     api: httpx.Client) -> None:
+    asked = sim.sim.requests["list"]
     ids = create(api, 2 * NODES)
+    # Listed at once (the creates' answers indexed them, no heartbeat waited for).
+    assert {i["sandboxID"] for i in api.get("/v2/sandboxes").json()} == set(ids)
     held = where(sim)
     per_node = Counter(held[sid] for sid in ids)
     # Least loaded first: twenty creates on ten idle nodes of four fill none.
@@ -97,10 +101,66 @@ def test_creates_are_placed_across_nodes_and_listed(cluster: Cluster, sim: InThr
                for i in seen]
     assert started == sorted(started, reverse=True)  # newest first across nodes
     assert {i["sandboxID"] for i in api.get("/sandboxes").json()} == set(ids)
+    listing_is_bounded(api, ids, seen)
+    assert sim.sim.requests["list"] == asked  # from Redis: no node was asked
 
     for sid in ids:
         assert api.delete(f"/sandboxes/{sid}").status_code == 204
     assert where(sim) == {} and api.get("/v2/sandboxes").json() == []
+
+
+def listing_is_bounded(api: httpx.Client, ids: list[str], seen: list[dict]) -> None:
+    """E2B's paging and filters, and what hostile ones get."""
+    # Oldest first, page by page: the same sandboxes in the other order.
+    asc, token = [], None
+    while True:
+        r = api.get("/v2/sandboxes", params={"order": "asc", "limit": 3,
+                                             **({"nextToken": token} if token else {})})
+        asc += [i["sandboxID"] for i in r.json()]
+        token = r.headers.get("x-next-token")
+        if not token:
+            break
+    assert asc == [i["sandboxID"] for i in reversed(seen)]
+    # limit is clamped to 1..100, as E2B's API does; not a number is a 400.
+    assert len(api.get("/v2/sandboxes", params={"limit": 0}).json()) == 1
+    assert len(api.get("/v2/sandboxes", params={"limit": 10 ** 9}).json()) == len(ids)
+    for bad in ("x", "9" * 40):
+        r = api.get("/v2/sandboxes", params={"limit": bad})
+        assert r.status_code == 400 and "limit" in r.json()["message"], r.text
+    # A garbled or forged token is a clear 400; one of the other order too.
+    first = api.get("/v2/sandboxes", params={"limit": 1})
+    forged = base64.urlsafe_b64encode(b"yesterday__../../etc").decode()
+    for bad in ("%%%", "not-base64!", forged, "A" * 5000):
+        r = api.get("/v2/sandboxes", params={"nextToken": bad})
+        assert r.status_code == 400 and "nextToken" in r.json()["message"], (bad, r.text)
+    r = api.get("/v2/sandboxes", params={"order": "asc",
+                                         "nextToken": first.headers["x-next-token"]})
+    assert r.status_code == 400 and "order" in r.json()["message"]
+    # Metadata, state and time filters; bounded.
+    tagged = [api.post("/sandboxes", json={"templateID": "base", "metadata": {"job": "a"}})
+              .json()["sandboxID"] for _ in range(2)]
+    by_job = api.get("/v2/sandboxes", params={"metadata": "job=a", "limit": 1})
+    page2 = api.get("/v2/sandboxes", params={"metadata": "job=a",
+                                             "nextToken": by_job.headers["x-next-token"]})
+    assert sorted(i["sandboxID"] for i in by_job.json() + page2.json()) == sorted(tagged)
+    assert api.get("/v2/sandboxes", params={"metadata": "job=a&x=y"}).json() == []
+    for sid in tagged:
+        assert api.delete(f"/sandboxes/{sid}").status_code == 204
+    assert api.get("/v2/sandboxes", params={"metadata": "job=a"}).json() == []
+    r = api.get("/v2/sandboxes", params={"state": "paused"})
+    assert r.status_code == 200 and r.json() == []
+
+    def at(i: dict) -> datetime:
+        return datetime.fromisoformat(i["startedAt"].replace("Z", "+00:00"))
+
+    middle = seen[len(seen) // 2]
+    later = api.get("/v2/sandboxes", params={"startedAfter": middle["startedAt"]}).json()
+    assert 0 < len(later) < len(ids) and all(at(i) >= at(middle) for i in later)
+    many = "&".join(f"k{n}=v" for n in range(17))
+    for params in ({"metadata": many}, {"metadata": "k=" + "v" * 5000},
+                   {"startedAfter": "soon"}, {"state": "gone"}, {"order": "sideways"}):
+        r = api.get("/v2/sandboxes", params=params)
+        assert r.status_code == 400, (params, r.text)
 
 
 def test_a_node_whose_heartbeats_lapse(cluster: Cluster, sim: InThread,

@@ -50,6 +50,9 @@ LISTED_STATES = ("running", "paused")
 # Shown only when asked for by name (agentenv's own: ``aenv ls --state error``; a
 # cluster's gateway lists sandboxes ``lost`` with their node, which no node has).
 EXTRA_STATES = ("error", "lost")
+# A node's create answers the sandbox as a listing shows it in this header (JSON), for
+# a cluster's gateway to index it at once; the gateway does not pass it on.
+LISTED_HEADER = "x-aenv-listed"
 
 
 def parse_states(values: Iterable[str]) -> frozenset[str]:

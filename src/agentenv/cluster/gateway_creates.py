@@ -23,7 +23,7 @@ from fastapi import Request, Response
 from ..sandbox_api import MAX_KEY_CHARS, image_from_template, image_template_name
 from .common import ClusterError
 from .node_registry import Registry
-from .routing import Gateway
+from .routing import Gateway, listed_item
 
 log = logging.getLogger("agentenv.cluster.gateway")
 # Seconds between placements of a create no node had room for.
@@ -158,7 +158,7 @@ class Creates:
                 continue
             if r.status_code == 201:
                 await self.registry.set_sandbox(r.json()["sandboxID"], pick["nodeID"],
-                                                "running")
+                                                "running", item=listed_item(r))
                 return self.relay(r)
             await self._unplace(pick)
             if r.status_code in (429, 503):  # full after all: the next best node

@@ -10,6 +10,10 @@ gateway lists them from what the node last reported (``sbx:<id>`` in Redis):
 
 Both carry ``lost``: the node, when it was last heard of, the state it reported, and
 the snapshot it resumes from (null when none). The SDKs keep unknown fields.
+
+A node is lost once the scheduler's sweeper marked it down (within a quarter of its TTL
+after its last heartbeat's lapsed); until then its sandboxes are listed as it last
+reported them. A heartbeat brings them back as they are.
 """
 
 from __future__ import annotations
@@ -18,38 +22,17 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from ..sandbox_api import LISTED_STATES, parse_metadata
-from .node_registry import Registry
+from .node_registry import NodeStatus, Registry
 from .routing import resumable
-
-LISTED = frozenset(LISTED_STATES)
-
-
-def _started(item: dict[str, Any]) -> datetime | None:
-    try:
-        return datetime.fromisoformat(str(item.get("startedAt")).replace("Z", "+00:00"))
-    except ValueError:
-        return None
+from .sandbox_index import Query, micros
 
 
-def _time(raw: str | None) -> datetime | None:
-    if not raw:
-        return None
-    try:
-        return datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except ValueError:
-        return None  # the nodes answered 400 for it already
-
-
-async def lost_items(registry: Registry, *, states: frozenset[str] = LISTED,
-                     metadata: str | None = None, template: str | None = None,
-                     started_after: str | None = None, started_before: str | None = None
-                     ) -> list[dict[str, Any]]:
-    """The lost sandboxes a listing with these filters shows."""
-    wanted = parse_metadata(metadata)
-    after, before = _time(started_after), _time(started_before)
+async def lost_items(registry: Registry, q: Query, down: list[NodeStatus] | None = None
+                     ) -> list[tuple[int, str, dict[str, Any]]]:
+    """The lost sandboxes a listing with this query shows (its filters, not its cursor),
+    each with its start time (µs) and ID."""
     out = []
-    for entry, node in await registry.lost():
+    for entry, node in await registry.lost(down):
         if entry.get("state") not in ("running", "paused"):
             continue
         try:
@@ -60,12 +43,8 @@ async def lost_items(registry: Registry, *, states: frozenset[str] = LISTED,
             continue  # reported by a node that did not send its listing
         can_resume = resumable(entry)
         state = "paused" if can_resume else "lost"
-        started = _started(item)
-        meta = item.get("metadata") or {}
-        if state not in states or any(meta.get(k) != v for k, v in wanted.items()) \
-                or (template and template not in (item.get("templateID"), item.get("alias"))) \
-                or (after and started and started < after) \
-                or (before and started and started > before):
+        us = micros(item.get("startedAt"))
+        if us is None or not q.in_range(us) or not q.matches(item, state):
             continue
         item["state"] = state
         item["lost"] = {
@@ -75,5 +54,5 @@ async def lost_items(registry: Registry, *, states: frozenset[str] = LISTED,
             "wasState": entry.get("state"),
             "snapshotID": entry.get("snapshot") if can_resume else None,
         }
-        out.append(item)
+        out.append((us, str(item["sandboxID"]), item))
     return out

@@ -18,6 +18,10 @@ Keys (under ``prefix``, default ``aenv:``):
   its node lists it, JSON: the gateway lists it so once the node is lost);
 - ``key-run:<key ID>``: a caller key's running sandboxes and creates under way
   (``quotas.py``; ``sbx:<id>``'s ``key`` names the key);
+- ``down``: the nodes the sweeper marked down since their last heartbeat (listings
+  show their sandboxes as lost: ``lost.py``);
+- ``lst:*``: the listings' indexes (``sandbox_index.py``), moved with each write of
+  ``sbx:<id>`` (its field ``ix`` says where it is indexed);
 - ``node-fp:<id>``: hash, each sandbox ID the node reported last -> a fingerprint of
   its entry (state, snapshot, listing): a heartbeat writes only the entries whose
   fingerprint changed, and checks their owners (all of them when the node was down,
@@ -40,6 +44,7 @@ from .common import NodeStatus as NodeStatus
 from .common import SandboxEntry as SandboxEntry
 from .redis_conn import REDIS_MAX_CONNECTIONS as REDIS_MAX_CONNECTIONS
 from .redis_conn import connect
+from .sandbox_index import Indexed, Keys, indexed, move
 
 # sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>, released:<n>.
 # The node keys are derived inside the script: fine on one Redis (not for Redis Cluster).
@@ -110,6 +115,7 @@ class Registry:
         self._route = self.redis.register_script(_ROUTE)
         self._release = self.redis.register_script(_RELEASE)
         self._reserve_room = self.redis.register_script(_RESERVE_ROOM)
+        self.index = Keys(prefix)
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -144,12 +150,13 @@ class Registry:
         pipe.delete(self._k("reserved", nid))
         pipe.delete(self._k("released", nid))
         pipe.incr(self._k("beat", nid))
+        pipe.srem(self._k("down"), nid)
         if gone:
             pipe.hdel(self._k("node-fp", nid), *gone)
         news = {sid: fp for sid, fp in prints.items() if previous.get(sid) != fp}
         if news:
             pipe.hset(self._k("node-fp", nid), mapping=news)
-        was_alive, _, _, _, _, _, _, beat, *_ = await pipe.execute()
+        was_alive, _, _, _, _, _, _, beat, _, *_ = await pipe.execute()
         # What did not change since the last heartbeat was written then (and its owner
         # checked): only what did is, unless the node was down (another node may have
         # taken its sandboxes over meanwhile) or a full check is due.
@@ -157,15 +164,15 @@ class Registry:
         sids = list(reported) if full else list(news)
         # A round trip per step, not per sandbox: a node holds hundreds of them.
         # Each one's node and the key that made it (a cluster-wide quota's: quotas.py).
-        found = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key")
+        found = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key", "ix")
                                             for sid in sids])
-        owners = [node for node, _ in found]
+        owners = [node for node, _, _ in found]
         others = sorted({o for o in owners if o and o != nid})
         alive = await self._each(lambda p: [p.exists(self._k("alive", o)) for o in others])
         up = {o for o, a in zip(others, alive, strict=True) if a}
         disown = []
         writes = self.redis.pipeline(transaction=False)
-        for sid, (owner, key) in zip(sids, found, strict=True):
+        for sid, (owner, key, ix) in zip(sids, found, strict=True):
             entry = reported[sid]
             # A sandbox another live node has taken over (from its last pause, this
             # node being lost meanwhile) stays with that node: this one drops its copy.
@@ -173,20 +180,25 @@ class Registry:
                 if entry.state in ("paused", "running"):
                     disown.append(sid)
                 continue
-            writes.hset(self._k("sbx", sid),
-                        mapping=_entry(nid, entry.state, entry.snapshot_id, entry.committed,
-                                       entry.item))
+            mapping = _entry(nid, entry.state, entry.snapshot_id, entry.committed, entry.item)
+            old = Indexed.load(ix)
+            new = indexed(sid, entry.state, entry.item, old)
+            move(writes, self.index, old, new)
+            if new is not None:
+                mapping["ix"] = new.dump()
+            writes.hset(self._k("sbx", sid), mapping=mapping)
             if key and entry.state == "running":
                 writes.zadd(self._k("key-run", key), {sid: 0})
             elif key:  # paused (or on its way): it holds none of its key's quota
                 writes.zrem(self._k("key-run", key), sid)
         if disown:  # checked again while the node still reports them
             writes.hdel(self._k("node-fp", nid), *disown)
-        gone_owners = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key")
-                                                  for sid in gone])
-        for sid, (owner, key) in zip(gone, gone_owners, strict=True):
+        gone_owners = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key",
+                                                           "ix") for sid in gone])
+        for sid, (owner, key, ix) in zip(gone, gone_owners, strict=True):
             if owner == nid:
                 writes.delete(self._k("sbx", sid))
+                move(writes, self.index, Indexed.load(ix), None)
                 if key:  # ended on its node (a timeout): its key's room again
                     writes.zrem(self._k("key-run", key), sid)
         if len(writes):
@@ -278,6 +290,7 @@ class Registry:
         if made:
             body["state"] = "down"
             await self.redis.set(key, json.dumps(body))
+        await self.redis.sadd(self._k("down"), node_id)
         if cached is not None:
             cached[1].state = "down"  # until a heartbeat (a new number) is read
         return made
@@ -319,6 +332,7 @@ class Registry:
 
     async def forget_node(self, node_id: str) -> None:
         await self.redis.srem(self._k("nodes"), node_id)
+        await self.redis.srem(self._k("down"), node_id)
         await self.redis.delete(self._k("node", node_id), self._k("alive", node_id),
                                 self._k("room", node_id), self._k("node-fp", node_id))
 
@@ -327,13 +341,43 @@ class Registry:
     async def set_sandbox(self, sandbox_id: str, node_id: str, state: str,
                           snapshot_id: str = "", committed: bool = False,
                           item: dict[str, Any] | None = None) -> None:
-        await self.redis.hset(self._k("sbx", sandbox_id),
-                              mapping=_entry(node_id, state, snapshot_id, committed, item))
+        """Record a sandbox's node and state (and listing item: from a create's answer),
+        moving it in the listings' indexes."""
+        old = Indexed.load(await self.redis.hget(self._k("sbx", sandbox_id), "ix"))
+        new = indexed(sandbox_id, state, item, old)
+        mapping = _entry(node_id, state, snapshot_id, committed, item)
+        if new is not None:
+            mapping["ix"] = new.dump()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self._k("sbx", sandbox_id), mapping=mapping)
+        move(pipe, self.index, old, new)
+        await pipe.execute()
 
-    async def lost(self) -> list[tuple[dict[str, str], NodeStatus]]:
-        """The sandboxes of nodes that are down (past their heartbeat TTL), as their
-        node last reported them, that no other node has taken over."""
-        down = [node for node in await self.nodes() if node.state == "down"]
+    async def down_nodes(self) -> list[NodeStatus]:
+        """The nodes marked down (past their heartbeat TTL, as the sweeper saw), read
+        without reading the others."""
+        ids = sorted(await self.redis.smembers(self._k("down")))
+        if not ids:
+            return []
+        # A heartbeat may have come since the sweeper's mark: alive wins.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.mget([self._k("node", n) for n in ids])
+        pipe.mget([self._k("alive", n) for n in ids])
+        bodies, alive = await pipe.execute()
+        out = []
+        for raw, up in zip(bodies, alive, strict=True):
+            if raw is not None and not up:
+                status = NodeStatus.from_dict(json.loads(raw))
+                status.state = "down"
+                out.append(status)
+        return out
+
+    async def lost(self, down: list[NodeStatus] | None = None
+                   ) -> list[tuple[dict[str, str], NodeStatus]]:
+        """The sandboxes of nodes that are down (past their heartbeat TTL; ``down``:
+        as just read), as their node last reported them, that no other node has
+        taken over."""
+        down = await self.down_nodes() if down is None else down
         # Two round trips whatever the number of lost sandboxes: their IDs, then entries.
         members = await self._each(lambda p: [p.hkeys(self._k("node-fp", n.node_id))
                                               for n in down])
@@ -366,7 +410,11 @@ class Registry:
         return entry, status
 
     async def forget_sandbox(self, sandbox_id: str) -> None:
-        await self.redis.delete(self._k("sbx", sandbox_id))
+        old = Indexed.load(await self.redis.hget(self._k("sbx", sandbox_id), "ix"))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self._k("sbx", sandbox_id))
+        move(pipe, self.index, old, None)
+        await pipe.execute()
 
     # -- runs (the node each lives on; leases are at most a day) ------------------
 

@@ -8,6 +8,7 @@ signer of a ``/files`` URL, and adoption of a paused sandbox whose node is down.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from typing import Any
@@ -16,7 +17,7 @@ from urllib.parse import parse_qsl
 import httpx
 from fastapi import Request
 
-from ..sandbox_api import NotFound
+from ..sandbox_api import LISTED_HEADER, NotFound
 from .common import ClusterError, Failover
 from .node_registry import NodeStatus, Registry
 
@@ -182,6 +183,19 @@ def resumable(entry: dict[str, str]) -> bool:
     snapshot committed to the shared repository."""
     return entry.get("state") in ("paused", "running") and entry.get("committed") == "1" \
         and bool(entry.get("snapshot"))
+
+
+def listed_item(r: httpx.Response) -> dict[str, Any] | None:
+    """The sandbox as listings show it, from a node's create answer (``LISTED_HEADER``;
+    None from a node that did not send it: its heartbeat indexes it a moment later)."""
+    raw = r.headers.get(LISTED_HEADER, "")
+    if not raw or len(raw) > 65536:
+        return None
+    try:
+        item = json.loads(raw)
+    except ValueError:
+        return None
+    return item if isinstance(item, dict) else None
 
 
 def error_message(r: httpx.Response) -> str:

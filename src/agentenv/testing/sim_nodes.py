@@ -45,6 +45,7 @@ import httpx
 import uvicorn
 
 from ..cluster.common import Failover
+from ..sandbox_api import LISTED_HEADER
 from .sim_records import Answer, Behaviour, SimNode, SimSandbox, new_id
 
 HEARTBEATS_IN_FLIGHT = 32
@@ -285,7 +286,7 @@ class SimNodes:
         if node.sandboxes.get(sbx.sandbox_id) is not sbx:
             return _error(500, "sandbox was removed while it started")
         sbx.state = "running"
-        return 201, sbx.created(), {}
+        return 201, sbx.created(), {LISTED_HEADER: json.dumps(sbx.listed())}
 
     def _listed(self, node: SimNode, states: set[str]) -> list[SimSandbox]:
         return [s for s in node.sandboxes.values() if s.state in states]
@@ -353,7 +354,7 @@ class SimNodes:
         if node.load() >= node.behaviour.capacity:
             return _error(503, f"node {node.node_id} is full")
         sbx.state = "running"
-        return 201, sbx.created(), {}
+        return 201, sbx.created(), {LISTED_HEADER: json.dumps(sbx.listed())}
 
     async def _connect(self, node: SimNode, parts: list[str], query: dict[str, str],
                        spec: Any) -> Answer:
@@ -434,10 +435,12 @@ def main() -> None:
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--create-s", type=float, default=0.0)
     parser.add_argument("--failure-rate", type=float, default=0.0)
+    parser.add_argument("--preload", type=int, default=0,
+                        help="sandboxes each node holds from its start")
     args = parser.parse_args()
     behaviour = Behaviour(capacity=args.capacity, heartbeat_s=args.heartbeat_s,
                           latency_s=args.latency_s, create_s=args.create_s,
-                          failure_rate=args.failure_rate)
+                          failure_rate=args.failure_rate, preload=args.preload)
     sim = SimNodes(args.nodes, args.scheduler_url, os.environ["AENV_SIM_API_KEY"], behaviour)
 
     async def serve() -> None:

@@ -4,8 +4,10 @@ each node's state as its heartbeat reports it."""
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
 import string
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -27,6 +29,12 @@ class Behaviour:
     create_s: float = 0.0  # a create's own time on the node (a boot or a restore)
     failure_rate: float = 0.0  # share of creates answered 500
     templates: tuple[str, ...] = ("base",)
+    # Sandboxes each node holds from its start (running; metadata ``job``: one of
+    # ``JOBS``), as a node of a fleet already at work would: listings at scale.
+    preload: int = 0
+
+
+JOBS = 100
 
 
 def iso(t: float) -> str:
@@ -76,6 +84,11 @@ class SimNode:
         # Idempotency-Key -> (the create's body, its answer once it has one): a retry
         # gets the first create's answer (or waits for it), as a real node's does.
         self.keyed: dict[str, tuple[bytes, asyncio.Future[Answer]]] = {}
+        now = time.time()
+        for k in range(behaviour.preload):
+            sbx = SimSandbox(new_id(), "base", "running", now - random.uniform(0, 3600),
+                             now + 3600, {"job": f"j{k % JOBS}"})
+            self.sandboxes[sbx.sandbox_id] = sbx
 
     def load(self) -> int:
         """Sandboxes holding room, as the node counts them (a paused one holds none)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from typing import Annotated
 
@@ -24,6 +26,7 @@ from ...orchestrator import (
 from ...orchestrator import query as q
 from ...orchestrator.idempotency import MAX_KEY_CHARS, check_key, fingerprint
 from ...orchestrator.requests import MAX_BATCH
+from ...sandbox_api import LISTED_HEADER
 from ...web import shared_tls
 from ...web.keys import caller
 from .. import models
@@ -86,11 +89,24 @@ async def create_sandbox(
             mode="json", by_alias=True, exclude_none=True)
 
     if idem is None:
-        return JSONResponse(await make(), status_code=201)
+        return _created(request, await make())
     check_key(idem)
     print_ = fingerprint({"run": run_id,
                           "body": body.model_dump(mode="json", by_alias=True)})
-    return JSONResponse(await mgr.idempotency.once(owner, idem, print_, make), status_code=201)
+    return _created(request, await mgr.idempotency.once(owner, idem, print_, make))
+
+
+def _created(request: Request, answer: dict) -> JSONResponse:
+    """A create's 201, with the sandbox as a listing shows it in ``LISTED_HEADER``: a
+    cluster's gateway indexes it at once, so a listing right after shows it (its
+    node's heartbeat would only a moment later)."""
+    headers = {}
+    with contextlib.suppress(NotFound):
+        record = manager(request).get(str(answer.get("sandboxID", "")))
+        headers[LISTED_HEADER] = json.dumps(
+            models.listed(record).model_dump(mode="json", by_alias=True),
+            separators=(",", ":"))
+    return JSONResponse(answer, status_code=201, headers=headers)
 
 
 class NewSandboxes(models.NewSandbox):

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from ...web.keys import require_api_key
 from ..common import ClusterError, NodeStatus
-from ..routing import error_message
+from ..routing import error_message, listed_item
 from . import GatewayServices, relay, services
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -62,7 +62,8 @@ async def _fork_across(svc: GatewayServices, sandbox_id: str, source: NodeStatus
         if c.status_code != 201:
             return {"error": {"code": c.status_code, "message": error_message(c)}}
         created = c.json()
-        await svc.registry.set_sandbox(created["sandboxID"], pick["nodeID"], "running")
+        await svc.registry.set_sandbox(created["sandboxID"], pick["nodeID"], "running",
+                                       item=listed_item(c))
         return {"sandbox": created}
 
     try:

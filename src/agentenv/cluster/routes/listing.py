@@ -1,119 +1,177 @@
-"""The gateway's listings: every up node's sandboxes, page by page, merged with the
-lost ones (``lost``), under the gateway's own stable cursor."""
+"""The gateway's listings, from Redis (``sandbox_index``): no node is asked, and a page
+of ``GET /v2/sandboxes`` costs O(limit) whatever the number of nodes or sandboxes.
+
+Paging follows E2B's API: ``limit`` clamped to 1..100 (100 by default), newest first
+unless ``order=asc``, IDs ascending among equal start times, ``x-next-token`` on a page
+only when more follow (the token: base64url of ``<RFC 3339 start>__<ID>``, with
+``__asc`` for ascending pages); a token that is not one, or one of the other order,
+is answered 400. Sandboxes of lost nodes (``lost``) are merged in their place.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
 import json
-import logging
-from datetime import datetime
 from typing import Any
 
-import httpx
 from fastapi import APIRouter, Depends, Request, Response
 
-from ...sandbox_api import parse_states
+from ...sandbox_api import BadRequest, parse_metadata, parse_states
 from ...web.keys import require_api_key
-from ..common import ClusterError, NodeStatus
 from ..lost import lost_items
-from ..routing import error_message
+from ..node_registry import NodeStatus, Registry
+from ..sandbox_index import (
+    CHUNK,
+    MAX_PAIR_CHARS,
+    MAX_SCAN,
+    Query,
+    bounded_metadata,
+    clamp_limit,
+    decode_token,
+    encode_token,
+    micros,
+    pair_hash,
+    walk,
+)
 from . import services
 
-log = logging.getLogger("agentenv.cluster.gateway")
 router = APIRouter(dependencies=[Depends(require_api_key)])
-MAX_PAGE = 100
+Found = tuple[int, str, dict[str, Any]]
 
 
-def _started(item: dict[str, Any]) -> datetime:
-    return datetime.fromisoformat(str(item.get("startedAt", "1970-01-01T00:00:00+00:00"))
-                                  .replace("Z", "+00:00"))
+async def _index_of(registry: Registry, q: Query) -> str | None:
+    """The index a query reads (None: only lost sandboxes can match)."""
+    keys = registry.index
+    pairs = [keys.pair(pair_hash(k, v)) for k, v in q.metadata.items()
+             if len(k) + len(v) <= MAX_PAIR_CHARS]
+    if pairs:  # the rarest pair's
+        pipe = registry.redis.pipeline(transaction=False)
+        for key in pairs:
+            pipe.zcard(key)
+        sizes = await pipe.execute()
+        return min(zip(sizes, pairs, strict=True))[1]
+    indexed = q.states - {"lost"}
+    if not indexed:
+        return None
+    return keys.state(next(iter(indexed))) if len(indexed) == 1 else keys.all
 
 
-def _order(desc: bool) -> str:
-    return "desc" if desc else "asc"
+async def _scan(registry: Registry, q: Query, want: int, cap: int | None
+                ) -> tuple[list[Found], tuple[int, str] | None, set[str]]:
+    """Up to ``want`` sandboxes of up nodes matching ``q``, in its order, after its
+    cursor; when ``cap`` candidates were read first, where the reading stopped; and the
+    nodes met that are down (their heartbeat's TTL lapsed: ``lost`` lists theirs)."""
+    index = await _index_of(registry, q)
+    down: set[str] = set()
+    if index is None:
+        return [], None, down
+    alive: dict[str, bool] = {}
+    out: list[Found] = []
+    read = 0
+    async for rows in walk(registry.redis, index, q, chunk=min(CHUNK, max(want * 2, 16))):
+        pipe = registry.redis.pipeline(transaction=False)
+        for _, sid in rows:
+            pipe.hmget(registry._k("sbx", sid), "node", "state", "item")
+        entries = await pipe.execute()
+        new = sorted({e[0] for e in entries if e[0] and e[0] not in alive})
+        if new:
+            for node, up in zip(new, await registry.redis.mget(
+                    [registry._k("alive", n) for n in new]), strict=True):
+                alive[node] = bool(up)
+        for (us, sid), (node, state, raw) in zip(rows, entries, strict=True):
+            read += 1
+            if node and not alive[node]:
+                down.add(node)
+            elif node and raw and q.in_range(us):
+                try:
+                    item = json.loads(raw)
+                except ValueError:
+                    item = None
+                if isinstance(item, dict) and q.matches(item, state):
+                    item["state"] = state
+                    out.append((us, sid, item))
+                    if len(out) >= want:
+                        return out, None, down
+            if cap is not None and read >= cap:
+                return out, (us, sid), down
+    return out, None, down
 
 
-def _cursor(item: dict[str, Any], desc: bool) -> str:
-    raw = json.dumps([item["startedAt"], item["sandboxID"], _order(desc)]).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+async def _down(registry: Registry, q: Query, met: set[str]) -> list[NodeStatus]:
+    """The down nodes whose sandboxes a listing shows as lost: those the sweeper marked,
+    and those a listing met since (every node's, for ``state=lost`` alone: no index
+    was read)."""
+    if not q.states - {"lost"}:
+        return [n for n in await registry.nodes() if n.state == "down"]
+    down = await registry.down_nodes()
+    for node_id in sorted(met - {n.node_id for n in down}):
+        node = await registry.node(node_id)
+        if node is not None and node.state == "down":
+            down.append(node)
+    return down
 
 
-def _decode_cursor(token: str, desc: bool) -> tuple[datetime, str]:
-    """The cursor of a page listed in the same order (replayed in the other order it
-    would hand out again what was seen: refused, as E2B and the nodes do)."""
-    try:
-        started, sid, order = json.loads(
-            base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-        cursor = _started({"startedAt": started}), str(sid)
-    except (ValueError, TypeError, binascii.Error):
-        raise ClusterError(400, "invalid nextToken") from None
-    if order != _order(desc):
-        raise ClusterError(400, f"invalid nextToken: it was issued for order={order}, "
-                                f"not order={_order(desc)}")
-    return cursor
-
-
-async def _gather(request: Request, path: str, params: dict[str, Any]
-                  ) -> list[dict[str, Any]]:
-    gw = services(request).gw
-
-    async def one(node: NodeStatus) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        query = dict(params)
-        while True:
-            try:
-                r = await gw.forward(request, node.url, body=b"", path=path, params=query)
-            except httpx.HTTPError as exc:
-                log.warning("listing node %s failed: %s", node.node_id, exc)
-                return out
-            if r.status_code != 200:
-                raise ClusterError(r.status_code, error_message(r))
-            out += r.json()
-            token = r.headers.get("x-next-token")
-            if not token:
-                return out
-            query["nextToken"] = token
-
-    lists = await asyncio.gather(*(one(n) for n in await gw.up_nodes()))
-    return [item for sub in lists for item in sub]
+def _query(request: Request, states: frozenset[str], desc: bool) -> Query:
+    query = request.query_params
+    raw_meta = query.get("metadata")
+    template = query.get("template") or None
+    if template and len(template) > 256:
+        raise BadRequest("template longer than 256 characters")
+    if len(query.getlist("state")) > 8:
+        raise BadRequest("state given more than 8 times")
+    bounds = []
+    for name in ("startedAfter", "startedBefore"):
+        raw = query.get(name)
+        us = micros(raw) if raw else None
+        if raw and us is None:
+            raise BadRequest(f"invalid {name} {raw[:64]!r}: expected an RFC 3339 time")
+        bounds.append(us)
+    return Query(states=states,
+                 metadata=bounded_metadata(parse_metadata(raw_meta), raw_meta),
+                 template=template, after_us=bounds[0], before_us=bounds[1], desc=desc)
 
 
 @router.get("/sandboxes")
 async def list_v1(request: Request) -> list[dict[str, Any]]:
-    items = await _gather(request, "/sandboxes", dict(request.query_params))
-    # Lost ones that can be resumed (as paused: they were running when lost).
-    items += await lost_items(services(request).registry, states=frozenset({"paused"}),
-                              metadata=request.query_params.get("metadata"))
-    return sorted(items, key=lambda i: (_started(i), i["sandboxID"]), reverse=True)
+    """Every running sandbox (E2B's first listing: no paging), and the lost ones that can
+    be resumed (as paused); O(sandboxes listed)."""
+    registry = services(request).registry
+    q = _query(request, frozenset({"running"}), desc=True)
+    found: list[Found] = []
+    met: set[str] = set()
+    while True:
+        page, _, down = await _scan(registry, q, MAX_SCAN, None)
+        found += page
+        met |= down
+        if len(page) < MAX_SCAN:
+            break
+        q.cursor = page[-1][:2]
+    q.cursor, q.states = None, frozenset({"paused"})
+    found += await lost_items(registry, q, await _down(registry, q, met))
+    found.sort(key=lambda f: (-f[0], f[1]))
+    return [item for _, _, item in found]
 
 
 @router.get("/v2/sandboxes")
 async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
-    params = {k: v for k, v in request.query_params.multi_items()
-              if k not in ("limit", "nextToken")}
-    if request.query_params.getlist("state"):
-        params["state"] = ",".join(request.query_params.getlist("state"))
-    raw_limit = request.query_params.get("limit")
-    limit = int(raw_limit) if raw_limit and raw_limit.isdigit() else MAX_PAGE
-    if not 1 <= limit <= MAX_PAGE:
-        raise ClusterError(400, f"limit must be between 1 and {MAX_PAGE}")
-    desc = request.query_params.get("order") != "asc"  # E2B: newest first by default
-    params["limit"] = str(MAX_PAGE)
-    found = await _gather(request, "/v2/sandboxes", params)
+    registry = services(request).registry
     query = request.query_params
-    found += await lost_items(
-        services(request).registry, states=parse_states(query.getlist("state")),
-        metadata=query.get("metadata"), template=query.get("template"),
-        started_after=query.get("startedAfter"), started_before=query.get("startedBefore"))
-    items = sorted(found, key=lambda i: (_started(i), i["sandboxID"]), reverse=desc)
-    token = request.query_params.get("nextToken")
+    order = query.get("order")
+    if order not in (None, "", "asc", "desc"):
+        raise BadRequest(f"invalid order {order[:20]!r}: expected 'asc' or 'desc'")
+    desc = order != "asc"  # E2B: newest first by default
+    limit = clamp_limit(query.get("limit"))
+    q = _query(request, parse_states(query.getlist("state")), desc)
+    token = query.get("nextToken")
     if token:
-        cursor = _decode_cursor(token, desc)
-        items = [i for i in items if ((_started(i), i["sandboxID"]) < cursor if desc
-                                      else (_started(i), i["sandboxID"]) > cursor)]
-    page = items[:limit]
-    if len(items) > limit and page:
-        response.headers["x-next-token"] = _cursor(page[-1], desc)
-    return page
+        q.cursor = decode_token(token, desc)
+    found, stopped, met = await _scan(registry, q, limit + 1, MAX_SCAN)
+    lost = [f for f in await lost_items(registry, q, await _down(registry, q, met))
+            if q.after_cursor(f[0], f[1])
+            and (stopped is None or q.order_key(f[0], f[1]) <= q.order_key(*stopped))]
+    found = sorted(found + lost, key=lambda f: q.order_key(f[0], f[1]))
+    page = found[:limit]
+    if len(found) > limit:
+        response.headers["x-next-token"] = encode_token(page[-1][0], page[-1][1], desc)
+    elif stopped is not None:  # read as many as a page may: the next one goes on
+        response.headers["x-next-token"] = encode_token(*stopped, desc)
+    return [item for _, _, item in page]

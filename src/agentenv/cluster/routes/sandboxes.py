@@ -17,6 +17,7 @@ from ...web.keys import caller, require_api_key
 from ..common import ClusterError
 from ..gateway_creates import cached_as, valid_key
 from ..gateway_runs import parse_body, run_of
+from ..routing import listed_item
 from . import GatewayServices, relay, services
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -45,7 +46,8 @@ async def create(request: Request) -> Response:
             r, node = await svc.runs.create_in_run(request, run_id, body)
             if r.status_code == 201:
                 made = r.json()["sandboxID"]
-                await svc.registry.set_sandbox(made, node.node_id, "running")
+                await svc.registry.set_sandbox(made, node.node_id, "running",
+                                               item=listed_item(r))
             answer = relay(r)
         else:
             # Placed where the template's (or image's) cache is warm, if a node has room.
