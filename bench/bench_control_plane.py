@@ -242,7 +242,9 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
              "--heartbeat-s", str(HEARTBEAT_S), "--preload", str(preload)],
             env={**os.environ, "AENV_SIM_API_KEY": cluster.api_key},
             stdout=subprocess.DEVNULL, stderr=open(root / f"sim{nodes}.log", "ab"))
-        wait_up(cluster, nodes)
+        # A node's first heartbeat writes every sandbox it holds: 300 each, a thousand
+        # nodes, take minutes on one scheduler here.
+        wait_up(cluster, nodes, max(120, nodes * preload / 500))
         indexed_s = wait_indexed(cluster.redis_port, int(0.99 * nodes * preload))
         time.sleep(2 * HEARTBEAT_S)  # every node past its first heartbeat
         meter = RedisMeter(cluster.redis_port, nodes)

@@ -5,7 +5,7 @@ Redis as a primary, a replica and Sentinel:
   pauses and failed creates through the gateway are room at once, not at the node's
   next heartbeat;
 - a scheduler killed with -9 during a burst of creates fails none of them: the
-  gateway places through the other, and the node heartbeats to the other;
+  gateway places them itself, and the node heartbeats to the other;
 - the Redis primary killed with -9 during a burst fails none either: Sentinel
   promotes the replica, and Redis commands are retried through the failover.
 
@@ -39,8 +39,8 @@ def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def refused(c: Cluster) -> float:
-    """The scheduler's count of placements it refused (no node had room)."""
-    r = httpx.get(c.scheduler_url + "/metrics", timeout=10, trust_env=False,
+    """The gateway's count of placements it refused (no node had room)."""
+    r = httpx.get(c.gateway_url + "/metrics", timeout=10, trust_env=False,
                   headers={"Authorization": f"Bearer {c.api_key}"})
     for line in r.text.splitlines():
         if line.startswith('aenv_placements_total{result="refused"}'):

@@ -71,7 +71,7 @@ EVICTIONS = Counter(
     "What a node let go of to make room: image layers, cached snapshots, resident pauses",
     ["kind"])
 PLACEMENTS = Counter(
-    "aenv_placements_total", "The scheduler's answers to placement requests, by result",
+    "aenv_placements_total", "Placements made (by a gateway, or a scheduler asked), by result",
     ["result"])
 CLUSTER_NODES = Gauge("aenv_cluster_nodes", "Registered nodes, by state", ["state"])
 CLUSTER_SANDBOXES = Gauge("aenv_cluster_sandboxes", "Sandboxes on the nodes that are up, "

@@ -1,7 +1,7 @@
 """`aenv gateway`: the node API (E2B-compatible) in front of a cluster of nodes.
 
-- Creates go to the node the scheduler picks (retried elsewhere if that node is
-  full or unreachable).
+- Creates go to the node the gateway picks from its own view of the nodes, as a
+  scheduler would (``placer``; retried elsewhere if that node is full or unreachable).
 - Every sandbox-scoped request, and proxied envd/port traffic (``E2b-Sandbox-Id``
   headers or ``<port>-<id>.<domain>`` Host; HTTP streams and WebSockets), goes to
   the node that owns the sandbox (``sbx:<id>`` in Redis, kept by this gateway on
@@ -50,9 +50,11 @@ def create_gateway_app(redis_url: str, scheduler_url: str, api_key: str,
                        node_ttl_ms: int = 5000, key_max_sandboxes: int = 0,
                        key_quotas: dict[str, Any] | None = None) -> ASGIApp:
     """``key_max_sandboxes`` (0: none) and ``key_quotas`` (per key ID overrides, as a
-    node's config has them) are quotas of running sandboxes across the cluster."""
+    node's config has them) are quotas of running sandboxes across the cluster.
+    ``scheduler_url`` is taken and not used: the gateway places creates itself, over
+    Redis (the schedulers record the nodes' heartbeats and sweep)."""
     registry = Registry(redis_url)
-    gw = Gateway(registry, scheduler_url, api_key)
+    gw = Gateway(registry, api_key, node_ttl_ms)
     holder: dict[str, GatewayProxy] = {}
 
     @contextlib.asynccontextmanager

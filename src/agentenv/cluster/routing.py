@@ -1,8 +1,9 @@
 """The gateway's view of the cluster: which node a request goes to, and sending it there.
 
-Placement through the scheduler, forwarding a request to a node, finding the node
-that owns a sandbox (asking every node when Redis does not know it yet), the
-signer of a ``/files`` URL, and adoption of a paused sandbox whose node is down.
+Placement (from the gateway's own view of the nodes: ``placer``), forwarding a
+request to a node, finding the node that owns a sandbox (asking every node when Redis
+does not know it yet), the signer of a ``/files`` URL, and adoption of a paused
+sandbox whose node is down.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from urllib.parse import parse_qsl
 import httpx
 from fastapi import Request
 
+from .. import metrics
 from ..sandbox_api import LISTED_HEADER, NotFound
-from .common import ClusterError, Failover
+from .common import ClusterError
 from .node_registry import NodeStatus, Registry
+from .placement import PlacementRequest
+from .placer import Placer
 
 # The gateway's logger: these are its decisions, wherever the code lives.
 log = logging.getLogger("agentenv.cluster.gateway")
@@ -33,10 +37,14 @@ _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding
 class Gateway:
     """The gateway's client of the scheduler and the nodes (one shared HTTP pool)."""
 
-    def __init__(self, registry: Registry, scheduler_url: str, api_key: str) -> None:
+    def __init__(self, registry: Registry, api_key: str, node_ttl_ms: int = 5000) -> None:
         self.registry = registry
-        self.schedulers = Failover(scheduler_url)
         self.api_key = api_key
+        # Placements are made here, from this gateway's own view of the nodes (a hop
+        # to a scheduler cost more than the placement: placer.py reserves each pick's
+        # room atomically in Redis, so gateways and schedulers side by side never
+        # overfill a node).
+        self.placer = Placer(registry, node_ttl_ms)
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=3.0, read=600.0, write=60.0, pool=10.0),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
@@ -46,30 +54,20 @@ class Gateway:
     async def close(self) -> None:
         await self.http.aclose()
 
-    # -- the scheduler ------------------------------------------------------------
+    # -- placement ----------------------------------------------------------------
 
     async def place(self, *, template: str = "", snapshot: str = "", count: int = 1,
                     exclude: list[str] | None = None, runtime: tuple[str, str] = ("", "")
                     ) -> list[dict[str, str]]:
-        body = {"template": template, "snapshot": snapshot, "count": count,
-                "exclude": exclude or [], "runtimeKind": runtime[0],
-                "runtimeVersion": runtime[1]}
-        failure: Exception | None = None
-        for url in self.schedulers.order():  # a scheduler killed: the next one
-            try:
-                r = await self.http.post(f"{url}/placements", json=body,
-                                         headers={"X-API-Key": self.api_key})
-            except httpx.HTTPError as exc:
-                failure = exc
-                log.warning("scheduler %s unreachable: %s", url, exc)
-                continue
-            self.schedulers.answered(url)
-            break
-        else:
-            raise ClusterError(503, f"no scheduler reachable: {failure}")
-        if r.status_code != 200:
-            raise ClusterError(r.status_code, error_message(r))
-        return r.json()["nodes"]
+        req = PlacementRequest(template=template, snapshot=snapshot, count=count,
+                               exclude=exclude or [], runtime_kind=runtime[0],
+                               runtime_version=runtime[1])
+        picks = await self.placer.place(req)
+        metrics.PLACEMENTS.labels("placed" if picks else "refused").inc()
+        if not picks:
+            raise ClusterError(503, "no node can take the sandbox: every node is down, full "
+                                    "or of another runtime; retry later")
+        return [{"nodeID": p.node_id, "url": p.url, "beat": beat} for p, beat in picks]
 
     async def up_nodes(self) -> list[NodeStatus]:
         return [n for n in await self.registry.nodes() if n.state == "up"]
