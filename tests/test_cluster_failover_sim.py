@@ -5,7 +5,8 @@ through both gateways, each under an Idempotency-Key of its own, retried by the
 client under the same key through the other gateway when its gateway fails it (as
 the native clients and the front do):
 
-- a gateway killed with -9, then a scheduler, then the Redis primary: every create
+- a gateway killed with -9, then a scheduler, then the Redis primary: each key's
+  node is on the replica before its create is sent (``WAIT``); every create
   is answered 201 in the end, no create is lost (every key's sandbox is held by a
   node, and listed) and none is doubled (one sandbox per key across the nodes);
 - after each kill, service recovers: creates succeed again, through the gateway
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import redis
 
 from agentenv.testing.cluster import Cluster
 from agentenv.testing.sim_cluster import InThread, heartbeating, up_nodes, wait_for
@@ -132,6 +134,10 @@ def test_kills_lose_and_double_no_create(cluster: Cluster, sim: InThread) -> Non
 
         assert cluster.redis_primary() == cluster.redis_port
         assert cluster.redis is not None
+        # Each key's node was on the replica before its create was sent (WAIT).
+        with redis.Redis(port=cluster.redis_port) as primary:
+            waits = primary.info("commandstats").get("cmdstat_wait", {}).get("calls", 0)
+        assert waits >= len(flow.made) > 0, (waits, len(flow.made))
         cluster.redis.kill()
         cluster.redis.wait()
         wait_for(lambda: cluster.redis_primary() == cluster.replica_port,

@@ -31,6 +31,10 @@ PLACE_RETRY_S = 0.5
 GATEWAY_RETRY_AFTER_S = 5
 # How long a key's node is remembered (the nodes keep a key's answer a day).
 IDEMPOTENCY_TTL_S = 24 * 3600
+# How long a claim of an Idempotency-Key's node waits for a replica to have it, and how
+# often the primary's replicas are counted.
+REPLICA_WAIT_MS = 500
+REPLICAS_READ_S = 5.0
 # Forget a key's node only if it is still that node (another try may have moved it).
 _DROP = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -70,6 +74,7 @@ class KeyedNodes:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._drop = registry.redis.register_script(_DROP)
+        self._replicas_read = (float("-inf"), 0)
 
     def _k(self, key: str) -> str:
         return self.registry._k("idem", hashlib.sha256(key.encode()).hexdigest())
@@ -78,9 +83,30 @@ class KeyedNodes:
         return await self.registry.redis.get(self._k(key))
 
     async def claim(self, key: str, node_id: str) -> bool:
-        """Whether ``node_id`` is now the key's node (False: another try claimed it)."""
-        return bool(await self.registry.redis.set(self._k(key), node_id, nx=True,
-                                                  ex=IDEMPOTENCY_TTL_S))
+        """Whether ``node_id`` is now the key's node (False: another try claimed it).
+
+        When the primary has a replica, the claim is on it before the create is sent
+        (``WAIT``, at most ``REPLICA_WAIT_MS``): replication is asynchronous, and a
+        Sentinel failover right after a claim the replica never got would send the
+        create's retry to another node, making a second sandbox."""
+        pipe = self.registry.redis.pipeline(transaction=False)  # WAIT: same connection
+        pipe.set(self._k(key), node_id, nx=True, ex=IDEMPOTENCY_TTL_S)
+        replicated = await self._replicas() > 0
+        if replicated:
+            pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+        answers = await pipe.execute()
+        if replicated and answers[0] and not answers[1]:
+            log.warning("Idempotency-Key's node not on a replica within %d ms: a Redis "
+                        "failover now could double its create", REPLICA_WAIT_MS)
+        return bool(answers[0])
+
+    async def _replicas(self) -> int:
+        """The primary's connected replicas, as read at most ``REPLICAS_READ_S`` ago."""
+        now = time.monotonic()
+        if now - self._replicas_read[0] > REPLICAS_READ_S:
+            info = await self.registry.redis.info("replication")
+            self._replicas_read = (now, int(info.get("connected_slaves", 0)))
+        return self._replicas_read[1]
 
     async def drop(self, key: str, node_id: str) -> None:
         await self._drop(keys=[self._k(key)], args=[node_id])
