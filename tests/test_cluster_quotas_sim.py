@@ -7,7 +7,9 @@ forty (agentenv.testing.sim_nodes):
   a paused sandbox is refused at quota;
 - a sandbox that ends on its node by itself (not through a gateway) is room again
   once its node's heartbeat no longer lists it;
-- a create retried under its Idempotency-Key at quota gets its sandbox, not a 429.
+- a create retried under its Idempotency-Key at quota gets its sandbox, not a 429;
+- a fork's children count: at quota a fork is refused (429), and a fork of more
+  children than there is room for makes none.
 """
 
 from __future__ import annotations
@@ -107,6 +109,22 @@ def test_a_keys_quota_holds_across_gateways_and_nodes(cluster: Cluster,
         assert again.json()["sandboxID"] == first.json()["sandboxID"]
         made[3] = first.json()["sandboxID"]
         assert running_ids(sim) == set(made)
+
+        # A fork's children count too: at quota a fork is refused, and one of more
+        # children than there is room for makes none of them.
+        r = a.post(f"/sandboxes/{made[0]}/fork", json={"count": 1})
+        assert r.status_code == 429 and "quota" in r.json()["message"], r.text
+        for sid in made[3:]:
+            assert a.delete(f"/sandboxes/{sid}").status_code == 204
+        del made[3:]
+        r = b.post(f"/sandboxes/{made[0]}/fork", json={"count": 3})
+        assert r.status_code == 429 and "3 at once" in r.json()["message"], r.text
+        assert running_ids(sim) == set(made)
+        r = b.post(f"/sandboxes/{made[0]}/fork", json={"count": 2})
+        assert r.status_code == 201, r.text
+        made += [c["sandbox"]["sandboxID"] for c in r.json()]
+        assert len(made) == QUOTA and running_ids(sim) == set(made)
+        assert create(cluster, 0).status_code == 429
 
         for sid in made:
             assert a.delete(f"/sandboxes/{sid}").status_code == 204

@@ -35,10 +35,13 @@ CLAIM_S = 600
 RETRY_S = 0.5
 RETRY_AFTER_S = 5
 
+# Claims for every token in ARGV[4..] if all fit under the quota ARGV[2], else none.
 _ADMIT = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], 1, ARGV[1])
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[4]), ARGV[3])
+if redis.call('ZCARD', KEYS[1]) + #ARGV - 3 > tonumber(ARGV[2]) then return 0 end
+for i = 4, #ARGV do
+  redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[3]), ARGV[i])
+end
 return 1
 """
 
@@ -63,19 +66,27 @@ class KeyQuotas:
         """A claim on the key's quota (a token; "" when the key has none), waiting for
         room until ``deadline`` (monotonic), or until ``gone()`` says the caller left;
         then 429."""
+        tokens = await self.admit_many(key_id, 1, deadline, gone)
+        return tokens[0] if tokens else ""
+
+    async def admit_many(self, key_id: str, count: int, deadline: float, gone: Any = None
+                         ) -> list[str]:
+        """``count`` claims at once, all or none (a fork's children; [] when the key has
+        no quota), waiting as ``admit`` does."""
         limit = self.limit(key_id)
         if limit <= 0:
-            return ""
-        token = "claim-" + secrets.token_hex(8)
+            return []
+        tokens = ["claim-" + secrets.token_hex(8) for _ in range(count)]
         while True:
             now_ms = int(time.time() * 1000)
             if await self._admit(keys=[self._k(key_id)],
-                                 args=[now_ms, limit, token, CLAIM_S * 1000]):
-                return token
+                                 args=[now_ms, limit, CLAIM_S * 1000, *tokens]):
+                return tokens
             if time.monotonic() >= deadline or (gone is not None and await gone()):
+                what = "" if count == 1 else f" (asked for {count} at once)"
                 err = ClusterError(429, f"the API key's quota of {limit} running sandboxes "
-                                        "across the cluster is used; retry after the time "
-                                        "in Retry-After")
+                                        f"across the cluster is used{what}; retry after the "
+                                        "time in Retry-After")
                 err.headers = {"Retry-After": str(RETRY_AFTER_S)}
                 raise err
             await asyncio.sleep(RETRY_S)

@@ -1,18 +1,21 @@
 """Fork through the gateway: children stay on the source node while it has room (a
 local fork is the fast path); otherwise the source is snapshotted and children are
-created from that snapshot on the nodes the scheduler picks."""
+created from that snapshot on the nodes the gateway picks. The children count under
+the caller key's quota across the cluster (``quotas``): all of them fit, or the fork
+waits for room up to the queue time, then 429."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import time
 from typing import Any
 
 import httpx
 from fastapi import APIRouter, Depends, Request, Response
 
-from ...web.keys import require_api_key
+from ...web.keys import caller, require_api_key
 from ..common import ClusterError, NodeStatus
 from ..routing import error_message, listed_item
 from . import GatewayServices, relay, services
@@ -30,9 +33,42 @@ async def fork(sandbox_id: str, request: Request) -> Response:
     except (ValueError, TypeError, AttributeError):
         raise ClusterError(400, "invalid request: count must be an integer") from None
     _, source = await svc.gw.owner(sandbox_id)
-    if source.capacity - source.effective_load >= count or not 1 <= count <= 16:
+    if not 1 <= count <= 16:  # the node's 400
         return relay(await svc.gw.forward(request, source.url, body=body))
-    return await _fork_across(svc, sandbox_id, source, count, spec.get("timeout"))
+    # The children count under the caller key's quota across the cluster, as creates do.
+    owner = caller(request)
+    tokens = await svc.quotas.admit_many(
+        owner, count, time.monotonic() + svc.creates.queue_timeout_s, request.is_disconnected)
+    made: list[str] = []
+    try:
+        if source.capacity - source.effective_load >= count:
+            answer = relay(await svc.gw.forward(request, source.url, body=body))
+            local = True
+        else:
+            answer = await _fork_across(svc, sandbox_id, source, count, spec.get("timeout"))
+            local = False
+        made = _children(answer)
+        for sid, token in zip(made, tokens, strict=False):
+            if local:  # a child across nodes was recorded as it was made
+                await svc.registry.set_sandbox(sid, source.node_id, "running")
+            await svc.quotas.made(owner, token, sid)
+    finally:
+        for token in tokens[len(made):]:
+            await svc.quotas.unclaim(owner, token)
+    return answer
+
+
+def _children(answer: Response) -> list[str]:
+    """The sandboxes a fork's answer names (its children that were made)."""
+    if answer.status_code != 201:
+        return []
+    try:
+        results = json.loads(bytes(answer.body))
+    except ValueError:
+        return []
+    return [str(c["sandbox"]["sandboxID"]) for c in results
+            if isinstance(c, dict) and isinstance(c.get("sandbox"), dict)
+            and c["sandbox"].get("sandboxID")] if isinstance(results, list) else []
 
 
 async def _fork_across(svc: GatewayServices, sandbox_id: str, source: NodeStatus, count: int,
