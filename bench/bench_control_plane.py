@@ -360,15 +360,18 @@ def render(rows: list[dict[str, Any]]) -> str:
              "and its arguments (each run replaces its sizes' rows):", ""]
     lines += [f"- {r['nodes']} nodes: {_how(r)}" for r in rows]
     lines += ["", "Creates:", "",
-              "| nodes | creates/s | burst create p50 / p99 ms | create direct p50 / p99 ms "
+              "| nodes | creates/s | per gateway core (1 s / its CPU per create) "
+              "| burst create p50 / p99 ms | create direct p50 / p99 ms "
               "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
               "| CPU ms per create, heartbeats meanwhile included: gateway / scheduler / "
               "Redis (sim nodes); the scheduler's when idle |",
-              "| " + " | ".join(["---"] * 8) + " |"]
+              "| " + " | ".join(["---"] * 9) + " |"]
     for r in rows:
         b = r["burst"]
+        per_core = round(1000 / max(b["cpu_ms_per_create"].get("gateway", 0), 0.01))
         lines.append(
-            f"| {r['nodes']} | {b['creates_per_s']} | {b['p50_ms']} / {b['p99_ms']} "
+            f"| {r['nodes']} | {b['creates_per_s']} | {per_core} "
+            f"| {b['p50_ms']} / {b['p99_ms']} "
             f"| {_pp(r['create_direct'])} | {_pp(r['create_via_gateway'])} "
             f"| {r['create_added_ms']['p50']} / {r['create_added_ms']['p99']} "
             f"| {b['redis_commands_per_create']} / {b['redis_bytes_per_create']} "

@@ -5,6 +5,8 @@ burst of 200 creates asks Redis ~200 times at once)."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,8 +18,8 @@ from agentenv.cluster.node_registry import (
     Registry,
     SandboxEntry,
 )
-from agentenv.cluster.placement import PlacementRequest
-from agentenv.cluster.placer import MIN_FRESH_S, Placer
+from agentenv.cluster.placement import PlacementRequest, place
+from agentenv.cluster.placer import MIN_FRESH_S, Placer, Ranked
 from agentenv.testing import start_redis
 
 
@@ -160,3 +162,29 @@ def test_a_placement_reads_redis_the_same_whatever_the_number_of_nodes(redis_url
             await other.close()
 
     asyncio.run(scenario())
+
+
+def test_ranked_picks_are_places_picks() -> None:
+    """The placer's heap (a pick in O(log nodes)) picks as ``placement.place``'s pass
+    over every node does: kinds of request mixed over one view, loads shared, nodes
+    excluded, full, of another runtime or short of memory."""
+    rng = random.Random(31)
+    for _ in range(200):
+        count = rng.randint(1, 30)
+        nodes = [NodeStatus(node_id=f"n{i}", url="", capacity=rng.randint(1, 6),
+                            load=rng.randint(0, 6), reserved=rng.randint(0, 2),
+                            free_memory_mb=rng.choice([100, 64_000, 64_000]),
+                            runtime_kind=rng.choice(["gvisor", "other"]), runtime_version="v",
+                            templates=rng.sample(["a", "b", "c"], rng.randint(0, 3)))
+                 for i in range(count)]
+        by_pass, by_heap = copy.deepcopy(nodes), copy.deepcopy(nodes)
+        heaps: dict[tuple[str, str], Ranked] = {}
+        for _ in range(15):
+            req = PlacementRequest(template=rng.choice(["a", "b", ""]),
+                                   runtime_kind=rng.choice(["", "gvisor"]),
+                                   exclude=rng.sample([n.node_id for n in nodes],
+                                                      rng.randint(0, min(3, count))))
+            expected = [n.node_id for n in place(by_pass, req)]
+            heap = heaps.setdefault((req.template, req.runtime_kind), Ranked(by_heap, req))
+            got = heap.pick(req.exclude)
+            assert ([got.node_id] if got else []) == expected

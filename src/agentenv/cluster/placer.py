@@ -15,15 +15,57 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import time
 
 from .node_registry import NodeStatus, Registry
-from .placement import PlacementRequest, place
+from .placement import PlacementRequest, eligible, rank
 
 # How old a view may be before a placement reads the nodes again.
 REFRESH_S = 0.2
 # A placement refused from a view older than this reads the nodes again first.
 MIN_FRESH_S = 0.05
+# Kinds of request (template, runtime) ranked per view at most; past it, ranked anew.
+MAX_KINDS = 256
+
+
+class Ranked:
+    """The nodes of a view eligible for one kind of request, best first (``rank``): a
+    heap, so a pick costs O(log nodes), not a pass over every node (10 ms at 1,000).
+
+    Picks only add load within a view, so a node's rank only worsens: an entry is
+    checked when it comes to the top, and put back with its rank now if that changed
+    (another kind's pick, a reservation Redis refused); a node no longer eligible
+    (full) is dropped. ``placement.place`` gives the same picks, by a pass each."""
+
+    def __init__(self, nodes: list[NodeStatus], req: PlacementRequest) -> None:
+        self.req = dataclasses.replace(req, exclude=[], count=1)
+        self.heap = [(rank(n, self.req), i, n) for i, n in enumerate(nodes)
+                     if eligible(n, self.req)]
+        heapq.heapify(self.heap)
+
+    def pick(self, exclude: list[str]) -> NodeStatus | None:
+        """The best node not in ``exclude``, counted (``reserved`` + 1) as ``place``
+        counts a pick; None when none is eligible."""
+        aside = []
+        found = None
+        while self.heap:
+            was, i, node = heapq.heappop(self.heap)
+            if not eligible(node, self.req):
+                continue
+            now = rank(node, self.req)
+            if now != was:
+                heapq.heappush(self.heap, (now, i, node))
+            elif node.node_id in exclude:
+                aside.append((was, i, node))
+            else:
+                node.reserved += 1
+                heapq.heappush(self.heap, (rank(node, self.req), i, node))
+                found = node
+                break
+        for entry in aside:
+            heapq.heappush(self.heap, entry)
+        return found
 
 
 class Placer:
@@ -33,6 +75,7 @@ class Placer:
         self.node_ttl_ms = node_ttl_ms
         self.refresh_s = refresh_s
         self._nodes: list[NodeStatus] = []
+        self._ranked: dict[tuple[str, str, str, str], Ranked] = {}
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
 
@@ -41,21 +84,30 @@ class Placer:
             if time.monotonic() - self._read_at > max_age_s:
                 started = time.monotonic()
                 self._nodes = await self.registry.nodes()
+                self._ranked = {}
                 self._read_at = started
             return self._nodes
+
+    def _ranking(self, req: PlacementRequest) -> Ranked:
+        kind = (req.template, req.snapshot, req.runtime_kind, req.runtime_version)
+        ranked = self._ranked.get(kind)
+        if ranked is None:
+            if len(self._ranked) >= MAX_KINDS:
+                self._ranked = {}
+            ranked = self._ranked[kind] = Ranked(self._nodes, req)
+        return ranked
 
     async def place(self, req: PlacementRequest) -> list[tuple[NodeStatus, str]]:
         """Up to ``req.count`` nodes, each with the heartbeat number its room was
         reserved under (fewer when the cluster is full)."""
         picks: list[tuple[NodeStatus, str]] = []
         for max_age_s in (self.refresh_s, MIN_FRESH_S):
-            nodes = await self._view(max_age_s)
-            one = dataclasses.replace(req, count=1)
+            await self._view(max_age_s)
             while len(picks) < req.count:
-                found = place(nodes, one)  # counts the pick in the view (reserved + 1)
-                if not found:
+                # Looked up again after an await: the view may have been read anew.
+                node = self._ranking(req).pick(req.exclude)
+                if node is None:
                     break
-                node = found[0]
                 beat = await self.registry.reserve_room(node.node_id, self.node_ttl_ms)
                 if beat is None:  # full as Redis counts it: full in this view too
                     node.reserved = max(node.reserved,
