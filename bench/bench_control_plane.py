@@ -244,7 +244,7 @@ def measure(root: Path, nodes: int, creates: int, concurrency: int, sequential: 
             stdout=subprocess.DEVNULL, stderr=open(root / f"sim{nodes}.log", "ab"))
         # A node's first heartbeat writes every sandbox it holds: 300 each, a thousand
         # nodes, take minutes on one scheduler here.
-        wait_up(cluster, nodes, max(120, nodes * preload / 500))
+        wait_up(cluster, nodes, max(120, nodes * preload / 250))
         indexed_s = wait_indexed(cluster.redis_port, int(0.99 * nodes * preload))
         time.sleep(2 * HEARTBEAT_S)  # every node past its first heartbeat
         meter = RedisMeter(cluster.redis_port, nodes)
