@@ -52,6 +52,7 @@ class Gateway:
         )
 
     async def close(self) -> None:
+        await self.placer.close()
         await self.http.aclose()
 
     # -- placement ----------------------------------------------------------------

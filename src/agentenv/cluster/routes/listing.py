@@ -130,8 +130,15 @@ def _query(request: Request, states: frozenset[str], desc: bool) -> Query:
                  template=template, after_us=bounds[0], before_us=bounds[1], desc=desc)
 
 
+def _json(items: list[dict[str, Any]], headers: dict[str, str] | None = None) -> Response:
+    """Items already JSON-shaped (as the nodes reported them): encoded once, not walked
+    again by the framework's encoder (most of a page's CPU)."""
+    return Response(json.dumps(items, separators=(",", ":")), media_type="application/json",
+                    headers=headers)
+
+
 @router.get("/sandboxes")
-async def list_v1(request: Request) -> list[dict[str, Any]]:
+async def list_v1(request: Request) -> Response:
     """Every running sandbox (E2B's first listing: no paging), and the lost ones that can
     be resumed (as paused); O(sandboxes listed)."""
     registry = services(request).registry
@@ -148,11 +155,11 @@ async def list_v1(request: Request) -> list[dict[str, Any]]:
     q.cursor, q.states = None, frozenset({"paused"})
     found += await lost_items(registry, q, await _down(registry, q, met))
     found.sort(key=lambda f: (-f[0], f[1]))
-    return [item for _, _, item in found]
+    return _json([item for _, _, item in found])
 
 
 @router.get("/v2/sandboxes")
-async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
+async def list_v2(request: Request) -> Response:
     registry = services(request).registry
     query = request.query_params
     order = query.get("order")
@@ -170,8 +177,9 @@ async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
             and (stopped is None or q.order_key(f[0], f[1]) <= q.order_key(*stopped))]
     found = sorted(found + lost, key=lambda f: q.order_key(f[0], f[1]))
     page = found[:limit]
+    headers = {}
     if len(found) > limit:
-        response.headers["x-next-token"] = encode_token(page[-1][0], page[-1][1], desc)
+        headers["x-next-token"] = encode_token(page[-1][0], page[-1][1], desc)
     elif stopped is not None:  # read as many as a page may: the next one goes on
-        response.headers["x-next-token"] = encode_token(*stopped, desc)
-    return [item for _, _, item in page]
+        headers["x-next-token"] = encode_token(*stopped, desc)
+    return _json([item for _, _, item in page], headers)
