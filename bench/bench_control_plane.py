@@ -214,14 +214,19 @@ async def follow(client: httpx.AsyncClient, url: str, params: dict[str, Any], pa
 async def listings(client: httpx.AsyncClient, cluster: Cluster, held: int, reps: int
                    ) -> dict[str, Any]:
     url = cluster.gateway_url + "/v2/sandboxes"
+    procs = {"gateway": cluster.gateway, "redis": cluster.redis}
+    before = {k: cpu_s(p.pid) for k, p in procs.items() if p is not None}
     page, n_page = await timed_gets(client, url, {"limit": 100}, reps)
+    # CPU per page: what a page costs whatever else the machine runs meanwhile.
+    cpu_page = {k: round((cpu_s(p.pid) - before[k]) * 1000 / reps, 2)
+                for k, p in procs.items() if p is not None}
     deep = await follow(client, url, {"limit": 100}, reps)
     by_job, n_job = await timed_gets(client, url, {"limit": 100, "metadata": "job=j7"}, reps)
     running, _ = await timed_gets(client, url, {"limit": 100, "state": "running"}, reps)
     out: dict[str, Any] = {"sandboxes_held": held, "v2_first_page": lat(page),
                            "v2_page_items": n_page, "v2_followed_pages": lat(deep),
                            "v2_by_metadata": lat(by_job), "v2_by_metadata_items": n_job,
-                           "v2_running": lat(running)}
+                           "v2_running": lat(running), "v2_page_cpu_ms": cpu_page}
     if held <= V1_MAX:
         whole, n_whole = await timed_gets(client, cluster.gateway_url + "/sandboxes", {},
                                           max(reps // 10, 2))
@@ -377,16 +382,19 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"| {b['redis_commands_per_create']} / {b['redis_bytes_per_create']} "
             f"| {_cpu(r)} |")
     lines += ["", "Listings through the gateway (from Redis; p50 / p99 ms; 100 of each):", "",
-              "| nodes | sandboxes held | v2 first page (100) | v2 pages followed by token "
+              "| nodes | sandboxes held | v2 first page (100) "
+              "| CPU ms per first page: gateway / Redis | v2 pages followed by token "
               "| v2 by metadata, 1 % match (items) | v2 state=running | v1 all (items) "
               "| Redis used MB | gateway RSS MB |",
-              "| " + " | ".join(["---"] * 9) + " |"]
+              "| " + " | ".join(["---"] * 10) + " |"]
     for r in rows:
         lst = r["list"]
+        cpu = lst.get("v2_page_cpu_ms") or {}
         v1 = f"{_pp(lst.get('v1_all'))} ({lst['v1_items']})" if lst.get("v1_all") \
             else f"not timed (over {V1_MAX})"
         lines.append(
             f"| {r['nodes']} | {lst['sandboxes_held']} | {_pp(lst['v2_first_page'])} "
+            f"| {cpu.get('gateway', '?')} / {cpu.get('redis', '?')} "
             f"| {_pp(lst.get('v2_followed_pages'))} "
             f"| {_pp(lst.get('v2_by_metadata'))} ({lst.get('v2_by_metadata_items', '?')}) "
             f"| {_pp(lst.get('v2_running'))} | {v1} | {lst.get('redis_used_mb', '?')} "
