@@ -55,6 +55,11 @@ class LazyLayers:
         self.on_grow: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
+        # How long a layer server waits on a registry read before the read fails (EIO).
+        self.registry_timeout_s = 30.0
+        # A plain gzip layer in a registry is indexed (checkpoints) and served from the
+        # registry blob; False: converted into the repository's chunks, as before.
+        self.gzip_checkpoints = True
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -110,15 +115,22 @@ class LazyLayers:
         except ObjectMissing:
             return False
         try:  # refused here, before anything mounts it
-            load(blob, f"layer {h[:12]} in the repository")
+            index = load(blob, f"layer {h[:12]} in the repository")
         except BadLayerIndex as exc:
             raise HostileInput(str(exc)) from exc
+        if index.layer and index.layer != f"sha256:{h}":
+            raise HostileInput(f"layer {h[:12]} in the repository: its index is of layer "
+                               f"{index.layer[:80]!r}")
         tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
         tmp.write_bytes(blob)
         os.replace(tmp, local)
         return True
 
-    def keep_index(self, h: str, index: LayerIndex) -> None:
+    def keep_index(self, h: str, index: LayerIndex, share: bool = False) -> None:
+        """The index kept on this node; ``share``: in the repository too (a plain gzip
+        layer's checkpoints, which every node can use), written before the local copy."""
+        if share:
+            self.repo.put_object(key_of(h), index.dump(level=3))
         local = self.index_dir / f"{h}.json.zst"
         tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
         tmp.write_bytes(index.dump(level=3))  # a local copy: fast beats small
@@ -156,7 +168,9 @@ class LazyLayers:
             assert proc.stdin is not None and proc.stdout is not None
             # The settings go on stdin: nothing of them is in any process listing.
             proc.stdin.write(json.dumps({"repository": self.repo_config,
-                                         "registry": registry_creds or {}}).encode())
+                                         "registry": registry_creds or {},
+                                         "registry_timeout_s": self.registry_timeout_s})
+                             .encode())
             proc.stdin.close()
             line = _read_line(proc, MOUNT_TIMEOUT_S)
             if line != "ready" or not os.path.ismount(point):

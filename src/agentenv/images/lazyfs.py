@@ -3,18 +3,18 @@
 settings as JSON on stdin: the repository's, and the registry credentials of an
 eStargz layer), ended by unmounting its mount point.
 
-Read-only. Lookups, ``getattr``, ``readdir``, ``readlink`` and xattrs answer from
-the layer's index (loaded and checked before mounting); reads fetch the chunks they
-cover, from the node's chunk cache (``CHUNKS/<digest>``, raw bytes) or else from the
-layer's source (``layer_chunks``: the repository, or ranges of the registry blob for
-an eStargz layer), verify each against its digest (a mismatch is dropped and fetched
-again once, then the read fails with EIO and a log line naming the chunk), and keep
-them in the cache. The kernel's protocol is spoken directly (``fuse_wire``): opening a
-file or a directory is no round trip here (the kernel's no-open mode keeps their data
-and listings cached) and every answer carries long timeouts, so once read a file is
-served from the kernel's page cache at local-disk speed, with no call into this process.
-Metadata is answered in the thread reading the device; reads in a few threads, so that
-fetches from the repository overlap.
+Read-only. Lookups, ``getattr``, ``readdir``, ``readlink`` and xattrs answer from the
+layer's index (loaded and checked before mounting); reads fetch the chunks they cover,
+from the node's chunk cache (``CHUNKS/<digest>``, raw bytes) or else from the layer's
+source (``layer_chunks``: the repository, or ranges of the registry blob for an eStargz
+layer or a plain gzip layer with checkpoints), verify each against its digest (a
+mismatch is dropped and fetched again once, then the read fails with EIO and a log line
+naming the chunk), and keep them in the cache. The kernel's protocol is spoken directly
+(``fuse_wire``): opening a file or a directory is no round trip here (the kernel's
+no-open mode keeps their data and listings cached) and every answer carries long timeouts,
+so once read a file is served from the kernel's page cache at local-disk speed, with no
+call into this process. Metadata is answered in the thread reading the device; reads in
+a few threads, so that fetches from the repository overlap.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from .fuse_wire import (
     statfs_out,
     xattr_reply,
 )
-from .layer_chunks import ChunkSource, RegistryChunks, RepositoryChunks
+from .layer_chunks import ChunkSource, GzipSpans, RegistryChunks, RepositoryChunks
 
 log = logging.getLogger("agentenv.lazyfs")
 TIMEOUT = 86400  # seconds; the layer never changes: the kernel may cache every answer
@@ -262,10 +262,13 @@ def main() -> None:
     if "repository" not in settings:  # the repository's settings alone (older callers)
         settings = {"repository": settings}
     source: ChunkSource
-    if index.blob is not None:
-        creds = settings.get("registry") or {}
-        source = RegistryChunks(index.blob, str(creds.get("username", "")),
-                                str(creds.get("password", "")))
+    creds = settings.get("registry") or {}
+    user, password = str(creds.get("username", "")), str(creds.get("password", ""))
+    timeout = min(max(float(settings.get("registry_timeout_s", 30.0)), 0.1), 300.0)
+    if index.blob is not None and index.gzip is not None:
+        source = GzipSpans(index.blob, index.gzip, user, password, timeout)
+    elif index.blob is not None:
+        source = RegistryChunks(index.blob, user, password, timeout)
     else:
         source = RepositoryChunks(settings["repository"])
     fs = LazyLayerFS(index, source, Path(chunks), name)
