@@ -5,7 +5,10 @@ HTTP range (the registry's own access log counts the bytes); a chunk the registr
 serves modified is refused while the node goes on serving; a TOC entry pointing
 outside the blob, or a TOC that does not match its digest annotation, fails the
 create with a clear error; the converter's output is a plain gzip tar of the same
-tree (eStargz's compatibility promise)."""
+tree (eStargz's compatibility promise). A plain gzip image is read once to index it
+(checkpoints and file table, stored in the node's repository) and then served by range
+too; a span the registry serves modified, an index that lies, a blob that does not
+match its digest: a clear error, nothing cached of it, the node still serving."""
 
 from __future__ import annotations
 
@@ -26,7 +29,10 @@ from e2b import CommandExitException, Sandbox
 
 from agentenv.images.estargz import FOOTER_SIZE, TOC_NAME, footer, toc_json, toc_offset_of
 from agentenv.images.estargz_build import build_estargz
+from agentenv.images.gzip_layer import index_gzip_layer
 from agentenv.images.manifest import TOC_DIGEST_ANNOTATION
+from agentenv.snapshot.gzip_index import Point
+from agentenv.snapshot.layer_index import RegistryBlob, key_of, load
 from agentenv.testing import Node, free_cidr, leaks, sdk_env
 from agentenv.testing.oci_registry import (
     DEFAULT_PATH,
@@ -303,5 +309,144 @@ def test_cli_converts_an_image_a_node_then_starts_lazily(world: dict) -> None:
         assert log.count("is eStargz: served from its registry") >= 4, log[-3000:]
         # Busybox and the 6 MiB file in three chunks; nothing read twice.
         assert registry.blob_bytes_sent("esgz/converted") - before < 9 << 20
+    finally:
+        sbx.kill()
+
+
+# -- plain gzip layers, through a checkpoint index --------------------------------------
+
+
+def gzip_data_layer(big: bytes, gap: bytes, victim: bytes) -> bytes:
+    return tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
+                      Entry("opt/hello", b"hello from plain gzip\n"),
+                      Entry("opt/big", big), Entry("opt/gap", gap),
+                      Entry("opt/victim", victim, mode=0o600),
+                      Entry("opt/link", type=tarfile.SYMTYPE, link="hello")])
+
+
+@pytest.fixture(scope="module")
+def plain(world: dict) -> dict:
+    """A plain gzip image (no eStargz footer), pushed once."""
+    big, gap, victim = (os.urandom(n << 20) for n in (BIG_MIB, 9, 1))
+    image = build_image([busybox_layer(), gzip_data_layer(big, gap, victim)],
+                        ["gzip", "gzip"], env=[f"PATH={DEFAULT_PATH}"])
+    ref = world["registry"].push("gzi/app", "v1", image)
+    return {"ref": ref, "image": image, "big": big, "victim": victim}
+
+
+def repo_index(node: Node, digest: str) -> Path:
+    return node.home / "snapshots" / key_of(digest.split(":", 1)[1])
+
+
+def test_plain_gzip_indexed_once_then_read_by_range(world: dict, plain: dict) -> None:
+    node, registry = world["node"], world["registry"]
+    image = plain["image"]
+    image_bytes = sum(len(b.data) for b in image.layers)
+    before = registry.blob_bytes_sent("gzi/app")
+    sbx = Sandbox.create(template=f"docker://{plain['ref']}", timeout=120)
+    try:
+        out = sbx.commands.run("cat /opt/link; stat -c '%a %s' /opt/victim")
+        assert out.stdout.split() == ["hello", "from", "plain", "gzip", "600", str(1 << 20)]
+        log = node.log_path.read_text()
+        assert log.count("indexed for lazy loading from its registry") == 2, log[-3000:]
+        assert "converted for lazy loading" not in log
+        # Each layer was read once, whole, to index it; then only ranges.
+        indexed = registry.blob_bytes_sent("gzi/app") - before
+        assert image_bytes <= indexed < image_bytes + (8 << 20), (indexed, image_bytes)
+        # The index is in the repository, for every other node: checkpoints every few
+        # MiB of the 42 MiB tar, and the layer's digest.
+        top = image.layers[1]
+        index = load(repo_index(node, top.digest).read_bytes(), "test")
+        assert index.layer == top.digest and index.gzip is not None
+        assert 8 <= len(index.gzip.points) <= 14, len(index.gzip.points)
+        assert index.entries["opt/victim"].size == 1 << 20
+        # A read fetches the spans it needs, not the blob.
+        mark = registry.blob_bytes_sent("gzi/app")
+        assert sbx.commands.run("head -c 5 /opt/big | wc -c").stdout.strip() == "5"
+        assert registry.blob_bytes_sent("gzi/app") - mark < 6 << 20
+        assert sbx.commands.run("md5sum /opt/big").stdout.split()[0] == \
+            hashlib.md5(plain["big"]).hexdigest()
+        assert registry.blob_bytes_sent("gzi/app") - mark < (BIG_MIB + 6) << 20
+    finally:
+        sbx.kill()
+
+
+def test_modified_gzip_span_refused_nothing_cached(world: dict, plain: dict) -> None:
+    node, registry = world["node"], world["registry"]
+    top = plain["image"].layers[1]
+    index = load(repo_index(node, top.digest).read_bytes(), "test")
+    assert index.gzip is not None
+    entry = index.entries["opt/victim"]
+    k = index.gzip.span_of(entry.spans[0][0])
+    start, length, _, _ = index.gzip.span_range(k)
+    path = blob_path(registry, top.digest)
+    good = path.read_bytes()
+    # Random data is stored as is: bytes changed in the middle of its span still
+    # inflate; only the chunk's sha256 can tell.
+    at = start + length // 2
+    path.write_bytes(good[:at] + os.urandom(64) + good[at + 64:])
+    chunks = node.home / "cache" / "images" / "lazy" / "chunks"
+    sbx = Sandbox.create(template=f"docker://{plain['ref']}", timeout=120)
+    try:
+        with pytest.raises(CommandExitException) as exc:
+            sbx.commands.run("cat /opt/victim > /dev/null")
+        assert "Input/output error" in (exc.value.stderr or ""), exc.value.stderr
+        log = lazy_logs(node)
+        assert "chunk refused (attempt 2 of 2)" in log and \
+            "does not match its digest in the layer's index" in log, log[-3000:]
+        assert not any((chunks / d[:2] / d).exists() for d, _ in entry.chunks)
+        assert sbx.commands.run("cat /opt/hello").stdout == "hello from plain gzip\n"
+        path.write_bytes(good)  # repaired: fetched again, intact
+        out = sbx.commands.run("md5sum /opt/victim")
+        assert out.stdout.split()[0] == hashlib.md5(plain["victim"]).hexdigest()
+    finally:
+        path.write_bytes(good)
+        sbx.kill()
+
+
+def test_lying_gzip_index_and_tampered_blob_rejected(world: dict, plain: dict) -> None:
+    node, registry = world["node"], world["registry"]
+    base = plain["image"].layers[0]
+    top_tar = tar_layer([Entry("srv/", type=tarfile.DIRTYPE, mode=0o755),
+                         Entry("srv/data", os.urandom(6 << 20))])
+
+    def push(repo: str) -> tuple[str, Blob]:
+        image = build_image([gzip.decompress(base.data), top_tar], ["gzip", "gzip"],
+                            env=[f"PATH={DEFAULT_PATH}"])
+        return registry.push(repo, "v1", image), image.layers[1]
+
+    def create_error(ref: str) -> str:
+        with pytest.raises(Exception) as exc:
+            Sandbox.create(template=f"docker://{ref}", timeout=60)
+        return str(exc.value)
+
+    ref, top = push("gzi/lie")
+    blob = RegistryBlob(registry.host, "gzi/lie", top.digest, len(top.data), len(top.data))
+    honest = index_gzip_layer(iter([top.data]), blob, spacing=1 << 20)
+    assert honest.gzip is not None and len(honest.gzip.points) >= 3
+    # A checkpoint past the blob's end.
+    honest.gzip.points[2] = Point(len(top.data) * 8 + 100, honest.gzip.points[2].out, False)
+    repo_index(node, top.digest).write_bytes(honest.dump())
+    err = create_error(ref)
+    assert "points outside the blob" in err, err
+    # The index of another layer, planted under this one's key.
+    other = plain["image"].layers[1]
+    repo_index(node, top.digest).write_bytes(repo_index(node, other.digest).read_bytes())
+    err = create_error(ref)
+    assert f"its index is of layer {other.digest!r}" in err, err
+    assert not (node.home / "cache" / "images" / "lazy" / "index" /
+                f"{top.digest.split(':')[1]}.json.zst").exists()
+    repo_index(node, top.digest).unlink()
+    # A blob whose bytes do not match its digest: refused while indexing, no index kept.
+    ref, top = push("gzi/tampered")
+    path = blob_path(registry, top.digest)
+    path.write_bytes(top.data[:-64] + os.urandom(64))
+    err = create_error(ref)
+    assert "digest mismatch" in err or "corrupt" in err, err
+    assert not repo_index(node, top.digest).exists()
+    # The node goes on serving.
+    sbx = Sandbox.create(template=f"docker://{plain['ref']}", timeout=60)
+    try:
+        assert sbx.commands.run("cat /opt/hello").stdout == "hello from plain gzip\n"
     finally:
         sbx.kill()

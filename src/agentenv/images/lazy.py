@@ -39,7 +39,8 @@ SWEEP_S = 5.0  # how often the servers' cache growth is checked against the budg
 
 
 class LazyLayers:
-    def __init__(self, root: Path, repo: Repository, repo_config: dict[str, Any]):
+    def __init__(self, root: Path, repo: Repository, repo_config: dict[str, Any],
+                 gzip_checkpoints: bool = True):
         self.root = root
         self.repo = repo
         self.repo_config = repo_config
@@ -59,7 +60,7 @@ class LazyLayers:
         self.registry_timeout_s = 30.0
         # A plain gzip layer in a registry is indexed (checkpoints) and served from the
         # registry blob; False: converted into the repository's chunks, as before.
-        self.gzip_checkpoints = True
+        self.gzip_checkpoints = gzip_checkpoints
 
     # -- lifecycle ----------------------------------------------------------------
 
