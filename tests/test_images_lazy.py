@@ -224,6 +224,15 @@ def test_oss_repository_and_a_second_node(world: dict, tmp_path: Path) -> None:
                 assert "converted for lazy loading" not in log
                 indexed = log.count("indexed for lazy loading from its registry")
                 assert indexed == (2 if i == 1 else 0), log[-3000:]  # the first's index
+            # The first node's servers recorded what its first run read (at unmount);
+            # the second's fetched it ahead, /opt/small among it.
+            layer_logs = "".join(p.read_text() for p in (lazy_root(node) / "logs").iterdir())
+            if i == 1:
+                assert layer_logs.count("recorded the first run's") == 2, layer_logs[-3000:]
+            else:
+                assert "recorded the first run's" not in layer_logs
+                assert re.search(r"prefetched 1 files of the first run \((1048576|\d{7,}) "
+                                 "bytes", layer_logs), layer_logs[-3000:]
     finally:
         s3.stop()
 

@@ -157,6 +157,9 @@ class Config:
     # node) and served by range from the registry; false: converted into the
     # repository's chunks instead. docs/lazy-images.md.
     image_gzip_index: bool = True
+    # With lazy loading, the files a layer's first use read are recorded beside its
+    # index in the repository, and later uses (any node) fetch them ahead.
+    image_prefetch: bool = True
     # How envd's file operations act for a request's user, unless a template's
     # template.json says ("fileAccess"): "root" as E2B's envd (as root; what is created
     # is chowned to the user) or "user" (strict: with the user's own rights; for

@@ -40,7 +40,7 @@ SWEEP_S = 5.0  # how often the servers' cache growth is checked against the budg
 
 class LazyLayers:
     def __init__(self, root: Path, repo: Repository, repo_config: dict[str, Any],
-                 gzip_checkpoints: bool = True):
+                 gzip_checkpoints: bool = True, prefetch: bool = True):
         self.root = root
         self.repo = repo
         self.repo_config = repo_config
@@ -61,6 +61,9 @@ class LazyLayers:
         # A plain gzip layer in a registry is indexed (checkpoints) and served from the
         # registry blob; False: converted into the repository's chunks, as before.
         self.gzip_checkpoints = gzip_checkpoints
+        # Each layer's server records the files its first run read (in the repository)
+        # and later servers fetch them ahead (``prefetch``).
+        self.prefetch = prefetch
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -170,7 +173,8 @@ class LazyLayers:
             # The settings go on stdin: nothing of them is in any process listing.
             proc.stdin.write(json.dumps({"repository": self.repo_config,
                                          "registry": registry_creds or {},
-                                         "registry_timeout_s": self.registry_timeout_s})
+                                         "registry_timeout_s": self.registry_timeout_s,
+                                         "prefetch": self.prefetch})
                              .encode())
             proc.stdin.close()
             line = _read_line(proc, MOUNT_TIMEOUT_S)

@@ -50,6 +50,7 @@ from .fuse_wire import (
     xattr_reply,
 )
 from .layer_chunks import ChunkSource, GzipSpans, RegistryChunks, RepositoryChunks
+from .prefetch import Prefetch
 
 log = logging.getLogger("agentenv.lazyfs")
 TIMEOUT = 86400  # seconds; the layer never changes: the kernel may cache every answer
@@ -88,6 +89,23 @@ class LazyLayerFS:
         self._memory_bytes = 0
         self._flights: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
+        self.prefetch: Prefetch | None = None  # the first run's files: noted or fetched
+
+    def is_file(self, path: str) -> bool:
+        i = self.inode_of.get(path)
+        return i is not None and self.entries[i - ROOT].type == "f"
+
+    def fetch_file(self, path: str) -> int:
+        """The file's chunks into the cache, ahead of its reads; bytes fetched."""
+        inode = self.inode_of[path]
+        e = self.entries[inode - ROOT]
+        fetched = 0
+        for i, (d, n) in enumerate(e.chunks):
+            if d == ZERO or chunk_path(self.chunks_dir, d).exists():
+                continue
+            self._chunk(d, n, e.spans[i] if e.spans else None, inode)
+            fetched += n
+        return fetched
 
     @staticmethod
     def _attr(inode: int, e: Entry) -> Attr:
@@ -143,6 +161,8 @@ class LazyLayerFS:
         _, off, size, _ = READ_IN.unpack_from(body)
         if off >= e.size or size <= 0:
             return b""
+        if self.prefetch is not None:
+            self.prefetch.opened(self.paths[inode - ROOT])
         end = min(e.size, off + size)
         starts = self._offsets.get(inode)
         if starts is None:
@@ -272,6 +292,9 @@ def main() -> None:
     else:
         source = RepositoryChunks(settings["repository"])
     fs = LazyLayerFS(index, source, Path(chunks), name)
+    if settings.get("prefetch") and settings.get("repository"):
+        fs.prefetch = Prefetch(Path(index_file).name.split(".")[0], settings["repository"],
+                               name, fs.is_file, fs.fetch_file)
     try:
         fd = fuse_wire.mount(Path(mountpoint), "aenv-lazy")
     except OSError as exc:
@@ -279,9 +302,13 @@ def main() -> None:
         sys.exit(2)
     print("ready", flush=True)  # mounted: the node may stack it now
     session = Session(fd, fs.handlers(), slow={fuse_wire.READ}, threads=READ_THREADS)
+    if fs.prefetch is not None:
+        fs.prefetch.start()
     try:
         session.run()
     finally:
+        if fs.prefetch is not None:
+            fs.prefetch.stop()
         source.close()
         log.info("lazyfs %s: unmounted; %d bytes fetched from the %s; requests: %s", name,
                  source.fetched, "registry" if index.blob else "repository",

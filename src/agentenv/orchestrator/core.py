@@ -153,7 +153,8 @@ class ManagerCore:
             local_sources_dir=config.image_imports_dir,
             lazy=LazyLayers(config.images_cache_dir / "lazy", snapshots.repo,
                             config.snapshot_repository(),
-                            gzip_checkpoints=config.image_gzip_index)
+                            gzip_checkpoints=config.image_gzip_index,
+                            prefetch=config.image_prefetch)
             if config.image_loading == "lazy" else None)
         # One budget for the node-local cache: image layers and materialized snapshots.
         self.local_cache = LocalCache(config.cache_budget(), self.image_cache, snapshots,
