@@ -37,6 +37,7 @@ import hashlib
 import io
 import os
 import re
+import resource
 import shutil
 import subprocess
 import tarfile
@@ -203,10 +204,26 @@ def index_build(built: list[dict]) -> dict:
         out["index_s"] += time.perf_counter() - t
         out["index_cpu_s"] += time.process_time() - c
         out["points"] += len(index.gzip.points) if index.gzip else 0
-        t = time.perf_counter()
+        t, c = time.perf_counter(), _children_cpu()
         subprocess.run(f"gzip -dc {x['path']} > /dev/null", shell=True, check=True)
         out["gunzip_s"] += time.perf_counter() - t
+        out["gunzip_cpu_s"] = out.get("gunzip_cpu_s", 0.0) + _children_cpu() - c
+        # A plain pull's least work: decompress and write the files (tar -xzf).
+        dest = Path(tempfile.mkdtemp(prefix="aenv-bench-untar-"))
+        try:
+            t, c = time.perf_counter(), _children_cpu()
+            subprocess.run(["tar", "-C", str(dest), "--numeric-owner", "-xzf",
+                            str(x["path"])], check=True)
+            out["untar_s"] = out.get("untar_s", 0.0) + time.perf_counter() - t
+            out["untar_cpu_s"] = out.get("untar_cpu_s", 0.0) + _children_cpu() - c
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)
     return {k: round(v, 2) for k, v in out.items()}
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*"
@@ -325,7 +342,7 @@ def main() -> None:
                if way not in ("tar", "build") else {}),
             **{k: sorted(x[k] for x in xs)[len(xs) // 2]
                for k in ("again_s", "index_s", "mount_s", "boot_s", "index_bytes", "index_cpu_s",
-                         "gunzip_s", "points")
+                         "gunzip_s", "gunzip_cpu_s", "untar_s", "untar_cpu_s", "points")
                if way != "tar" and all(k in x for x in xs)},
             "load_1min": "-".join(f"{x['load']:.1f}" for x in xs)}
     text = table(

@@ -17,9 +17,12 @@ import hashlib
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +56,7 @@ PREFIX = f"e{os.getpid() % 4096:03x}"
 CIDR = free_cidr(200, 10, os.getpid())  # 10.200-10.209: this file's band
 BIG_MIB = 32
 PLAIN_BIG_MIB = 12
+STALL_S = 4
 
 pytestmark = pytest.mark.skipif(not Path("/bin/busybox").exists(),
                                 reason="needs busybox-static")
@@ -123,7 +127,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     image = build_image([busybox_layer(), data_layer(big, victim)], ["estargz", "estargz"],
                         env=[f"PATH={DEFAULT_PATH}"])
     ref = registry.push("esgz/app", "v1", image)
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy")
+    # A registry read that stalls fails after 4 s (twice: the read's retry).
+    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
+                AENV_IMAGE_REGISTRY_TIMEOUT_S=str(STALL_S))
     node.start()
     try:
         with sdk_env(node.e2b_env()):
@@ -453,3 +459,80 @@ def test_lying_gzip_index_and_tampered_blob_rejected(world: dict, plain: dict) -
         assert sbx.commands.run("cat /opt/hello").stdout == "hello from plain gzip\n"
     finally:
         sbx.kill()
+
+
+class StallingProxy:
+    """A TCP proxy in front of the registry; ``stall`` lets each answer's first 64 KiB
+    through and then sends nothing more (a registry stuck mid-range) until cleared."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.host = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.stall = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(client, up, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        allowed = 64 << 10
+        try:
+            while data := src.recv(1 << 16):
+                if answers and self.stall.is_set():
+                    dst.sendall(data[:allowed])
+                    allowed -= min(allowed, len(data))
+                    while self.stall.is_set():
+                        time.sleep(0.05)
+                    data = data[allowed:]
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_registry_stalling_mid_range_fails_the_read_only(world: dict, plain: dict) -> None:
+    """An image through a proxy that stalls: a read of a file not yet fetched fails
+    with EIO after the timeout (nothing cached of it), other reads and the node go on;
+    once the registry answers again, the file reads intact."""
+    node, registry = world["node"], world["registry"]
+    data = os.urandom(5 << 20)
+    image = build_image([gzip.decompress(plain["image"].layers[0].data), tar_layer([
+        Entry("srv/", type=tarfile.DIRTYPE, mode=0o755), Entry("srv/hello", b"hi\n"),
+        Entry("srv/data", data)])], ["gzip", "gzip"], env=[f"PATH={DEFAULT_PATH}"])
+    proxy = StallingProxy(registry.host)
+    ref = registry.push("gzi/stall", "v1", image).replace(registry.host, proxy.host)
+    chunks = node.home / "cache" / "images" / "lazy" / "chunks"
+    sbx = Sandbox.create(template=f"docker://{ref}", timeout=120)
+    gap = load(repo_index(node, image.layers[1].digest).read_bytes(), "t").entries["srv/data"]
+    try:
+        assert sbx.commands.run("cat /srv/hello").stdout == "hi\n"
+        proxy.stall.set()
+        t0 = time.monotonic()
+        with pytest.raises(CommandExitException) as exc:
+            sbx.commands.run("cat /srv/data > /dev/null", timeout=120)
+        assert "Input/output error" in (exc.value.stderr or ""), exc.value.stderr
+        assert time.monotonic() - t0 >= STALL_S
+        assert proxy.host in lazy_logs(node) and "ReadTimeout" in lazy_logs(node)
+        assert not any((chunks / d[:2] / d).exists() for d, _ in gap.chunks)
+        assert sbx.commands.run("cat /srv/hello").stdout == "hi\n"  # read before
+        proxy.stall.clear()
+        out = sbx.commands.run("md5sum /srv/data")
+        assert out.stdout.split()[0] == hashlib.md5(data).hexdigest()
+    finally:
+        proxy.stall.clear()
+        sbx.kill()
+        proxy.close()

@@ -160,6 +160,9 @@ class Config:
     # With lazy loading, the files a layer's first use read are recorded beside its
     # index in the repository, and later uses (any node) fetch them ahead.
     image_prefetch: bool = True
+    # A lazy layer server's wait for a registry that stops sending mid-read, before the
+    # read is retried once and then fails (EIO) with nothing cached.
+    image_registry_timeout_s: float = 30.0
     # How envd's file operations act for a request's user, unless a template's
     # template.json says ("fileAccess"): "root" as E2B's envd (as root; what is created
     # is chowned to the user) or "user" (strict: with the user's own rights; for

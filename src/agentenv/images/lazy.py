@@ -40,7 +40,8 @@ SWEEP_S = 5.0  # how often the servers' cache growth is checked against the budg
 
 class LazyLayers:
     def __init__(self, root: Path, repo: Repository, repo_config: dict[str, Any],
-                 gzip_checkpoints: bool = True, prefetch: bool = True):
+                 gzip_checkpoints: bool = True, prefetch: bool = True,
+                 registry_timeout_s: float = 30.0):
         self.root = root
         self.repo = repo
         self.repo_config = repo_config
@@ -57,7 +58,7 @@ class LazyLayers:
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         # How long a layer server waits on a registry read before the read fails (EIO).
-        self.registry_timeout_s = 30.0
+        self.registry_timeout_s = registry_timeout_s
         # A plain gzip layer in a registry is indexed (checkpoints) and served from the
         # registry blob; False: converted into the repository's chunks, as before.
         self.gzip_checkpoints = gzip_checkpoints
@@ -146,9 +147,12 @@ class LazyLayers:
 
     # -- mounts --------------------------------------------------------------------
 
-    def mount(self, h: str, registry_creds: dict | None = None) -> Path:
+    def mount(self, h: str, registry_creds: dict | None = None,
+              origin: tuple[str, str] | None = None) -> Path:
         """The layer's FUSE mount, started when it is not up. ``registry_creds``: for a
-        layer served from its registry (eStargz), the image's credentials."""
+        layer served from its registry (eStargz, plain gzip), the image's credentials;
+        ``origin``: the image's registry and repository, read instead of those the index
+        names (a plain gzip layer's index may come from a node that pulled it elsewhere)."""
         point = self.mnt_dir / h
         with self.layer_lock(h):
             if self.served(h):
@@ -174,7 +178,8 @@ class LazyLayers:
             proc.stdin.write(json.dumps({"repository": self.repo_config,
                                          "registry": registry_creds or {},
                                          "registry_timeout_s": self.registry_timeout_s,
-                                         "prefetch": self.prefetch})
+                                         "prefetch": self.prefetch,
+                                         "origin": list(origin) if origin else None})
                              .encode())
             proc.stdin.close()
             line = _read_line(proc, MOUNT_TIMEOUT_S)
@@ -188,13 +193,14 @@ class LazyLayers:
             log.info("images: layer %s mounted lazily (pid %d)", h[:12], proc.pid)
             return point
 
-    def mount_all(self, hexes: list[str], registry_creds: dict | None = None) -> list[Path]:
+    def mount_all(self, hexes: list[str], registry_creds: dict | None = None,
+                  origin: tuple[str, str] | None = None) -> list[Path]:
         """Every layer's mount, in order; their servers start at once (each is a Python
         process start, ~0.3 s here, paid in series before)."""
         if len(hexes) <= 1:
-            return [self.mount(h, registry_creds) for h in hexes]
+            return [self.mount(h, registry_creds, origin) for h in hexes]
         with ThreadPoolExecutor(min(len(hexes), MOUNTS_AT_ONCE)) as pool:
-            return list(pool.map(lambda h: self.mount(h, registry_creds), hexes))
+            return list(pool.map(lambda h: self.mount(h, registry_creds, origin), hexes))
 
     def unmount_idle(self, h: str) -> bool:
         """Unmount the layer unless something stacks on it (a rootfs overlay of another

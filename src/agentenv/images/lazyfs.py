@@ -20,6 +20,7 @@ a few threads, so that fetches from the repository overlap.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import errno
 import json
 import logging
@@ -285,6 +286,11 @@ def main() -> None:
     creds = settings.get("registry") or {}
     user, password = str(creds.get("username", "")), str(creds.get("password", ""))
     timeout = min(max(float(settings.get("registry_timeout_s", 30.0)), 0.1), 300.0)
+    origin = settings.get("origin")
+    if index.blob is not None and isinstance(origin, list) and len(origin) == 2:
+        # This node's registry for the blob (the index may have been made from another).
+        index.blob = dataclasses.replace(index.blob, registry=str(origin[0]),
+                                         repository=str(origin[1]))
     if index.blob is not None and index.gzip is not None:
         source = GzipSpans(index.blob, index.gzip, user, password, timeout)
     elif index.blob is not None:

@@ -154,7 +154,8 @@ class ManagerCore:
             lazy=LazyLayers(config.images_cache_dir / "lazy", snapshots.repo,
                             config.snapshot_repository(),
                             gzip_checkpoints=config.image_gzip_index,
-                            prefetch=config.image_prefetch)
+                            prefetch=config.image_prefetch,
+                            registry_timeout_s=config.image_registry_timeout_s)
             if config.image_loading == "lazy" else None)
         # One budget for the node-local cache: image layers and materialized snapshots.
         self.local_cache = LocalCache(config.cache_budget(), self.image_cache, snapshots,
