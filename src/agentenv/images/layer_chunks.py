@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -107,6 +108,7 @@ class GzipSpans(RegistryChunks):
     fetch; a chunk that does not match its sha256 drops the spans it was cut from."""
 
     MEMORY = 64 << 20
+    FAILED_HOLD_S = 1.0
 
     def __init__(self, blob: RegistryBlob, points: GzipPoints, username: str = "",
                  password: str = "", timeout: float = 30.0):
@@ -117,6 +119,9 @@ class GzipSpans(RegistryChunks):
         self._bytes = 0
         self._flights: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
+        # A span whose fetch just failed (a stalled or refusing registry): the reads
+        # that waited on it fail with it, rather than each waiting out the timeout.
+        self._failed: dict[int, tuple[float, str]] = {}
 
     def fetch(self, digest: str, size: int, span: tuple[int, int, int] | None,
               where: str) -> bytes:
@@ -154,16 +159,29 @@ class GzipSpans(RegistryChunks):
                 self._spans.move_to_end(k)
                 return data
             flight = self._flights.setdefault(k, threading.Lock())
+        waited = time.monotonic()
         with flight:
             with self._lock:
                 data = self._spans.get(k)
+                failed = self._failed.get(k)
             if data is not None:
                 return data
+            # Failed while this read waited, or a moment ago (the read's own retry, the
+            # next chunk of the same span): the same answer, at once.
+            if failed is not None and (failed[0] >= waited or
+                                       time.monotonic() - failed[0] < self.FAILED_HOLD_S):
+                raise CorruptSnapshot(failed[1])
             try:
                 data = self._inflate(k, where)
+            except CorruptSnapshot as exc:
+                with self._lock:
+                    self._failed[k] = (time.monotonic(), str(exc))
+                raise
             finally:
                 with self._lock:
                     self._flights.pop(k, None)
+            with self._lock:
+                self._failed.pop(k, None)
             with self._lock:
                 self._spans[k] = data
                 self._bytes += len(data)
