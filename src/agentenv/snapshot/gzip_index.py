@@ -35,9 +35,9 @@ SPACING = 4 << 20  # uncompressed bytes between checkpoints (SOCI's default span
 MIN_SPACING = 64 << 10
 MAX_SPAN_OUT = 64 << 20  # a span's output: a deflate block is far smaller in practice
 MAX_POINTS = 1 << 20
-_OUT = 256 << 10  # inflate's output buffer
+_OUT = 1 << 20  # inflate's output buffer
 
-Z_OK, Z_STREAM_END, Z_BUF_ERROR, Z_BLOCK = 0, 1, -5, 5
+Z_NO_FLUSH, Z_OK, Z_STREAM_END, Z_BUF_ERROR, Z_BLOCK = 0, 0, 1, -5, 5
 
 
 class BadGzipIndex(ValueError):
@@ -254,10 +254,15 @@ class Inflater:
         limit = max_length or (1 << 62)
         full = False  # the output buffer filled: inflate may hold more without input
         while produced < limit and (z.avail_in or full):
-            room = min(_OUT, limit - produced)
+            # Block by block only once a checkpoint is due (each return takes the GIL
+            # back, and blocks are small: 64 KiB of output or less for stored data);
+            # until then in large steps that stop where it falls due.
+            ahead = rec.spacing - (self._base_out + z.total_out - self._last)
+            due = ahead <= 0
+            room = min(_OUT, limit - produced) if due else min(_OUT, limit - produced, ahead)
             z.next_out = ctypes.addressof(self._out)
             z.avail_out = room
-            ret = lib.inflate(ctypes.byref(z), Z_BLOCK)
+            ret = lib.inflate(ctypes.byref(z), Z_BLOCK if due else Z_NO_FLUSH)
             n = room - z.avail_out
             if n:
                 piece = ctypes.string_at(self._out, n)
@@ -275,7 +280,7 @@ class Inflater:
             if ret == Z_BUF_ERROR and not n:
                 break
             # At a block's end (bit 7), not after the last one (bit 6): a checkpoint.
-            if z.data_type & 128 and not z.data_type & 64:
+            if due and z.data_type & 128 and not z.data_type & 64:
                 out = self._base_out + z.total_out
                 if out - self._last >= rec.spacing:
                     bit = (self._base_in + z.total_in) * 8 - (z.data_type & 7)
