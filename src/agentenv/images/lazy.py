@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agentenv.snapshot.errors import ObjectMissing
+from agentenv.snapshot.errors import ObjectMissing, SnapshotError
 from agentenv.snapshot.layer_index import BadLayerIndex, LayerIndex, key_of, load
 from agentenv.snapshot.repository import Repository
 
@@ -135,7 +135,10 @@ class LazyLayers:
         """The index kept on this node; ``share``: in the repository too (a plain gzip
         layer's checkpoints, which every node can use), written before the local copy."""
         if share:
-            self.repo.put_object(key_of(h), index.dump(level=3))
+            try:
+                self.repo.put_object(key_of(h), index.dump(level=3))
+            except SnapshotError as exc:  # this node serves it; others will index it too
+                log.warning("images: index of layer %s not shared: %s", h[:12], exc)
         local = self.index_dir / f"{h}.json.zst"
         tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
         tmp.write_bytes(index.dump(level=3))  # a local copy: fast beats small
