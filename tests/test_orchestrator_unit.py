@@ -93,7 +93,7 @@ async def test_pause_resume_kill(node: Node) -> None:
     sid = record.sandbox_id
     await mgr.pause(sid)
     assert record.state is SandboxState.PAUSED and record.slot_index == 0
-    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    await asyncio.gather(*mgr.sandboxes.commits(), *mgr.sandboxes.releasing())
     assert node.clean()  # a paused sandbox holds nothing on the node
     assert mgr.snapshots.get(record.snapshot_id).metadata["kind"] == "pause"
     with pytest.raises(Conflict):
@@ -123,7 +123,7 @@ async def test_a_filesystem_pause_reboots_and_a_failed_file_restore_keeps_it_pau
     sid = record.sandbox_id
     await mgr.pause(sid, memory=False)
     assert record.state is SandboxState.PAUSED and ("checkpoint", sid) not in node.runtime.calls
-    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    await asyncio.gather(*mgr.sandboxes.commits(), *mgr.sandboxes.releasing())
     assert node.clean()
     assert mgr.snapshots.get(record.snapshot_id).metadata["memory"] is False
 
@@ -213,7 +213,7 @@ async def test_a_restart_adopts_running_and_paused_sandboxes(node: Node) -> None
     running = await mgr.create(CreateRequest("base"))
     paused = await mgr.create(CreateRequest("base"))
     await mgr.pause(paused.sandbox_id)
-    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    await asyncio.gather(*mgr.sandboxes.commits(), *mgr.sandboxes.releasing())
     node.runtime.sandboxes["orphan"] = node.runtime.sandboxes[running.sandbox_id]
     mgr = await node.restart()
     states = {r.sandbox_id: r.state for r in mgr.list()}
@@ -276,7 +276,7 @@ async def test_a_paused_sandbox_whose_reset_fails_stays_paused(node: Node) -> No
     node.runtime.faults.fail("restore", RuntimeFailure("restore broke"))
     with pytest.raises(OrchestratorError, match="sandbox failed to reset"):
         await mgr.reset(record.sandbox_id)
-    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    await asyncio.gather(*mgr.sandboxes.commits(), *mgr.sandboxes.releasing())
     assert record.state is SandboxState.PAUSED and node.clean()
     await mgr.reset(record.sandbox_id, ttl=60)
     assert record.state is SandboxState.RUNNING and record.slot_index

@@ -5,10 +5,12 @@ like creates (pausing.py's ``resume``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from .models import Conflict, SandboxRecord, SandboxState, not_running
 from .pausing import Pausing
+from .sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +31,16 @@ class Connecting(Pausing):
         (E2B's resume on traffic). Concurrent callers share one resume; a sandbox that
         cannot run raises as ``endpoint`` does (NotFound, Conflict), a failed resume
         as ``resume`` does (it then stays paused)."""
-        record = self.get(sandbox_id)
+        entry = self.sandboxes.get(sandbox_id)
+        record = entry.record
         if record.state is SandboxState.PAUSED and record.auto_resume:
-            task = self._auto_resumes.get(sandbox_id)
+            task = entry.auto_resume
             if task is None:
                 ttl = min(record.resume_timeout or self.config.default_timeout,
                           self.config.max_timeout)
                 task = asyncio.create_task(self.resume(sandbox_id, ttl))
-                self._auto_resumes[sandbox_id] = task
-                task.add_done_callback(self._auto_resume_done)
+                entry.auto_resume = task
+                task.add_done_callback(functools.partial(_auto_resume_done, entry))
                 log.info("sandbox %s: traffic arrived while paused; resuming it", sandbox_id)
             try:
                 await asyncio.shield(task)
@@ -48,10 +51,11 @@ class Connecting(Pausing):
             raise not_running(record)
         return record
 
-    def _auto_resume_done(self, task: asyncio.Task) -> None:
-        for sid, running in list(self._auto_resumes.items()):
-            if running is task:
-                del self._auto_resumes[sid]
-        # Read here: every request that waited for it may have hung up before it ended.
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("resume on traffic failed: %s", task.exception())
+
+
+def _auto_resume_done(entry: Sandbox, task: asyncio.Task) -> None:
+    if entry.auto_resume is task:
+        entry.auto_resume = None
+    # Read here: every request that waited for it may have hung up before it ended.
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("resume on traffic failed: %s", task.exception())

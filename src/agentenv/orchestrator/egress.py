@@ -21,7 +21,7 @@ class Egress(ManagerCore):
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
             previous = (record.network, record.internet)
             record.network, record.internet = policy.to_json(), not policy.denies_all
-            slot = self._slots.get(sandbox_id)
+            slot = self.sandboxes.get(sandbox_id).slot
             if record.state is SandboxState.RUNNING and slot is not None:
                 try:
                     await self.launcher.apply_egress(sandbox_id, slot, record.network,
@@ -34,15 +34,15 @@ class Egress(ManagerCore):
 
     async def _refresh_domain_policies(self) -> None:
         """Re-resolve the domains of running sandboxes' policies (addresses change)."""
-        for record in list(self._records.values()):
-            slot = self._slots.get(record.sandbox_id)
+        for entry in self.sandboxes:
+            record, slot = entry.record, entry.slot
             if record.state is not SandboxState.RUNNING or slot is None or not record.network:
                 continue
             if not EgressPolicy.from_json(record.network).domains:
                 continue
             try:
-                async with self._lock(record.sandbox_id):
-                    if self._slots.get(record.sandbox_id) is slot:
+                async with entry.lock:
+                    if entry.slot is slot:
                         await self.launcher.apply_egress(record.sandbox_id, slot,
                                                          record.network, record.internet)
             except Exception:

@@ -63,7 +63,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
         await self._reconcile()
         # Mounts a crash left are removed, except those adopted sandboxes run on.
         await asyncio.to_thread(self.image_cache.start, {
-            r.template_id for r in self._records.values() if r.state is SandboxState.RUNNING})
+            e.record.template_id for e in self.sandboxes.in_state(SandboxState.RUNNING)})
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
         self._quick_task = asyncio.create_task(self._quick_loop(), name="quick")
 
@@ -103,15 +103,15 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
         await self.snapshot_gc.close()
         if self.boot_images is not None:
             await self.boot_images.close()
-        if self._releasing:
-            await asyncio.gather(*self._releasing.values(), return_exceptions=True)
-        if self._commits:
-            await asyncio.gather(*self._commits.values(), return_exceptions=True)
+        if releasing := self.sandboxes.releasing():
+            await asyncio.gather(*releasing, return_exceptions=True)
+        if commits := self.sandboxes.commits():
+            await asyncio.gather(*commits, return_exceptions=True)
         if destroy:
             # Paused sandboxes live on in their snapshots; everything running stops.
             await asyncio.gather(
-                *(self.kill(r.sandbox_id) for r in list(self._records.values())
-                  if r.state is not SandboxState.PAUSED),
+                *(self.kill(e.sandbox_id) for e in self.sandboxes
+                  if e.state is not SandboxState.PAUSED),
                 return_exceptions=True,
             )
             await self.slots.close()
@@ -185,7 +185,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
         """A sandbox the warm pool launched ahead of time becomes this record's: its
         egress policy and envd's token and env vars are set, nothing else."""
         t0 = time.perf_counter()
-        self._hold(record, member.slot)
+        self._started(record, member.slot)
         record.booted_at = time.time()
         self.store.put(record)
         try:
@@ -326,7 +326,8 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                          owner: str) -> tuple[str, str]:
         """Where envd of ``ref``'s files answers: a running sandbox's own, or that of a
         sandbox restored from the snapshot ``ref`` names (killed when ``stack`` ends)."""
-        record = self._records.get(ref)
+        entry = self.sandboxes.find(ref)
+        record = entry.record if entry is not None else None
         if record is None or record.state is SandboxState.KILLED:
             manifest = await self._resolve(ref, f"no sandbox or snapshot '{ref}'")
             record = await self.create(CreateRequest(
@@ -341,8 +342,8 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
         return address, record.envd_token
 
     def _check_no_restore(self, ref: str) -> None:
-        record = self._records.get(ref)
-        if record is None or record.state is SandboxState.KILLED:
+        entry = self.sandboxes.find(ref)
+        if entry is None or entry.state is SandboxState.KILLED:
             err = OrchestratorError(
                 f"'{ref}' is no running sandbox of this node: comparing a snapshot restores "
                 "it into a temporary sandbox, which a GET does not do; send the same "
@@ -371,15 +372,19 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
 
     @observed("delete")
     async def kill(self, sandbox_id: str) -> None:
-        self._killing.add(sandbox_id)  # before the lock: a pause may hold it a while
+        entry = self.sandboxes.find(sandbox_id)
+        if entry is None:
+            raise NotFound(f"sandbox '{sandbox_id}' not found")
+        entry.killing += 1  # before the lock: a pause may hold it a while
         try:
             await self._kill(sandbox_id)
         finally:
-            self._killing.discard(sandbox_id)
+            entry.killing -= 1
 
     async def _kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
-            record = self.get(sandbox_id)
+            entry = self.sandboxes.get(sandbox_id)
+            record = entry.record
             if record.state is SandboxState.CREATING:
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
             if record.state is SandboxState.PAUSED:
@@ -388,7 +393,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
             # (an ERROR sandbox's runtime is gone already)
             await asyncio.shield(self._teardown(record, record.state is SandboxState.RUNNING))
             if record.snapshot_id:  # its last pause snapshot is of no further use
-                pending = self._commits.get(record.snapshot_id)  # resumed before it landed
+                pending = entry.commits.get(record.snapshot_id)  # resumed before it landed
                 if pending is not None:
                     await asyncio.gather(pending, return_exceptions=True)
                 with contextlib.suppress(SnapshotError):
@@ -421,7 +426,8 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
             log.debug("idle freezing: %s", exc)
             held = Counter()
         for sandbox_id in due:
-            slot = self._slots.get(sandbox_id)
+            entry = self.sandboxes.find(sandbox_id)
+            slot = entry.slot if entry is not None else None
             if slot is not None and held[slot.address]:
                 self.freezer.working(sandbox_id)
                 continue
@@ -444,7 +450,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
             if ticks % max(1, int(self.config.egress_refresh_s)) == 0:
                 await self._refresh_domain_policies()
             now = time.time()
-            for record in list(self._records.values()):
+            for record in [e.record for e in self.sandboxes]:
                 if record.state is SandboxState.RUNNING and record.expired(now):
                     log.info("sandbox %s reached its timeout: %s", record.sandbox_id,
                              "pausing" if record.auto_pause else "killing")

@@ -59,11 +59,11 @@ class PressureRelief(Pausing):
         """Running sandboxes whose envd is awake, most idle first (none in flight, none
         an operation holds)."""
         found = []
-        for record in self._records.values():
+        for record in [e.record for e in self.sandboxes]:
             sid = record.sandbox_id
             if record.state is not SandboxState.RUNNING or record.error or \
                     not record.slot_address or record.metadata.get("aenv.build") or \
-                    self.freezer.in_flight(sid) or self._held(sid):
+                    self.freezer.in_flight(sid) or self.sandboxes.held(sid):
                 continue
             idle = self.freezer.idle_for(sid, record.ready_at)
             found.append(Candidate(sid, record.slot_address, record.envd_token, idle))
@@ -108,11 +108,11 @@ class PressureRelief(Pausing):
     def _pressure_candidates(self) -> list[str]:
         now_idle = self.freezer.idle_for
         found = []
-        for record in self._records.values():
+        for record in [e.record for e in self.sandboxes]:
             sid = record.sandbox_id
             if record.state is not SandboxState.RUNNING or record.error or \
                     record.metadata.get("aenv.build") or self.freezer.in_flight(sid) or \
-                    self._held(sid):
+                    self.sandboxes.held(sid):
                 continue
             idle = now_idle(sid, record.ready_at)
             if idle >= MIN_IDLE_S:

@@ -25,8 +25,8 @@ class Runs(Pausing):
         return self.runbook.create(*check_run(name, lease_s, on_expiry))
 
     def run_members(self, run_id: str) -> list[SandboxRecord]:
-        return [r for r in self._records.values()
-                if r.run_id == run_id and r.state is not SandboxState.KILLED]
+        return [e.record for e in self.sandboxes
+                if e.record.run_id == run_id and e.state is not SandboxState.KILLED]
 
     async def end_run(self, run_id: str) -> None:
         """DELETE: the run's sandboxes killed (or paused), then the run gone."""
@@ -74,9 +74,9 @@ class Runs(Pausing):
             await self.pause(sandbox_id, memory=memory)
             return
         except Exception as exc:
-            record = self._records.get(sandbox_id)
-            if record is None or record.state in (SandboxState.PAUSED, SandboxState.KILLED) \
-                    or sandbox_id in self._killing:
+            entry = self.sandboxes.find(sandbox_id)
+            if entry is None or entry.state in (SandboxState.PAUSED, SandboxState.KILLED) \
+                    or entry.killing:
                 return
             log.error("pausing %s (%s) failed (%s); killing it", sandbox_id, why, exc)
         with contextlib.suppress(NotFound, Conflict):
