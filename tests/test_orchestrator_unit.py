@@ -367,5 +367,5 @@ async def test_a_timeout_and_a_run_s_end_pause_else_kill(node: Node) -> None:
     states = {r.sandbox_id: r.state for r in mgr.list()}
     assert failing not in states and states[pausing] is SandboxState.PAUSED
 
-    await mgr.pause_else_kill(timed.sandbox_id, memory=True, why="a test")  # paused already
+    await mgr.runs.pause_else_kill(timed.sandbox_id, memory=True, why="a test")  # paused already
     assert mgr.get(timed.sandbox_id).state is SandboxState.PAUSED

@@ -370,6 +370,13 @@ class ManagerCore:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Background work the node cancels when it stops."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     def _add(self, record: SandboxRecord) -> Sandbox:
         """A new record: in the store before anything starts for it."""
         entry = self.sandboxes.add(record)
