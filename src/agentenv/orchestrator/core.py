@@ -124,7 +124,7 @@ class ManagerCore:
         self.envd.awake_at = self.freezer.awake_at
         # Frozen sandboxes' memory moved to the host's compressed swap (cold_memory.py).
         self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids,
-                                      self._short_for_idle, self.sandboxes.held)
+                                      lambda: self._short_for_idle(), self.sandboxes.held)
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
                                       config.resident_pause_idle_s)
@@ -193,7 +193,7 @@ class ManagerCore:
         return self.freezer.awake(sandbox_id)
 
     def _short_for_idle(self) -> bool:
-        """Below the idle-memory watermark (pressure.py)."""
+        """Below the idle-memory watermark (pressure.py, SandboxManager's)."""
         raise NotImplementedError
 
     def _running_ids(self) -> builtins.list[str]:

@@ -55,7 +55,7 @@ COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
-class SandboxManager(Reconciling, PressureRelief, Resetting, Forking):
+class SandboxManager(Reconciling, Resetting, Forking):
     def __init__(self, config: Config, runtime: Runtime, slots: SlotPool,
                  templates: TemplateRegistry, store: SandboxStore, snapshots: SnapshotStore,
                  envd: EnvdClient | None = None) -> None:
@@ -66,9 +66,14 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking):
         self.runs = Runs(self.sandboxes, self.runbook, self.pause, self.kill, self._spawn)
         self.connections = Connections(self.sandboxes, self.config, self.resume,
                                        self.set_timeout)
+        self.pressure = PressureRelief(self.config, self.sandboxes, self.runtime, self.envd,
+                                       self.freezer, self.cold_memory, self.pause, self.evict)
         self.diffs = Diffs(self.sandboxes, self.envd, self.diff_gate,
                            self.config.run_dir / "diffs", self._resolve, self.create,
                            self.kill, self.endpoint)
+
+    def _short_for_idle(self) -> bool:
+        return self.pressure.short_for_idle()
 
     # -- what the API calls of the services ---------------------------------------------
 
@@ -138,10 +143,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking):
                     await task
         self.admission.close()
         self.cold_memory.close()
-        if self._relief is not None:
-            self._relief.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._relief
+        await self.pressure.close()
         for task in list(self._tasks):
             task.cancel()
         if destroy:  # their runtimes go below: what is frozen is captured first
@@ -381,8 +383,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Forking):
             except Exception:
                 log.exception("idle freezing failed")
             self.cold_memory.tend()
-            self._tend_envd_sleep()
-            self._tend_pressure()
+            self.pressure.tend()
 
     async def _freeze_idle(self) -> None:
         """Freeze the sandboxes idle for a window, but for those holding an outbound
