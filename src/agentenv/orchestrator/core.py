@@ -1,12 +1,13 @@
-"""What every part of the sandbox manager shares: the node's records, the locks, the
-slots sandboxes hold, and the few primitives that change them.
+"""What every part of the sandbox manager shares: the node's collaborators, the table
+of sandboxes, and the few primitives that change them.
 
-The manager is split by job (``manager``: create, kill, TTL; ``pausing``: snapshot,
-pause, resume; ``resetting``: reset in place; ``forking``; ``reconcile``: restart;
-``egress``), each a class over this core, joined in ``SandboxManager``. What each
-sandbox holds is its ``Sandbox`` (sandbox.py) in the table ``sandboxes`` (table.py);
-only this module adds and removes them and changes states (``_transition``), so the
-rules below hold everywhere:
+The jobs that change a sandbox under its lock are classes over this core (``pausing``
+and ``captures``: snapshot, pause, resume; ``resetting``; ``forking``; ``reconcile``:
+restart), joined in ``SandboxManager`` (``manager``: create, kill, TTL), which also
+builds the services that get what they use as arguments (connecting, egress, runs,
+pressure, snapshots, comparing). What each sandbox holds is its ``Sandbox``
+(sandbox.py) in the table ``sandboxes`` (table.py); only this module adds and removes
+them and changes states (``_transition``), so the rules below hold everywhere:
 
 - a record is in the store before anything is started for it, so a crash at any
   point leaves something the next start can clean up;

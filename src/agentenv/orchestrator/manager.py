@@ -2,8 +2,10 @@
 
 States move creating -> running -> (paused <-> running) -> killed, or running ->
 error when a sandbox's runtime dies; every move is checked against ``TRANSITIONS``.
-The jobs live in their own modules (pausing, resetting, forking, reconcile, egress)
-over the shared core; ``SandboxManager`` joins them into the one object the API calls.
+The jobs that change a sandbox under its lock live in their own modules over the
+shared core (pausing, resetting, forking, reconcile); the others are services built
+here with what they use (connecting, egress, runs, pressure, snapshots, comparing).
+``SandboxManager`` is the one object the API calls.
 """
 
 from __future__ import annotations
