@@ -116,6 +116,26 @@ async def test_pause_resume_kill(node: Node) -> None:
     assert node.clean() and mgr.store.all() == []
 
 
+async def test_a_paused_sandbox_whose_runtime_outlives_its_destroy_frees_its_slot(
+        node: Node) -> None:
+    """A sandbox's undo stack (sandbox.py) runs every step whatever the one before did:
+    a pause whose stopped runtime fails to be destroyed hands its slot back all the
+    same (it used to keep it for good: one slot fewer for the node)."""
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid = record.sandbox_id
+    node.runtime.faults.fail("destroy", RuntimeFailure("destroy broke"))
+    await mgr.pause(sid)
+    await asyncio.gather(*mgr.sandboxes.releasing())
+    assert record.state is SandboxState.PAUSED and record.slot_index == 0
+    assert not node.slots.holding and not mgr.sandboxes.releasing()
+    await node.runtime.destroy(sid)  # gone later (a restart's reconcile removes it)
+    await mgr.resume(sid)
+    assert record.state is SandboxState.RUNNING and len(node.slots.holding) == 1
+    await mgr.kill(sid)
+    assert node.clean()
+
+
 async def test_a_filesystem_pause_reboots_and_a_failed_file_restore_keeps_it_paused(
         node: Node) -> None:
     mgr = node.manager
