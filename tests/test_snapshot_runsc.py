@@ -4,8 +4,8 @@ A small runsc sandbox (overlay root in memory, no network) holds 24 MiB of
 random data in a Python process; it is checkpointed (leave-running, no
 compression), 512 KiB are written to a file inside it, and it is checkpointed
 again (half the bytes of the first version of this test: the oss backend's
-server, moto, costs ~10 ms a chunk). The second snapshot must store at most 5% of what the first stored, and
-both must come back byte-identical.
+server, moto, costs ~10 ms a chunk). The second snapshot must store at most 5%
+of what the first stored, and both must come back byte-identical.
 """
 
 from __future__ import annotations

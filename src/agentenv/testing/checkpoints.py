@@ -54,7 +54,8 @@ def two_checkpoints(work: Path, rootfs: Path, mib: int, change_kib: int = 1024
         first, second = work / "ck1", work / "ck2"
         run("checkpoint", "--image-path", str(first), "--leave-running", "--compression=none",
             cid)
-        run("exec", cid, "/bin/sh", "-c", f"head -c {change_kib << 10} /dev/urandom > /root/change.bin")
+        run("exec", cid, "/bin/sh", "-c",
+            f"head -c {change_kib << 10} /dev/urandom > /root/change.bin")
         run("checkpoint", "--image-path", str(second), "--leave-running", "--compression=none",
             cid)
         return first, second
