@@ -15,13 +15,14 @@ import socket
 import subprocess
 import sys
 import threading
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 import pytest_asyncio
 
 from agentenv.network import Slot, SlotError, SlotPool, SlotPoolExhausted, cleanup_all
-from agentenv.network.slot import SlotLayout
+from agentenv.network.slot import SlotLayout, egress_by_address
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for netns and iptables")
 
@@ -332,6 +333,74 @@ async def test_internet_switch(pool: SlotPool, procs: Procs) -> None:
     t = pool.stats()["ms"]["set_internet"]
     assert t["p50"] is not None and t["p50"] < 50
     await pool.release(s)
+
+
+# Connects to the address and port given and holds the connection open: an agent
+# waiting on a model's answer.
+HOLDER = r"""
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def holding_server(host: str) -> tuple[socket.socket, list[socket.socket]]:
+    """A server that accepts and keeps every connection (the caller closes all)."""
+    srv = socket.socket()
+    srv.bind((host, 0))
+    srv.listen(64)
+    held: list[socket.socket] = []
+
+    def loop() -> None:
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=loop, daemon=True).start()
+    return srv, held
+
+
+def egress_while_held(netns: str) -> Counter[str]:
+    """egress_by_address while a process in ``netns`` holds a connection to the
+    outside and the host holds 50 loopback connections."""
+    peer = subprocess.Popen(["ip", "netns", "exec", OUT_NS, sys.executable, "-c",
+                             "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', "
+                             "9009)); s.listen(); print('ready', flush=True); "
+                             "c = s.accept(); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    loop_srv, loop_held = holding_server("127.0.0.1")
+    clients: list[socket.socket] = []
+    holder = None
+    try:
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
+        holder = subprocess.Popen(["nsenter", f"--net=/var/run/netns/{netns}", sys.executable,
+                                   "-c", HOLDER, OUT_IP, "9009"], stdout=subprocess.PIPE,
+                                  text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        clients = [socket.create_connection(loop_srv.getsockname()) for _ in range(50)]
+        return egress_by_address()
+    finally:
+        for proc in (holder, peer):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+        for sock in (*clients, *loop_held, loop_srv):
+            sock.close()
+
+
+async def test_egress_count_is_of_slots_alone(pool: SlotPool) -> None:
+    """The idle freezer's question (which sandboxes hold an outbound connection)
+    is answered from the slots' own conntrack entries: the host's loopback
+    connections, as many as a busy node's API and proxy hold, are not in it."""
+    s = await pool.acquire(internet=True)
+    try:
+        held = await asyncio.to_thread(egress_while_held, s.netns)
+        assert held[s.address] == 1, held
+        assert "127.0.0.1" not in held, held
+    finally:
+        await pool.release(s)
 
 
 async def test_release_recycles_clean_and_exhaustion(outside: None, procs: Procs) -> None:

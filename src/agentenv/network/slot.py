@@ -11,7 +11,6 @@ import errno
 import ipaddress
 import os
 import re
-import socket
 from collections import Counter
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from . import nsutil
 from .policy import CompiledPolicy, chain_rules
 from .rules import (
     EGRESS_CHAIN,
+    EGRESS_CT_MARK,
     GATEWAY_IP,
     INSIDE_PREFIXLEN,
     ROUTER_DOWN_IF,
@@ -353,10 +353,12 @@ def egress_by_address() -> Counter[str]:
     host's conntrack table. Every connection a sandbox opens crosses the root netns
     with its slot address as source (the router MASQUERADEs), so one dump answers
     for every sandbox at once: a pass over hundreds of sandboxes costs one walk of
-    the table, not one netns entry and one walk each."""
+    the table, not one netns entry and one walk each. The kernel returns only the
+    entries the pool's rules marked (``EGRESS_CT_MARK``): the node's own loopback
+    and proxied connections, thousands under load, are never decoded."""
     held: Counter[str] = Counter()
     with Conntrack() as ct:
-        for entry in ct.dump_entries(tuple_orig=NFCTAttrTuple(proto=socket.IPPROTO_TCP)):
+        for entry in ct.dump_entries(mark=EGRESS_CT_MARK, mark_mask=EGRESS_CT_MARK):
             if entry.protoinfo is not None and \
                     entry.protoinfo.state == TCP_CONNTRACK_ESTABLISHED:
                 held[entry.tuple_orig.saddr] += 1
