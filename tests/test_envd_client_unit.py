@@ -149,7 +149,7 @@ async def test_a_layer_call_reads_envd_s_answer_bounded_as_the_sandbox_s_own(
             "a 500": _http(500, b"boom"),
             "not JSON": _http(200, b"[1, 2]"),
         }
-        for slot, (what, answer) in enumerate(bad.items(), start=7):
+        for slot, answer in enumerate(bad.values(), start=7):
             async with _answering(answer, slot) as (address, _):
                 with pytest.raises(EnvdUnavailable, match="/aenv/layer reset"):
                     await client.layer(address, "tok", "reset", "snap1")
