@@ -65,10 +65,10 @@ OVERLAID = ("/tmp",)
 
 class Workers(Protocol):
     """envd's file workers (userfs.UserFS), told when its root moves: none is handed
-    out meanwhile, and the idle ones (whose pids ``root_moving`` gives, to be spared
-    by a reset's kill pass) then follow it."""
+    out meanwhile, and the idle ones (which ``root_moving`` gives as (pid, start time),
+    to be spared by a reset's kill pass) then follow it."""
 
-    def root_moving(self) -> set[int]: ...
+    def root_moving(self) -> set[tuple[int, int]]: ...
 
     def root_moved(self) -> None: ...
 
@@ -117,7 +117,7 @@ def start_keeper() -> int | None:
     return pid
 
 
-def _stat_of(pid: int) -> tuple[int, str] | None:
+def stat_of(pid: int) -> tuple[int, str] | None:
     """(start time, state) of a process, from /proc/PID/stat; None once it is gone."""
     try:  # three system calls (open() would make six), each dear under gVisor
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
@@ -138,7 +138,7 @@ def processes() -> dict[int, tuple[int, str]]:
     found = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            st = _stat_of(int(name))
+            st = stat_of(int(name))
             if st is not None:
                 found[int(name)] = st
     return found
@@ -194,7 +194,7 @@ class Layers:
         """Why this envd cannot layer, or None."""
         if self.keeper_pid is None:
             return "envd has no layer keeper here (not the sandbox's init, or an old bundle)"
-        if _stat_of(self.keeper_pid) is None:
+        if stat_of(self.keeper_pid) is None:
             return "the layer keeper has ended (a command killed it)"
         try:
             os.fstat(KEEPER_FD)
@@ -311,7 +311,7 @@ class Layers:
             raise LayerError(501, why)
 
     async def _kill_since(self, base: list[tuple[int, int]], reap: Callable[[], None],
-                          spare: set[int]) -> int:
+                          spare: set[tuple[int, int]]) -> int:
         """SIGKILL every process not in ``base`` (nor envd, the keeper, nor ``spare``:
         envd's idle file workers, which follow the root) until none
         is left. One scan of /proc reads every process; the ones killed are then
@@ -319,8 +319,8 @@ class Layers:
         listed again and only the processes new since are read: one a victim forked
         before it died is caught so, and killed in turn. Once every victim has ended
         none can fork, so a listing with nothing new in it is the end."""
-        keep = set(base)
-        spared = {os.getpid(), self.keeper_pid, *spare}
+        keep = {*base, *spare}
+        spared = {os.getpid(), self.keeper_pid}
         seen: set[int] = set()  # every pid read in this pass
         killed: set[tuple[int, int]] = set()
         deadline = time.monotonic() + KILL_DEADLINE_S
@@ -329,7 +329,7 @@ class Layers:
             victims = []
             for pid in pids - seen:
                 seen.add(pid)
-                st = _stat_of(pid)
+                st = stat_of(pid)
                 if st is not None and pid not in spared and (pid, st[0]) not in keep \
                         and st[1] != "Z":
                     victims.append((pid, st[0]))
@@ -353,7 +353,7 @@ class Layers:
         while True:
             reap()
             for pid, start in list(pending.items()):
-                st = _stat_of(pid)
+                st = stat_of(pid)
                 if st is None or st[0] != start or st[1] == "Z":
                     del pending[pid]
             if not pending:

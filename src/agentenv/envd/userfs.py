@@ -52,6 +52,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from .layers import stat_of
 from .userfs_fork import fork_worker
 from .userfs_protocol import MAX_FDS, MAX_FRAME, Refused, WorkerGone
 
@@ -72,6 +73,9 @@ class Worker:
         parent.setblocking(False)
         self.sock = parent
         self.pid = pid
+        # With its pid, what a reset's kill pass spares (a pid alone might be another
+        # process's by then, were the worker killed by a command).
+        self.start = (stat_of(pid) or (-1, ""))[0]
         self.alive = True
         self.dropped = False  # no longer counted in the pool
         self.used = 0.0
@@ -335,17 +339,17 @@ class UserFS:
                 self._drop(w)
         self.idle.clear()
 
-    def root_moving(self) -> set[int]:
+    def root_moving(self) -> set[tuple[int, int]]:
         """envd's root is about to move (layers.py): no worker is handed out until it
-        has. The pids of the idle workers, which follow it and so are not to be
-        killed (a busy one is working in the old root: the reset ends it)."""
+        has. The idle workers, as (pid, start time): they follow it and so are not to
+        be killed (a busy one is working in the old root: the reset ends it)."""
         self.generation += 1
         self.moving = True
         for ws in self.idle.values():
             for w in [w for w in ws if w.key[0] != 0 or not w.alive]:
                 ws.remove(w)  # a user's worker cannot follow (nor chroot)
                 self._drop(w)
-        return {w.pid for ws in self.idle.values() for w in ws}
+        return {(w.pid, w.start) for ws in self.idle.values() for w in ws}
 
     def root_moved(self) -> None:
         """envd's root has moved (or stayed, a move having failed): every idle worker
