@@ -27,10 +27,12 @@ from agentenv.snapshot.layer_index import Entry as IndexEntry
 from agentenv.snapshot.layer_index import LayerIndex, key_of, load
 from agentenv.testing import Node, free_cidr, leaks, sdk_env, serving
 from agentenv.testing.oci_registry import (
+    BUSYBOX,
     DEFAULT_PATH,
     Entry,
     RegistryServer,
     build_image,
+    busybox_layer,
     digest_of,
     tar_layer,
 )
@@ -38,25 +40,10 @@ from test_snapshot_store import S3Server  # moto's S3 server, as the oss tests u
 
 PREFIX = f"z{os.getpid() % 4096:03x}"
 CIDR = free_cidr(102, 18, os.getpid())  # 10.102-10.119: this file's band
-BUSYBOX = Path("/bin/busybox")
 BIG_MIB = 24
 BUDGET = 16 << 20  # the node's cache budget: smaller than /opt/big
 
 pytestmark = pytest.mark.skipif(not BUSYBOX.exists(), reason="needs busybox-static")
-
-
-def busybox_layer() -> bytes:
-    """A minimal bootable rootfs: static busybox and the users envd needs."""
-    entries = [Entry(d + "/", type=tarfile.DIRTYPE, mode=0o755)
-               for d in ("bin", "etc", "root", "proc", "dev", "home", "home/user", "opt")]
-    entries += [Entry("tmp/", type=tarfile.DIRTYPE, mode=0o1777),
-                Entry("bin/busybox", BUSYBOX.read_bytes(), mode=0o755)]
-    entries += [Entry(f"bin/{a}", type=tarfile.SYMTYPE, link="busybox")
-                for a in ("sh", "cat", "head", "wc", "md5sum", "ls", "echo", "true")]
-    entries += [Entry("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"
-                      b"user:x:1000:1000:user:/home/user:/bin/sh\n"),
-                Entry("etc/group", b"root:x:0:\nuser:x:1000:\n")]
-    return tar_layer(entries)
 
 
 @pytest.fixture(scope="module")
