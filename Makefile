@@ -4,6 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 AENV_HOME ?= /var/lib/aenv
 export AENV_HOME
+# Python writes and reads back its compiled modules (__pycache__) in everything make
+# starts. Container images often set PYTHONDONTWRITEBYTECODE, and this machine does:
+# then every Python process (each node a test starts or restarts, each `aenv` call,
+# each pytest worker's assertion rewriting) compiles all it imports anew, ~0.5 CPU-s
+# a node start here.
+unexport PYTHONDONTWRITEBYTECODE
 UV_VERSION := 0.13.9
 UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY)
 # pytest workers of `make test`'s parallel part: more than two only share the two

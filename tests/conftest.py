@@ -7,9 +7,29 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import httpx._transports.default as httpx_transports
 import pytest
 
 from agentenv.testing import Node, free_cidr, leaks, sdk_env
+
+# httpx builds a TLS context for every client it makes (the CA bundle parsed: 20-50
+# ms of CPU), and a module-level httpx.get is a client: the tests' polls of plain-HTTP
+# loopback servers paid it thousands of times (py-spy: half of test_fork.py's own
+# CPU). In the tests' processes, clients that ask for the default verification share
+# one context; any other (a CA file, a client certificate) is built as httpx does.
+_default_tls = httpx.create_ssl_context()
+_create_ssl_context = httpx_transports.create_ssl_context
+
+
+def _shared_ssl_context(verify: object = True, cert: object = None, trust_env: bool = True
+                        ) -> object:
+    if verify is True and cert is None and trust_env:
+        return _default_tls
+    return _create_ssl_context(verify=verify, cert=cert, trust_env=trust_env)
+
+
+httpx_transports.create_ssl_context = _shared_ssl_context
 
 # Per session, so that two test runs on one machine never take each other's
 # slots for crash leftovers (each node removes unknown slots of its prefix).

@@ -14,7 +14,12 @@ from contextlib import asynccontextmanager
 import pytest
 
 from agentenv.envd.protocol import ENVD_PORT
-from agentenv.orchestrator.envd_client import EnvdClient, EnvdUnavailable
+from agentenv.orchestrator.envd_client import (
+    SMALL_ANSWER_MAX,
+    EnvdClient,
+    EnvdUnavailable,
+    LayerRefused,
+)
 
 
 def _envelope(message: dict, flags: int = 0) -> bytes:
@@ -92,5 +97,65 @@ async def test_a_stream_without_an_exit_code_or_a_refusal_is_envd_unavailable() 
                 await client.run(address, "token", "true")
             with pytest.raises(EnvdUnavailable, match="refused the command: HTTP 401"):
                 await client.start(address, "token", "true")
+    finally:
+        await client.close()
+
+
+@asynccontextmanager
+async def _answering(answer: bytes, slot: int) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A stand-in envd that reads a request and writes ``answer`` as it is (b"": says
+    nothing and holds the connection): its address and the requests' heads."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        if not answer:
+            await asyncio.sleep(30)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    heads: list[bytes] = []
+    address = f"127.28.{os.getpid() % 250}.{slot}"
+    server = await asyncio.start_server(serve, address, ENVD_PORT)
+    try:
+        yield address, heads
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def _http(status: int, body: bytes) -> bytes:
+    return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+async def test_a_layer_call_reads_envd_s_answer_bounded_as_the_sandbox_s_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """/aenv/layer (a files reset's call, its own small HTTP client): the answer, a
+    refusal, and each way a sandbox can answer badly, as a clear EnvdUnavailable."""
+    client = EnvdClient()
+    try:
+        async with _answering(_http(200, b'{"depth": 1, "killed": 2}'), 5) as (address, heads):
+            assert await client.layer(address, "tok", "reset", "snap1") == {"depth": 1,
+                                                                            "killed": 2}
+            assert b"POST /aenv/layer HTTP/1.1" in heads[0]
+            assert b"X-Access-Token: tok" in heads[0]
+        async with _answering(_http(409, b'{"message": "no files layer"}'), 6) as (address, _):
+            with pytest.raises(LayerRefused, match="no files layer"):
+                await client.layer(address, "tok", "reset", "snap1")
+        bad = {
+            "over the bound": _http(200, b'{"a": "' + b"x" * SMALL_ANSWER_MAX + b'"}'),
+            "headers without an end": b"HTTP/1.1 200 X\r\n" + b"A: b\r\n" * 20000,
+            "not HTTP": b"\x00garbage\r\n\r\n",
+            "cut short": b"HTTP/1.1 200 X\r\nContent-Length: 99\r\n\r\n{",
+            "a 500": _http(500, b"boom"),
+            "not JSON": _http(200, b"[1, 2]"),
+        }
+        for slot, answer in enumerate(bad.values(), start=7):
+            async with _answering(answer, slot) as (address, _):
+                with pytest.raises(EnvdUnavailable, match="/aenv/layer reset"):
+                    await client.layer(address, "tok", "reset", "snap1")
+        monkeypatch.setattr("agentenv.orchestrator.envd_client.LAYER_TIMEOUT_S", 0.3)
+        async with _answering(b"", 20) as (address, _):
+            with pytest.raises(EnvdUnavailable, match="TimeoutError"):
+                await client.layer(address, "tok", "reset", "snap1")
     finally:
         await client.close()

@@ -47,7 +47,16 @@ def rollout(sbx: Sandbox, n: int) -> None:
     assert pid_of(sbx, ROLLOUT)
 
 
+def file_workers(sbx: Sandbox) -> set[str]:
+    """envd's file workers: copies of envd (pid 1) that serve the files API."""
+    pids = sbx.commands.run("pgrep -f 'm agentenv[.]envd --port' || true").stdout.split()
+    return set(pids) - {"1"}
+
+
 def at_the_snapshot(sbx: Sandbox, service_pid: str) -> None:
+    # Through the files API first, right after the reset: a file of the rollout's
+    # (written by it, removed by the reset) is gone there too, not only for commands.
+    assert not sbx.files.exists("/home/user/new.txt")
     assert sbx.files.read("/home/user/repo/main.py") == "print('setup')\n"
     assert sbx.files.read("/home/user/repo/test_main.py") == "assert True\n"
     assert sbx.files.read("/tmp/setup.txt") == "from the setup"
@@ -81,10 +90,17 @@ def test_files_go_back_in_place_processes_of_the_rollout_end_the_service_stays(
         at_the_snapshot(sbx, service)
         for n in range(3):
             rollout(sbx, n)
+            workers = file_workers(sbx)
+            assert workers  # the rollout's files API calls left one
+            if n == 1:  # root killed them: the reset and the files API do without
+                sbx.commands.run(f"sudo kill -9 {' '.join(workers)}")
             done = reset(api, sid, snap)
             assert done["mode"] == "filesystem", done
             # The same SDK object goes on working: same ID, same envd token.
             at_the_snapshot(sbx, service)
+            # The file worker followed the root into the reset files: not ended and
+            # forked anew (that was most of a files reset's CPU).
+            assert (file_workers(sbx) == workers) is (n != 1)
         assert sbx.commands.run("python3 /home/user/repo/main.py").stdout == "setup\n"
         # The sandbox's history (its lineage) says what each reset did.
         me = api.get(f"/snapshots/{snap}/lineage").json()["ancestors"][1]

@@ -27,10 +27,12 @@ from agentenv.snapshot.layer_index import Entry as IndexEntry
 from agentenv.snapshot.layer_index import LayerIndex, key_of, load
 from agentenv.testing import Node, free_cidr, leaks, sdk_env, serving
 from agentenv.testing.oci_registry import (
+    BUSYBOX,
     DEFAULT_PATH,
     Entry,
     RegistryServer,
     build_image,
+    busybox_layer,
     digest_of,
     tar_layer,
 )
@@ -38,25 +40,10 @@ from test_snapshot_store import S3Server  # moto's S3 server, as the oss tests u
 
 PREFIX = f"z{os.getpid() % 4096:03x}"
 CIDR = free_cidr(102, 18, os.getpid())  # 10.102-10.119: this file's band
-BUSYBOX = Path("/bin/busybox")
 BIG_MIB = 24
 BUDGET = 16 << 20  # the node's cache budget: smaller than /opt/big
 
 pytestmark = pytest.mark.skipif(not BUSYBOX.exists(), reason="needs busybox-static")
-
-
-def busybox_layer() -> bytes:
-    """A minimal bootable rootfs: static busybox and the users envd needs."""
-    entries = [Entry(d + "/", type=tarfile.DIRTYPE, mode=0o755)
-               for d in ("bin", "etc", "root", "proc", "dev", "home", "home/user", "opt")]
-    entries += [Entry("tmp/", type=tarfile.DIRTYPE, mode=0o1777),
-                Entry("bin/busybox", BUSYBOX.read_bytes(), mode=0o755)]
-    entries += [Entry(f"bin/{a}", type=tarfile.SYMTYPE, link="busybox")
-                for a in ("sh", "cat", "head", "wc", "md5sum", "ls", "echo", "true")]
-    entries += [Entry("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"
-                      b"user:x:1000:1000:user:/home/user:/bin/sh\n"),
-                Entry("etc/group", b"root:x:0:\nuser:x:1000:\n")]
-    return tar_layer(entries)
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +181,9 @@ def test_index_outside_its_data_rejected(world: dict) -> None:
 
 
 def test_oss_repository_and_a_second_node(world: dict, tmp_path: Path) -> None:
-    """Two nodes on one S3-compatible repository: the first converts the image, the
-    second starts it from the repository's index and chunks alone."""
+    """Two nodes on one S3-compatible repository: the first indexes the image's plain
+    gzip layers (checkpoints and file table, stored in the repository), the second
+    starts it from that index, reading only ranges of the registry's blobs."""
     s3 = S3Server()
     s3.start()
     try:
@@ -219,8 +207,19 @@ def test_oss_repository_and_a_second_node(world: dict, tmp_path: Path) -> None:
                     assert out.stdout.split()[0] == world["md5_small"]
                 finally:
                     sbx.kill()
-                converted = "converted for lazy loading" in node.log_path.read_text()
-                assert converted == (i == 1)  # the second node read the first's index
+                log = node.log_path.read_text()
+                assert "converted for lazy loading" not in log
+                indexed = log.count("indexed for lazy loading from its registry")
+                assert indexed == (2 if i == 1 else 0), log[-3000:]  # the first's index
+            # The first node's servers recorded what its first run read (at unmount);
+            # the second's fetched it ahead, /opt/small among it.
+            layer_logs = "".join(p.read_text() for p in (lazy_root(node) / "logs").iterdir())
+            if i == 1:
+                assert layer_logs.count("recorded the first run's") == 2, layer_logs[-3000:]
+            else:
+                assert "recorded the first run's" not in layer_logs
+                assert re.search(r"prefetched 1 files of the first run \((1048576|\d{7,}) "
+                                 "bytes", layer_logs), layer_logs[-3000:]
     finally:
         s3.stop()
 

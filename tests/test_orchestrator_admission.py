@@ -84,7 +84,7 @@ async def test_a_run_ends_with_its_sandboxes_and_survives_a_restart(node: Node) 
     (kept,) = mgr.runbook.list()
     assert kept.run_id == run.run_id and kept.lease_s == 5
     kept.expires_at = 0  # its lease lapsed (while the node was down, say)
-    await mgr._tend_runs()
+    mgr.runs.tend()
     for _ in range(50):
         if not mgr.runbook.list() and len(mgr.list()) == 1:
             break

@@ -28,7 +28,7 @@ async def _captured(mgr: SandboxManager, sandbox_id: str) -> None:
     entry = mgr._resident.get(sandbox_id)
     if entry is not None and entry.capture is not None:
         await entry.capture
-    await asyncio.gather(*mgr._commits.values())
+    await asyncio.gather(*mgr.sandboxes.commits())
 
 
 async def test_a_resident_pause_freezes_and_a_resume_thaws_in_place(resident_node: Node) -> None:
@@ -52,7 +52,7 @@ async def test_a_resident_pause_freezes_and_a_resume_thaws_in_place(resident_nod
     await mgr.pause(sid)
     await mgr.resume(sid)
     await asyncio.sleep(0)
-    assert record.snapshot_id == before and not mgr._commits
+    assert record.snapshot_id == before and not mgr.sandboxes.commits()
     assert [m.snapshot_id for m in mgr.snapshots.list()] == [before]
 
 
@@ -74,13 +74,13 @@ async def test_a_resume_within_the_capture_delay_is_a_thaw_and_eviction_hurries_
         await mgr.resume(sid)  # within the delay: a thaw, nothing captured
         assert ("checkpoint", sid) not in node.runtime.calls
         assert ("restore", sid) not in node.runtime.calls
-        assert record.snapshot_id == before and not mgr._commits
+        assert record.snapshot_id == before and not mgr.sandboxes.commits()
 
         # An eviction does not wait out the delay: it captures at once.
         await mgr.pause(sid)
         await asyncio.wait_for(mgr.evict(sid), 10)
         assert sid not in node.runtime.sandboxes and record.slot_index == 0
-        await asyncio.gather(*mgr._commits.values())
+        await asyncio.gather(*mgr.sandboxes.commits())
         assert mgr.snapshots.get(record.snapshot_id).metadata["kind"] == "pause"
         await mgr.resume(sid)
         assert ("restore", sid) in node.runtime.calls

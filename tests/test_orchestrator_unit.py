@@ -93,7 +93,7 @@ async def test_pause_resume_kill(node: Node) -> None:
     sid = record.sandbox_id
     await mgr.pause(sid)
     assert record.state is SandboxState.PAUSED and record.slot_index == 0
-    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    await asyncio.gather(*mgr.sandboxes.commits(), *mgr.sandboxes.releasing())
     assert node.clean()  # a paused sandbox holds nothing on the node
     assert mgr.snapshots.get(record.snapshot_id).metadata["kind"] == "pause"
     with pytest.raises(Conflict):
@@ -116,6 +116,26 @@ async def test_pause_resume_kill(node: Node) -> None:
     assert node.clean() and mgr.store.all() == []
 
 
+async def test_a_paused_sandbox_whose_runtime_outlives_its_destroy_frees_its_slot(
+        node: Node) -> None:
+    """A sandbox's undo stack (sandbox.py) runs every step whatever the one before did:
+    a pause whose stopped runtime fails to be destroyed hands its slot back all the
+    same (it used to keep it for good: one slot fewer for the node)."""
+    mgr = node.manager
+    record = await mgr.create(CreateRequest("base"))
+    sid = record.sandbox_id
+    node.runtime.faults.fail("destroy", RuntimeFailure("destroy broke"))
+    await mgr.pause(sid)
+    await asyncio.gather(*mgr.sandboxes.releasing())
+    assert record.state is SandboxState.PAUSED and record.slot_index == 0
+    assert not node.slots.holding and not mgr.sandboxes.releasing()
+    await node.runtime.destroy(sid)  # gone later (a restart's reconcile removes it)
+    await mgr.resume(sid)
+    assert record.state is SandboxState.RUNNING and len(node.slots.holding) == 1
+    await mgr.kill(sid)
+    assert node.clean()
+
+
 async def test_a_filesystem_pause_reboots_and_a_failed_file_restore_keeps_it_paused(
         node: Node) -> None:
     mgr = node.manager
@@ -123,7 +143,7 @@ async def test_a_filesystem_pause_reboots_and_a_failed_file_restore_keeps_it_pau
     sid = record.sandbox_id
     await mgr.pause(sid, memory=False)
     assert record.state is SandboxState.PAUSED and ("checkpoint", sid) not in node.runtime.calls
-    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    await asyncio.gather(*mgr.sandboxes.commits(), *mgr.sandboxes.releasing())
     assert node.clean()
     assert mgr.snapshots.get(record.snapshot_id).metadata["memory"] is False
 
@@ -213,7 +233,7 @@ async def test_a_restart_adopts_running_and_paused_sandboxes(node: Node) -> None
     running = await mgr.create(CreateRequest("base"))
     paused = await mgr.create(CreateRequest("base"))
     await mgr.pause(paused.sandbox_id)
-    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    await asyncio.gather(*mgr.sandboxes.commits(), *mgr.sandboxes.releasing())
     node.runtime.sandboxes["orphan"] = node.runtime.sandboxes[running.sandbox_id]
     mgr = await node.restart()
     states = {r.sandbox_id: r.state for r in mgr.list()}
@@ -276,7 +296,7 @@ async def test_a_paused_sandbox_whose_reset_fails_stays_paused(node: Node) -> No
     node.runtime.faults.fail("restore", RuntimeFailure("restore broke"))
     with pytest.raises(OrchestratorError, match="sandbox failed to reset"):
         await mgr.reset(record.sandbox_id)
-    await asyncio.gather(*mgr._commits.values(), *mgr._releasing.values())
+    await asyncio.gather(*mgr.sandboxes.commits(), *mgr.sandboxes.releasing())
     assert record.state is SandboxState.PAUSED and node.clean()
     await mgr.reset(record.sandbox_id, ttl=60)
     assert record.state is SandboxState.RUNNING and record.slot_index
@@ -367,5 +387,5 @@ async def test_a_timeout_and_a_run_s_end_pause_else_kill(node: Node) -> None:
     states = {r.sandbox_id: r.state for r in mgr.list()}
     assert failing not in states and states[pausing] is SandboxState.PAUSED
 
-    await mgr.pause_else_kill(timed.sandbox_id, memory=True, why="a test")  # paused already
+    await mgr.runs.pause_else_kill(timed.sandbox_id, memory=True, why="a test")  # paused already
     assert mgr.get(timed.sandbox_id).state is SandboxState.PAUSED

@@ -317,6 +317,21 @@ def test_file_workers_survive_pause_and_resume(node: Node) -> None:
         assert _owner(back, "/home/user/after.txt") == "user"
         with pytest.raises(SandboxException, match=DENIED):
             back.files.list("/root", user="user")
+        # A files reset (issue 28): the user's workers cannot chroot, so they end and
+        # the next is forked in the reset files; a file of before the reset is gone
+        # for it, and it is still the user's.
+        with node.client() as api:
+            r = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={})
+            assert r.status_code == 201, r.text
+            body = {"snapshotID": r.json()["snapshotID"], "mode": "filesystem"}
+            for mode in ("memory", "filesystem"):
+                back.files.write("/home/user/rollout.txt", "gone after", user="user")
+                r = api.post(f"/sandboxes/{sbx.sandbox_id}/reset", json=body)
+                assert r.status_code == 200 and r.json()["mode"] == mode, r.text
+                assert not back.files.exists("/home/user/rollout.txt", user="user")
+                assert back.files.read("/home/user/after.txt", user="user") == "new"
+                with pytest.raises(SandboxException, match=DENIED):
+                    back.files.list("/root", user="user")
     finally:
         sbx.kill()
 

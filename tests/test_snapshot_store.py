@@ -7,6 +7,7 @@ the fixtures from here.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
+from moto.moto_server.threaded_moto_server import MotoRequestHandler
+from moto.moto_server.werkzeug_app import create_backend_app
+from werkzeug.serving import BaseWSGIServer, make_server
 
 from agentenv.snapshot import (
     CorruptSnapshot,
@@ -35,21 +38,30 @@ _count = itertools.count()
 
 # -- fixtures (shared with the other test_snapshot_* files) -------------------------
 class S3Server:
-    """moto's S3 server on a loopback port; stop() and start() keep its data."""
+    """moto's S3 on a loopback port; stop() and start() keep its data (moto keeps it in
+    this process). Its S3 app is served alone: moto's own server puts every request
+    through a dispatcher that finds the service under one lock, which serialised the
+    repository's parallel chunk transfers."""
 
     def __init__(self, port: int = 0) -> None:
         self.port = port
-        self._server: ThreadedMotoServer | None = None
+        self._server: BaseWSGIServer | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self._server.start()
-        self.port = self._server.get_host_and_port()[1]
+        self._server = make_server("127.0.0.1", self.port, _moto_s3_app(), threaded=True,
+                                   request_handler=MotoRequestHandler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.stop()
-            self._server = None
+            self._server.shutdown()
+            self._server.server_close()  # refused from here on, as a server that is down
+            assert self._thread is not None
+            self._thread.join()
+            self._server = self._thread = None
 
     @property
     def url(self) -> str:
@@ -68,6 +80,11 @@ class S3Server:
         return {"backend": "oss", "endpoint_url": self.url, "bucket": bucket or self.new_bucket(),
                 "prefix": "repo", "region": "us-east-1", "access_key_id": "test",
                 "secret_access_key": "test", "connect_timeout": 1, "max_attempts": 2, **extra}
+
+
+@functools.cache
+def _moto_s3_app() -> object:
+    return create_backend_app("s3")
 
 
 @pytest.fixture(scope="session", name="s3_server")

@@ -152,6 +152,17 @@ class Config:
     # layer: a sandbox starts once the indexes are here, file contents arrive on first
     # read into the bounded cache). docs/lazy-images.md.
     image_loading: str = "unpack"
+    # With lazy loading, a plain gzip layer of a registry image is read once to index
+    # it (decompressor checkpoints and file table, stored in the repository for every
+    # node) and served by range from the registry; false: converted into the
+    # repository's chunks instead. docs/lazy-images.md.
+    image_gzip_index: bool = True
+    # With lazy loading, the files a layer's first use read are recorded beside its
+    # index in the repository, and later uses (any node) fetch them ahead.
+    image_prefetch: bool = True
+    # A lazy layer server's wait for a registry that stops sending mid-read, before the
+    # read is retried once and then fails (EIO) with nothing cached.
+    image_registry_timeout_s: float = 30.0
     # How envd's file operations act for a request's user, unless a template's
     # template.json says ("fileAccess"): "root" as E2B's envd (as root; what is created
     # is chowned to the user) or "user" (strict: with the user's own rights; for

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("envd")
 
@@ -61,6 +61,16 @@ _MNT_DETACH = 2
 # Mounts under the root that a layer overlays (their files are reset with the root's);
 # every other one is bound in as it is.
 OVERLAID = ("/tmp",)
+
+
+class Workers(Protocol):
+    """envd's file workers (userfs.UserFS), told when its root moves: none is handed
+    out meanwhile, and the idle ones (which ``root_moving`` gives as (pid, start time),
+    to be spared by a reset's kill pass) then follow it."""
+
+    def root_moving(self) -> set[tuple[int, int]]: ...
+
+    def root_moved(self) -> None: ...
 
 
 class LayerError(Exception):
@@ -107,7 +117,7 @@ def start_keeper() -> int | None:
     return pid
 
 
-def _stat_of(pid: int) -> tuple[int, str] | None:
+def stat_of(pid: int) -> tuple[int, str] | None:
     """(start time, state) of a process, from /proc/PID/stat; None once it is gone."""
     try:  # three system calls (open() would make six), each dear under gVisor
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
@@ -128,7 +138,7 @@ def processes() -> dict[int, tuple[int, str]]:
     found = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            st = _stat_of(int(name))
+            st = stat_of(int(name))
             if st is not None:
                 found[int(name)] = st
     return found
@@ -184,7 +194,7 @@ class Layers:
         """Why this envd cannot layer, or None."""
         if self.keeper_pid is None:
             return "envd has no layer keeper here (not the sandbox's init, or an old bundle)"
-        if _stat_of(self.keeper_pid) is None:
+        if stat_of(self.keeper_pid) is None:
             return "the layer keeper has ended (a command killed it)"
         try:
             os.fstat(KEEPER_FD)
@@ -198,9 +208,8 @@ class Layers:
                 "levels": [{"tag": lv.tag, "resets": lv.resets} for lv in self.levels]}
 
     # -- the two operations ----------------------------------------------------------
-    async def push(self, tag: str, root_moved: Callable[[], None]) -> dict[str, Any]:
-        """A new layer over the files as they are, envd's root moved into it.
-        ``root_moved``: called once envd's root is the new layer's."""
+    async def push(self, tag: str, workers: Workers) -> dict[str, Any]:
+        """A new layer over the files as they are, envd's root moved into it."""
         self._check(tag)
         async with self._lock:
             if len(self.levels) >= MAX_DEPTH:
@@ -208,28 +217,30 @@ class Layers:
             t0 = time.perf_counter()
             level = Level(tag, [(pid, st[0]) for pid, st in processes().items()
                                 if st[1] != "Z"])
-            self._to_real_root()
+            workers.root_moving()
             try:
-                if not self.levels:
-                    self.binds, self.size = _mounts_under_root()
-                    os.makedirs(LAYERS_DIR, mode=0o700, exist_ok=True)
-                self._build(len(self.levels) + 1)
-            except BaseException:
+                self._to_real_root()
+                try:
+                    if not self.levels:
+                        self.binds, self.size = _mounts_under_root()
+                        os.makedirs(LAYERS_DIR, mode=0o700, exist_ok=True)
+                    self._build(len(self.levels) + 1)
+                except BaseException:
+                    self._enter(len(self.levels))
+                    raise
+                self.levels.append(level)
                 self._enter(len(self.levels))
-                root_moved()
-                raise
-            self.levels.append(level)
-            self._enter(len(self.levels))
-            root_moved()
+            finally:
+                workers.root_moved()
             ms = (time.perf_counter() - t0) * 1000
             log.info("layers: pushed layer %d for %s in %.1f ms", len(self.levels), tag, ms)
             return {"depth": len(self.levels), "killed": 0, "ms": round(ms, 2)}
 
-    async def reset(self, tag: str, root_moved: Callable[[], None],
+    async def reset(self, tag: str, workers: Workers,
                     reap: Callable[[], None]) -> dict[str, Any]:
         """The layer tagged ``tag`` back to empty: the processes started since it was
-        pushed killed, the layers above it dropped. 409 when no layer has the tag.
-        ``root_moved``: called as envd's root is about to move (and again once moved)."""
+        pushed killed (envd's idle file workers spared: they follow the root), the
+        layers above it dropped. 409 when no layer has the tag."""
         self._check(tag)
         async with self._lock:
             depth = next((i + 1 for i in range(len(self.levels) - 1, -1, -1)
@@ -238,25 +249,26 @@ class Layers:
                 raise LayerError(409, f"no files layer for '{tag}' in this sandbox")
             t0 = time.perf_counter()
             level = self.levels[depth - 1]
-            root_moved()  # its file workers go first: they work in the old root
-            killed = await self._kill_since(level.base, reap)
-            t_kill = time.perf_counter()
-            self._to_real_root()
+            followers = workers.root_moving()
             try:
-                # One request drops the layers from the top down to this one and mounts
-                # its fresh tmpfs, a second mounts the rest.
-                self._build(depth, drop=len(self.levels))
-                del self.levels[depth:]
-            except BaseException:
-                # The layer is gone: envd stays on the one below (the files as they
-                # were when it was pushed, plus what its own processes wrote since).
-                del self.levels[depth - 1:]
-                self._enter(len(self.levels))
-                root_moved()
-                raise
-            level.resets += 1
-            self._enter(depth)
-            root_moved()
+                killed = await self._kill_since(level.base, reap, followers)
+                t_kill = time.perf_counter()
+                self._to_real_root()
+                try:
+                    # One request drops the layers from the top down to this one and
+                    # mounts its fresh tmpfs, a second mounts the rest.
+                    self._build(depth, drop=len(self.levels))
+                    del self.levels[depth:]
+                except BaseException:
+                    # The layer is gone: envd stays on the one below (the files as they
+                    # were when it was pushed, plus what its own processes wrote since).
+                    del self.levels[depth - 1:]
+                    self._enter(len(self.levels))
+                    raise
+                level.resets += 1
+                self._enter(depth)
+            finally:
+                workers.root_moved()
             ms = (time.perf_counter() - t0) * 1000
             log.info("layers: layer %d (%s) reset in %.1f ms, %d processes killed",
                      depth, tag, ms, killed)
@@ -298,15 +310,16 @@ class Layers:
         if why is not None:
             raise LayerError(501, why)
 
-    async def _kill_since(self, base: list[tuple[int, int]],
-                          reap: Callable[[], None]) -> int:
-        """SIGKILL every process not in ``base`` (nor envd, nor the keeper) until none
+    async def _kill_since(self, base: list[tuple[int, int]], reap: Callable[[], None],
+                          spare: set[tuple[int, int]]) -> int:
+        """SIGKILL every process not in ``base`` (nor envd, the keeper, nor ``spare``:
+        envd's idle file workers, which follow the root) until none
         is left. One scan of /proc reads every process; the ones killed are then
         watched alone (reaped, as envd is init) until each has ended; then /proc is
         listed again and only the processes new since are read: one a victim forked
         before it died is caught so, and killed in turn. Once every victim has ended
         none can fork, so a listing with nothing new in it is the end."""
-        keep = set(base)
+        keep = {*base, *spare}
         spared = {os.getpid(), self.keeper_pid}
         seen: set[int] = set()  # every pid read in this pass
         killed: set[tuple[int, int]] = set()
@@ -316,7 +329,7 @@ class Layers:
             victims = []
             for pid in pids - seen:
                 seen.add(pid)
-                st = _stat_of(pid)
+                st = stat_of(pid)
                 if st is not None and pid not in spared and (pid, st[0]) not in keep \
                         and st[1] != "Z":
                     victims.append((pid, st[0]))
@@ -340,7 +353,7 @@ class Layers:
         while True:
             reap()
             for pid, start in list(pending.items()):
-                st = _stat_of(pid)
+                st = stat_of(pid)
                 if st is None or st[0] != start or st[1] == "Z":
                     del pending[pid]
             if not pending:

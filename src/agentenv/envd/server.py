@@ -201,9 +201,9 @@ class EnvdApp:
             raise HTTPError(400, "tag must be a string (a snapshot ID)")
         try:
             if body["op"] == "push":
-                done = await LAYERS.push(tag, self.userfs.root_moved)
+                done = await LAYERS.push(tag, self.userfs)
             else:
-                done = await LAYERS.reset(tag, self.userfs.root_moved, self.registry.reap)
+                done = await LAYERS.reset(tag, self.userfs, self.registry.reap)
         except LayerError as e:
             raise HTTPError(e.status, str(e)) from None
         except OSError as e:

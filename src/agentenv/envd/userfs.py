@@ -31,6 +31,14 @@ after ``WORKER_IDLE_S`` idle. At most ``MAX_WORKERS`` live at once; beyond that
 the least recently used idle one is retired. A worker that dies (a process of
 the same user may kill it) is replaced; one whose request was abandoned (client
 gone) is killed, so the socket never carries a stale reply.
+
+When envd's root moves (a files layer pushed or reset, layers.py) a worker works
+in the old root until it follows: no worker is handed out while the root moves,
+and each idle root worker (the default mode's) is then sent a descriptor of the
+new root and ``chroot``s into it before it serves anything else; the reset's kill
+pass spares them. Ending and re-forking a copy of envd cost most of a files
+reset's CPU; following costs one round trip. A worker of the strict mode has
+dropped to its user's credentials and cannot chroot: it is ended and forked anew.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from .layers import stat_of
 from .userfs_fork import fork_worker
 from .userfs_protocol import MAX_FDS, MAX_FRAME, Refused, WorkerGone
 
@@ -64,6 +73,9 @@ class Worker:
         parent.setblocking(False)
         self.sock = parent
         self.pid = pid
+        # With its pid, what a reset's kill pass spares (a pid alone might be another
+        # process's by then, were the worker killed by a command).
+        self.start = (stat_of(pid) or (-1, ""))[0]
         self.alive = True
         self.dropped = False  # no longer counted in the pool
         self.used = 0.0
@@ -164,9 +176,11 @@ class UserFS:
         self.total = 0
         self._waiters: list[asyncio.Future] = []
         self._clock = 0.0
-        # Bumped when envd's root moves (layers.py): a worker forked before works in
-        # the old root, so it is not used again.
+        # Bumped when envd's root starts and ends moving (layers.py): a worker of an
+        # older generation works in an old root and serves nothing until it follows.
         self.generation = 0
+        self.moving = False  # no worker is handed out meanwhile
+        self._tasks: set[asyncio.Task] = set()
 
     @staticmethod
     def key(uid: int, gid: int, name: str) -> tuple[int, int, tuple[int, ...]]:
@@ -178,16 +192,20 @@ class UserFS:
 
     async def _acquire(self, key: tuple) -> Worker:
         while True:
-            idle = self.idle.get(key)
+            idle = self.idle.get(key) if not self.moving else None
             while idle:
                 w = idle.pop()
                 if w.idle_timer is not None:
                     w.idle_timer.cancel()
                     w.idle_timer = None
-                if w.alive:
+                if w.alive and w.generation != self.generation:
+                    await self._follow(w)
+                if w.alive and w.generation == self.generation:
                     return w
                 self._drop(w)
-            if self.count.get(key, 0) < WORKERS_PER_USER:
+                if self.moving:
+                    break
+            if not self.moving and self.count.get(key, 0) < WORKERS_PER_USER:
                 if self.total >= MAX_WORKERS:
                     self._retire_lru()
                 if self.total < MAX_WORKERS:
@@ -232,7 +250,7 @@ class UserFS:
             self.total -= 1
 
     def _release(self, w: Worker, ok: bool) -> None:
-        if ok and w.alive and w.generation == self.generation:
+        if ok and w.alive and (w.generation == self.generation or w.key[0] == 0):
             self._clock += 1
             w.used = self._clock
             self.idle.setdefault(w.key, []).append(w)
@@ -240,9 +258,35 @@ class UserFS:
                 WORKER_IDLE_S, self._expire, w)
         else:
             self._drop(w)
+        self._wake()
+
+    def _wake(self) -> None:
         for fut in self._waiters:  # wake them all: each re-checks its own user's pool
             if not fut.done():
                 fut.set_result(None)
+
+    async def _follow(self, w: Worker) -> None:
+        """An idle worker of an older generation into envd's root as it is now (it
+        then has the current generation), or left as it was: then it is dropped."""
+        if w.key[0] != 0 or self.moving:
+            return  # only root may chroot; the strict mode's worker is forked anew
+        generation = self.generation
+        root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            await w.send({"op": "root"}, (root,))
+            reply, got = await w.recv()
+        except WorkerGone:
+            return
+        except BaseException:  # cancelled: its reply may be on the way, never read
+            self._drop(w)
+            self._wake()
+            raise
+        finally:
+            os.close(root)
+        for fd in got:
+            os.close(fd)
+        if "ok" in reply and generation == self.generation:
+            w.generation = generation
 
     async def call(self, key: tuple, op: str, *, fds: tuple[int, ...] = (),
                    on_more: Callable[[list], None] | None = None, **args: Any
@@ -295,7 +339,42 @@ class UserFS:
                 self._drop(w)
         self.idle.clear()
 
-    def root_moved(self) -> None:
-        """envd's root moved (layers.py): no worker forked before is used again."""
+    def root_moving(self) -> set[tuple[int, int]]:
+        """envd's root is about to move (layers.py): no worker is handed out until it
+        has. The idle workers, as (pid, start time): they follow it and so are not to
+        be killed (a busy one is working in the old root: the reset ends it)."""
         self.generation += 1
-        self.close()
+        self.moving = True
+        for ws in self.idle.values():
+            for w in [w for w in ws if w.key[0] != 0 or not w.alive]:
+                ws.remove(w)  # a user's worker cannot follow (nor chroot)
+                self._drop(w)
+        return {(w.pid, w.start) for ws in self.idle.values() for w in ws}
+
+    def root_moved(self) -> None:
+        """envd's root has moved (or stayed, a move having failed): every idle worker
+        follows it now (the old root's files go when the last one has), or is ended."""
+        self.generation += 1
+        self.moving = False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.close()
+            return
+        if any(self.idle.values()):
+            task = loop.create_task(self._follow_idle())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._wake()
+
+    async def _follow_idle(self) -> None:
+        for ws in list(self.idle.values()):
+            for w in [w for w in ws if w.generation != self.generation]:
+                if self.moving or w not in ws:
+                    continue
+                ws.remove(w)
+                if w.idle_timer is not None:
+                    w.idle_timer.cancel()
+                    w.idle_timer = None
+                await self._follow(w)
+                self._release(w, w.generation == self.generation)

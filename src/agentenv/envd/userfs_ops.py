@@ -200,6 +200,18 @@ class WorkerServer:
     def op_ping(self, req, fds):
         return os.getuid(), ()
 
+    def op_root(self, req, fds):
+        """Into the root whose descriptor envd sent, as envd's root moved there (a files
+        layer, layers.py): nothing of the old one stays reachable (the worker holds no
+        other descriptor, and its working directory is the new root). Root's workers
+        alone may (CAP_SYS_CHROOT); a user's gets EPERM and is forked anew."""
+        if len(fds) != 1:
+            raise OSError(errno.EBADF, "no root descriptor")
+        os.fchdir(fds[0])
+        os.chroot(".")
+        os.chdir("/")
+        return None, ()
+
     def op_stat(self, req, fds):
         return _entry(req["path"], _Names()), ()
 

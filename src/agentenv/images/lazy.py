@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agentenv.snapshot.errors import ObjectMissing
+from agentenv.snapshot.errors import ObjectMissing, SnapshotError
 from agentenv.snapshot.layer_index import BadLayerIndex, LayerIndex, key_of, load
 from agentenv.snapshot.repository import Repository
 
@@ -39,7 +39,9 @@ SWEEP_S = 5.0  # how often the servers' cache growth is checked against the budg
 
 
 class LazyLayers:
-    def __init__(self, root: Path, repo: Repository, repo_config: dict[str, Any]):
+    def __init__(self, root: Path, repo: Repository, repo_config: dict[str, Any],
+                 gzip_checkpoints: bool = True, prefetch: bool = True,
+                 registry_timeout_s: float = 30.0):
         self.root = root
         self.repo = repo
         self.repo_config = repo_config
@@ -55,6 +57,14 @@ class LazyLayers:
         self.on_grow: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
+        # How long a layer server waits on a registry read before the read fails (EIO).
+        self.registry_timeout_s = registry_timeout_s
+        # A plain gzip layer in a registry is indexed (checkpoints) and served from the
+        # registry blob; False: converted into the repository's chunks, as before.
+        self.gzip_checkpoints = gzip_checkpoints
+        # Each layer's server records the files its first run read (in the repository)
+        # and later servers fetch them ahead (``prefetch``).
+        self.prefetch = prefetch
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -110,15 +120,25 @@ class LazyLayers:
         except ObjectMissing:
             return False
         try:  # refused here, before anything mounts it
-            load(blob, f"layer {h[:12]} in the repository")
+            index = load(blob, f"layer {h[:12]} in the repository")
         except BadLayerIndex as exc:
             raise HostileInput(str(exc)) from exc
+        if index.layer and index.layer != f"sha256:{h}":
+            raise HostileInput(f"layer {h[:12]} in the repository: its index is of layer "
+                               f"{index.layer[:80]!r}")
         tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
         tmp.write_bytes(blob)
         os.replace(tmp, local)
         return True
 
-    def keep_index(self, h: str, index: LayerIndex) -> None:
+    def keep_index(self, h: str, index: LayerIndex, share: bool = False) -> None:
+        """The index kept on this node; ``share``: in the repository too (a plain gzip
+        layer's checkpoints, which every node can use), written before the local copy."""
+        if share:
+            try:
+                self.repo.put_object(key_of(h), index.dump(level=3))
+            except SnapshotError as exc:  # this node serves it; others will index it too
+                log.warning("images: index of layer %s not shared: %s", h[:12], exc)
         local = self.index_dir / f"{h}.json.zst"
         tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
         tmp.write_bytes(index.dump(level=3))  # a local copy: fast beats small
@@ -130,9 +150,12 @@ class LazyLayers:
 
     # -- mounts --------------------------------------------------------------------
 
-    def mount(self, h: str, registry_creds: dict | None = None) -> Path:
+    def mount(self, h: str, registry_creds: dict | None = None,
+              origin: tuple[str, str] | None = None) -> Path:
         """The layer's FUSE mount, started when it is not up. ``registry_creds``: for a
-        layer served from its registry (eStargz), the image's credentials."""
+        layer served from its registry (eStargz, plain gzip), the image's credentials;
+        ``origin``: the image's registry and repository, read instead of those the index
+        names (a plain gzip layer's index may come from a node that pulled it elsewhere)."""
         point = self.mnt_dir / h
         with self.layer_lock(h):
             if self.served(h):
@@ -156,7 +179,11 @@ class LazyLayers:
             assert proc.stdin is not None and proc.stdout is not None
             # The settings go on stdin: nothing of them is in any process listing.
             proc.stdin.write(json.dumps({"repository": self.repo_config,
-                                         "registry": registry_creds or {}}).encode())
+                                         "registry": registry_creds or {},
+                                         "registry_timeout_s": self.registry_timeout_s,
+                                         "prefetch": self.prefetch,
+                                         "origin": list(origin) if origin else None})
+                             .encode())
             proc.stdin.close()
             line = _read_line(proc, MOUNT_TIMEOUT_S)
             if line != "ready" or not os.path.ismount(point):
@@ -169,13 +196,14 @@ class LazyLayers:
             log.info("images: layer %s mounted lazily (pid %d)", h[:12], proc.pid)
             return point
 
-    def mount_all(self, hexes: list[str], registry_creds: dict | None = None) -> list[Path]:
+    def mount_all(self, hexes: list[str], registry_creds: dict | None = None,
+                  origin: tuple[str, str] | None = None) -> list[Path]:
         """Every layer's mount, in order; their servers start at once (each is a Python
         process start, ~0.3 s here, paid in series before)."""
         if len(hexes) <= 1:
-            return [self.mount(h, registry_creds) for h in hexes]
+            return [self.mount(h, registry_creds, origin) for h in hexes]
         with ThreadPoolExecutor(min(len(hexes), MOUNTS_AT_ONCE)) as pool:
-            return list(pool.map(lambda h: self.mount(h, registry_creds), hexes))
+            return list(pool.map(lambda h: self.mount(h, registry_creds, origin), hexes))
 
     def unmount_idle(self, h: str) -> bool:
         """Unmount the layer unless something stacks on it (a rootfs overlay of another

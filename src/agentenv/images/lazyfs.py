@@ -3,23 +3,24 @@
 settings as JSON on stdin: the repository's, and the registry credentials of an
 eStargz layer), ended by unmounting its mount point.
 
-Read-only. Lookups, ``getattr``, ``readdir``, ``readlink`` and xattrs answer from
-the layer's index (loaded and checked before mounting); reads fetch the chunks they
-cover, from the node's chunk cache (``CHUNKS/<digest>``, raw bytes) or else from the
-layer's source (``layer_chunks``: the repository, or ranges of the registry blob for
-an eStargz layer), verify each against its digest (a mismatch is dropped and fetched
-again once, then the read fails with EIO and a log line naming the chunk), and keep
-them in the cache. The kernel's protocol is spoken directly (``fuse_wire``): opening a
-file or a directory is no round trip here (the kernel's no-open mode keeps their data
-and listings cached) and every answer carries long timeouts, so once read a file is
-served from the kernel's page cache at local-disk speed, with no call into this process.
-Metadata is answered in the thread reading the device; reads in a few threads, so that
-fetches from the repository overlap.
+Read-only. Lookups, ``getattr``, ``readdir``, ``readlink`` and xattrs answer from the
+layer's index (loaded and checked before mounting); reads fetch the chunks they cover,
+from the node's chunk cache (``CHUNKS/<digest>``, raw bytes) or else from the layer's
+source (``layer_chunks``: the repository, or ranges of the registry blob for an eStargz
+layer or a plain gzip layer with checkpoints), verify each against its digest (a
+mismatch is dropped and fetched again once, then the read fails with EIO and a log line
+naming the chunk), and keep them in the cache. The kernel's protocol is spoken directly
+(``fuse_wire``): opening a file or a directory is no round trip here (the kernel's
+no-open mode keeps their data and listings cached) and every answer carries long timeouts,
+so once read a file is served from the kernel's page cache at local-disk speed, with no
+call into this process. Metadata is answered in the thread reading the device; reads in
+a few threads, so that fetches from the repository overlap.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import errno
 import json
 import logging
@@ -49,7 +50,8 @@ from .fuse_wire import (
     statfs_out,
     xattr_reply,
 )
-from .layer_chunks import ChunkSource, RegistryChunks, RepositoryChunks
+from .layer_chunks import ChunkSource, GzipSpans, RegistryChunks, RepositoryChunks
+from .prefetch import Prefetch
 
 log = logging.getLogger("agentenv.lazyfs")
 TIMEOUT = 86400  # seconds; the layer never changes: the kernel may cache every answer
@@ -88,6 +90,23 @@ class LazyLayerFS:
         self._memory_bytes = 0
         self._flights: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
+        self.prefetch: Prefetch | None = None  # the first run's files: noted or fetched
+
+    def is_file(self, path: str) -> bool:
+        i = self.inode_of.get(path)
+        return i is not None and self.entries[i - ROOT].type == "f"
+
+    def fetch_file(self, path: str) -> int:
+        """The file's chunks into the cache, ahead of its reads; bytes fetched."""
+        inode = self.inode_of[path]
+        e = self.entries[inode - ROOT]
+        fetched = 0
+        for i, (d, n) in enumerate(e.chunks):
+            if d == ZERO or chunk_path(self.chunks_dir, d).exists():
+                continue
+            self._chunk(d, n, e.spans[i] if e.spans else None, inode)
+            fetched += n
+        return fetched
 
     @staticmethod
     def _attr(inode: int, e: Entry) -> Attr:
@@ -143,6 +162,8 @@ class LazyLayerFS:
         _, off, size, _ = READ_IN.unpack_from(body)
         if off >= e.size or size <= 0:
             return b""
+        if self.prefetch is not None:
+            self.prefetch.opened(self.paths[inode - ROOT])
         end = min(e.size, off + size)
         starts = self._offsets.get(inode)
         if starts is None:
@@ -262,13 +283,24 @@ def main() -> None:
     if "repository" not in settings:  # the repository's settings alone (older callers)
         settings = {"repository": settings}
     source: ChunkSource
-    if index.blob is not None:
-        creds = settings.get("registry") or {}
-        source = RegistryChunks(index.blob, str(creds.get("username", "")),
-                                str(creds.get("password", "")))
+    creds = settings.get("registry") or {}
+    user, password = str(creds.get("username", "")), str(creds.get("password", ""))
+    timeout = min(max(float(settings.get("registry_timeout_s", 30.0)), 0.1), 300.0)
+    origin = settings.get("origin")
+    if index.blob is not None and isinstance(origin, list) and len(origin) == 2:
+        # This node's registry for the blob (the index may have been made from another).
+        index.blob = dataclasses.replace(index.blob, registry=str(origin[0]),
+                                         repository=str(origin[1]))
+    if index.blob is not None and index.gzip is not None:
+        source = GzipSpans(index.blob, index.gzip, user, password, timeout)
+    elif index.blob is not None:
+        source = RegistryChunks(index.blob, user, password, timeout)
     else:
         source = RepositoryChunks(settings["repository"])
     fs = LazyLayerFS(index, source, Path(chunks), name)
+    if settings.get("prefetch") and settings.get("repository"):
+        fs.prefetch = Prefetch(Path(index_file).name.split(".")[0], settings["repository"],
+                               name, fs.is_file, fs.fetch_file)
     try:
         fd = fuse_wire.mount(Path(mountpoint), "aenv-lazy")
     except OSError as exc:
@@ -276,9 +308,13 @@ def main() -> None:
         sys.exit(2)
     print("ready", flush=True)  # mounted: the node may stack it now
     session = Session(fd, fs.handlers(), slow={fuse_wire.READ}, threads=READ_THREADS)
+    if fs.prefetch is not None:
+        fs.prefetch.start()
     try:
         session.run()
     finally:
+        if fs.prefetch is not None:
+            fs.prefetch.stop()
         source.close()
         log.info("lazyfs %s: unmounted; %d bytes fetched from the %s; requests: %s", name,
                  source.fetched, "registry" if index.blob else "repository",

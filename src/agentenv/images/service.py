@@ -27,7 +27,7 @@ from .lazy import LazyLayers
 from .lazy_index import index_layer
 from .manifest import Image, Layer
 from .mounts import mount_layers, mounted_under, unmount
-from .reference import ArchiveRef, LayoutRef, parse_reference
+from .reference import ArchiveRef, LayoutRef, RegistryRef, parse_reference
 from .sources import Source, open_source
 from .store import LayerStore, hex_of
 from .unpack import unpack_layer
@@ -261,7 +261,7 @@ class ImageService:
                     unmount(template.rootfs)
                 if not os.path.ismount(template.rootfs):
                     lowers = hexes if self.lazy is None else [str(p) for p in self.lazy.mount_all(
-                        hexes, self._saved_creds(template.template_id))]
+                        hexes, self._saved_creds(template.template_id), _origin(info.source))]
                     mount_layers(template.rootfs, self.store.layers_dir, lowers)
                     log.info("images: mounted rootfs of %s (%d layers)", template.template_id,
                              len(hexes))
@@ -453,6 +453,15 @@ def _unmount_users(templates: builtins.list[Template], h: str) -> None:
             unmount(t.rootfs)
             if os.path.ismount(t.rootfs):
                 raise ImageError(f"rootfs of {t.template_id} is still mounted")
+
+
+def _origin(source: str) -> tuple[str, str] | None:
+    """The registry and repository of an image's source, when it is a registry."""
+    try:
+        ref = parse_reference(source)
+    except ImageError:
+        return None
+    return (ref.registry, ref.repository) if isinstance(ref, RegistryRef) else None
 
 
 def _creds(credentials: dict | None) -> tuple[str, str]:

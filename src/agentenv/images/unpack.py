@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import zstandard
 
@@ -86,8 +86,11 @@ class _Compressed(io.RawIOBase):
 class _Tar(io.RawIOBase):
     """The uncompressed tar bytes of a layer (gzip, zstd or plain), hashed and bounded."""
 
-    def __init__(self, source: io.BufferedReader, max_bytes: int, what: str):
+    def __init__(self, source: io.BufferedReader, max_bytes: int, what: str,
+                 gzip: Callable[[], Any] | None = None):
         self.source = source
+        # A gzip member's decompressor: zlib's, or one recording checkpoints (gzip_index).
+        self._new_gzip = gzip or (lambda: zlib.decompressobj(wbits=31))
         self.hash = hashlib.sha256()
         self.count = 0
         self._max = max_bytes
@@ -96,7 +99,7 @@ class _Tar(io.RawIOBase):
         magic = source.peek(4)[:4]
         self.kind = ("gzip" if magic[:2] == GZIP_MAGIC else
                      "zstd" if magic == ZSTD_MAGIC else "tar")
-        self.gzip = zlib.decompressobj(wbits=31) if self.kind == "gzip" else None
+        self.gzip = self._new_gzip() if self.kind == "gzip" else None
         self._zstd = (zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
                       if self.kind == "zstd" else None)
 
@@ -114,7 +117,7 @@ class _Tar(io.RawIOBase):
                 if not rest:
                     return b""
                 # Concatenated gzip members are one stream (as gzip(1) reads them).
-                self.gzip = zlib.decompressobj(wbits=31)
+                self.gzip = self._new_gzip()
                 out = self.gzip.decompress(rest, CHUNK)
             else:
                 data = self.source.read1(CHUNK)
@@ -225,16 +228,18 @@ def read_layer(chunks: Iterator[bytes],
                max_bytes: int = 1 << 40, what: str = "layer",
                progress: Callable[[int], None] | None = None,
                cancel: threading.Event | None = None,
-               done: Callable[[], None] | None = None) -> tuple[str, str]:
+               done: Callable[[], None] | None = None,
+               gzip: Callable[[], Any] | None = None) -> tuple[str, str]:
     """Walk a layer's tar stream once, ``each`` member in order, checking it as hostile
     input: its size and digest as read, the gzip end, the tar bytes' digest against
     ``diff_id`` (either digest may be empty: then only computed). ``done`` runs however
-    the walk ends. Returns (digest, diff ID)."""
+    the walk ends; ``gzip`` makes each gzip member's decompressor. Returns (digest,
+    diff ID)."""
     limit = declared_size if declared_size >= 0 else 1 << 62
     source = _Compressed(chunks, limit, what, progress, cancel)
     pipe = None
     try:
-        stream = _Tar(io.BufferedReader(source, CHUNK), max_bytes, what)
+        stream = _Tar(io.BufferedReader(source, CHUNK), max_bytes, what, gzip)
         pipe = _Pipelined(stream)
         with tarfile.open(fileobj=io.BufferedReader(pipe, CHUNK), mode="r|",
                           encoding="utf-8", errors="surrogateescape") as tar:

@@ -14,12 +14,12 @@ import logging
 import time
 from pathlib import Path
 
-from ..network import Slot
 from ..runtime import RuntimeFailure
 from ..snapshot import SnapshotError, SnapshotNotFound, StorageFull
 from . import disk_pause
 from .core import ManagerCore
 from .models import NotFound, OrchestratorError, SandboxRecord, SandboxState
+from .sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -112,33 +112,30 @@ class Captures(ManagerCore):
                  (time.perf_counter() - t0) * 1000)
         return staging
 
-    async def _free(self, sandbox_id: str, slot: Slot | None) -> None:
-        try:
-            await self.runtime.destroy(sandbox_id)
-            if slot is not None:
-                await self.slots.release(slot)
-        except Exception:
-            log.exception("freeing the runtime of paused sandbox %s failed", sandbox_id)
-        finally:
-            self._releasing.pop(sandbox_id, None)
+    def _free_in_background(self, entry: Sandbox) -> asyncio.Task:
+        """A paused sandbox's stopped runtime destroyed and its slot handed back, in the
+        background: it counts as holding no slot from now on."""
+        entry.let_go_of_slot()
+        entry.runs(self.runtime.destroy)
+        return entry.release_in_background()
 
     async def _settled(self, sandbox_id: str) -> None:
         """Wait until a paused sandbox's old runtime is gone (its ID can be reused)."""
-        task = self._releasing.get(sandbox_id)
-        if task is not None:
-            await asyncio.shield(task)
+        entry = self.sandboxes.find(sandbox_id)
+        if entry is not None:
+            await entry.settled()
 
 
     # -- commits of pauses --------------------------------------------------------------
 
-    def _start_commit(self, snapshot_id: str, staging: Path, metadata: dict,
+    def _start_commit(self, entry: Sandbox, snapshot_id: str, staging: Path, metadata: dict,
                       replaces: str = "") -> None:
         async def run() -> None:
             try:
                 await asyncio.to_thread(self.snapshots.commit, snapshot_id, staging, metadata)
                 self.snapshots.staging.committed(snapshot_id)
                 if replaces:
-                    earlier = self._commits.get(replaces)  # a resume did not wait for it
+                    earlier = entry.commits.get(replaces)  # a resume did not wait for it
                     if earlier is not None:
                         await asyncio.gather(earlier, return_exceptions=True)
                     with contextlib.suppress(SnapshotError):
@@ -147,37 +144,38 @@ class Captures(ManagerCore):
                 log.exception("commit of pause snapshot %s failed; it stays staged", snapshot_id)
                 raise
             finally:
-                self._commits.pop(snapshot_id, None)
+                entry.commits.pop(snapshot_id, None)
 
-        self._commits[snapshot_id] = asyncio.create_task(run())
+        entry.commits[snapshot_id] = asyncio.create_task(run())
 
-    def _recommit_if_staged(self, record: SandboxRecord) -> None:
+    def _recommit_if_staged(self, entry: Sandbox) -> None:
         """After a restart: a pause whose commit did not finish is committed again."""
+        record = entry.record
         if not record.snapshot_id:  # never paused
             return
         metadata = self.snapshots.staging.pending(record.snapshot_id)
         if metadata is not None:
             log.info("resuming the commit of pause snapshot %s", record.snapshot_id)
             # It replaces the sandbox's pause before it, as its first commit would have.
-            self._start_commit(record.snapshot_id,
+            self._start_commit(entry, record.snapshot_id,
                                self.snapshots.staging.path(record.snapshot_id), metadata,
                                replaces=str(metadata.get("parent_snapshot_id") or ""))
 
     def _retry_failed_commits(self) -> None:
         """Paused sandboxes (and running ones resumed before it went through) whose
         pause capture is only staged get its commit again."""
-        for record in self._records.values():
-            if record.state in (SandboxState.PAUSED, SandboxState.RUNNING) \
-                    and record.snapshot_id not in self._commits:
-                self._recommit_if_staged(record)
+        for entry in self.sandboxes.in_state(SandboxState.PAUSED, SandboxState.RUNNING):
+            if entry.record.snapshot_id not in entry.commits:
+                self._recommit_if_staged(entry)
 
     def pause_committed(self, record: SandboxRecord) -> bool:
         """Whether a paused sandbox's snapshot is in the repository (not only staged here)."""
         sid = record.snapshot_id
-        entry = self._resident.get(record.sandbox_id) if self._resident is not None else None
-        if entry is not None and not entry.captured:
+        resident = self._resident.get(record.sandbox_id) if self._resident is not None else None
+        if resident is not None and not resident.captured:
             return False  # frozen, its capture not made yet
-        return bool(sid) and sid not in self._commits and \
+        entry = self.sandboxes.holds(record)
+        return bool(sid) and (entry is None or sid not in entry.commits) and \
             not self.snapshots.staging.is_pending(sid)
 
 
@@ -186,7 +184,8 @@ class Captures(ManagerCore):
         committed snapshot's cache; "staged" the capture still staged here (its commit
         has not gone through: repository down; discarded once restored); "linked" hard
         links to a capture whose commit is under way (removed once restored)."""
-        pending = self._commits.get(record.snapshot_id)
+        entry = self.sandboxes.holds(record)
+        pending = entry.commits.get(record.snapshot_id) if entry is not None else None
         if pending is not None and not pending.done():
             # A resume right after a pause to disk: restoring from the capture itself
             # spares waiting for the commit (0.4-0.8 s of a 0.9-1.3 s resume here).

@@ -5,23 +5,36 @@ like creates (pausing.py's ``resume``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
+from ..config import Config
 from .models import Conflict, SandboxRecord, SandboxState, not_running
-from .pausing import Pausing
+from .sandbox import Sandbox
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 
 
-class Connecting(Pausing):
+class Connections:
+    def __init__(self, sandboxes: SandboxTable, config: Config,
+                 resume: Callable[..., Coroutine[Any, Any, SandboxRecord]],
+                 set_timeout: Callable[[str, int | None], Awaitable[SandboxRecord]]) -> None:
+        self.sandboxes = sandboxes
+        self.config = config
+        self._resume = resume  # (sandbox_id, ttl, memory=...)
+        self._set_timeout = set_timeout
+
     async def connect(self, sandbox_id: str, ttl: int | None = None,
                       memory: bool = True) -> SandboxRecord:
         """A running sandbox as it is (a given TTL extends it); a paused one is resumed."""
-        record = self.get(sandbox_id)
+        record = self.sandboxes.get(sandbox_id).record
         if record.state is SandboxState.PAUSED:
-            return await self.resume(sandbox_id, ttl, memory=memory)
+            return await self._resume(sandbox_id, ttl, memory=memory)
         if ttl is not None:
-            return await self.set_timeout(sandbox_id, ttl)
+            return await self._set_timeout(sandbox_id, ttl)
         return record
 
     async def ensure_running(self, sandbox_id: str) -> SandboxRecord:
@@ -29,29 +42,30 @@ class Connecting(Pausing):
         (E2B's resume on traffic). Concurrent callers share one resume; a sandbox that
         cannot run raises as ``endpoint`` does (NotFound, Conflict), a failed resume
         as ``resume`` does (it then stays paused)."""
-        record = self.get(sandbox_id)
+        entry = self.sandboxes.get(sandbox_id)
+        record = entry.record
         if record.state is SandboxState.PAUSED and record.auto_resume:
-            task = self._auto_resumes.get(sandbox_id)
+            task = entry.auto_resume
             if task is None:
                 ttl = min(record.resume_timeout or self.config.default_timeout,
                           self.config.max_timeout)
-                task = asyncio.create_task(self.resume(sandbox_id, ttl))
-                self._auto_resumes[sandbox_id] = task
-                task.add_done_callback(self._auto_resume_done)
+                task = asyncio.create_task(self._resume(sandbox_id, ttl))
+                entry.auto_resume = task
+                task.add_done_callback(functools.partial(_auto_resume_done, entry))
                 log.info("sandbox %s: traffic arrived while paused; resuming it", sandbox_id)
             try:
                 await asyncio.shield(task)
             except Conflict:
                 pass  # resumed (or killed) by someone else meanwhile: see below
-            record = self.get(sandbox_id)
+            record = self.sandboxes.get(sandbox_id).record
         if record.state is not SandboxState.RUNNING or record.error:
             raise not_running(record)
         return record
 
-    def _auto_resume_done(self, task: asyncio.Task) -> None:
-        for sid, running in list(self._auto_resumes.items()):
-            if running is task:
-                del self._auto_resumes[sid]
-        # Read here: every request that waited for it may have hung up before it ended.
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("resume on traffic failed: %s", task.exception())
+
+def _auto_resume_done(entry: Sandbox, task: asyncio.Task) -> None:
+    if entry.auto_resume is task:
+        entry.auto_resume = None
+    # Read here: every request that waited for it may have hung up before it ended.
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("resume on traffic failed: %s", task.exception())

@@ -1,15 +1,17 @@
-"""What every part of the sandbox manager shares: the node's records, the locks, the
-slots sandboxes hold, and the few primitives that change them.
+"""What every part of the sandbox manager shares: the node's collaborators, the table
+of sandboxes, and the few primitives that change them.
 
-The manager is split by job (``manager``: create, kill, TTL; ``pausing``: snapshot,
-pause, resume; ``resetting``: reset in place; ``forking``; ``reconcile``: restart;
-``egress``), each a class over this core, joined in ``SandboxManager``. Only this
-module changes ``_records``, ``_slots`` and states (through ``_transition``), so the
-rules below hold everywhere:
+The jobs that change a sandbox under its lock are classes over this core (``pausing``
+and ``captures``: snapshot, pause, resume; ``resetting``; ``forking``; ``reconcile``:
+restart), joined in ``SandboxManager`` (``manager``: create, kill, TTL), which also
+builds the services that get what they use as arguments (connecting, egress, runs,
+pressure, snapshots, comparing). What each sandbox holds is its ``Sandbox``
+(sandbox.py) in the table ``sandboxes`` (table.py); only this module adds and removes
+them and changes states (``_transition``), so the rules below hold everywhere:
 
 - a record is in the store before anything is started for it, so a crash at any
   point leaves something the next start can clean up;
-- a slot is released from ``_slots`` only (``_release_slot``), never twice;
+- a slot is handed back by the sandbox's undo stack only, never twice;
 - every state change is checked against ``TRANSITIONS``.
 """
 
@@ -58,8 +60,10 @@ from .records import Resources
 from .requests import check_timeout
 from .resident import ResidentSet, default_budget_bytes
 from .runbook import RunBook
+from .sandbox import Sandbox
 from .specs import BUNDLE_MOUNT, SpecFactory
 from .store import SandboxStore
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 
@@ -84,25 +88,12 @@ class ManagerCore:
         self.launcher = Launcher(runtime, slots, self.envd, self.specs, self.ensure_rootfs,
                                  config.egress_refresh_s, make_room=self.make_room,
                                  slot_wait_s=config.admission_queue_timeout_s)
-        self._records: dict[str, SandboxRecord] = {}
-        # The network slot each sandbox holds: released from here, and only here.
-        self._slots: dict[str, Slot] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # Every sandbox of the node and what it holds (its slot, lock, background work).
+        self.sandboxes = SandboxTable()
         # Creates (and fork children) under way: each runs as a task of its own.
         self._tasks: set[asyncio.Task] = set()
-        # Commits of pause snapshots still running in the background, by snapshot ID.
-        self._commits: dict[str, asyncio.Task] = {}
-        # Paused sandboxes whose stopped runtime is still being freed.
-        self._releasing: dict[str, asyncio.Task] = {}
-        # Resumes that traffic to a paused auto-resume sandbox started, by sandbox ID:
-        # requests arriving meanwhile wait for the same one.
-        self._auto_resumes: dict[str, asyncio.Task] = {}
         # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
         self._exits = ExitHandler(self._runtime_exited)
-        # Sandboxes a kill has started on: from that moment they have no endpoint, so
-        # the proxy answers E2B's 502 "was not found" (the SDK's /health probe after a
-        # cut stream then says the sandbox was killed), not "not running" or a hang.
-        self._killing: set[str] = set()
         # Called with a sandbox ID once it is gone (the proxy drops its connections).
         self.on_removed: list[Callable[[str], None]] = []
         # Awaited with a sandbox ID before its running state is captured (snapshot,
@@ -126,7 +117,7 @@ class ManagerCore:
         self._template_listings = TemplateListings()
         # Idle running sandboxes frozen in place, thawed by the next request (idling.py).
         self.freezer = IdleFreezer(runtime, config.idle_freeze_s, config.idle_freeze_cpu_pct,
-                                   lambda: self._records, self._held,
+                                   lambda: self.sandboxes.records, self.sandboxes.held,
                                    crowd=config.idle_freeze_crowd or 16 * host_cpus(),
                                    # envd's dormancy first (a second to exec the stub)
                                    early_s=config.envd_dormant_after_s + 1
@@ -134,7 +125,7 @@ class ManagerCore:
         self.envd.awake_at = self.freezer.awake_at
         # Frozen sandboxes' memory moved to the host's compressed swap (cold_memory.py).
         self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids,
-                                      self._short_for_idle, self._held)
+                                      lambda: self._short_for_idle(), self.sandboxes.held)
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
                                       config.resident_pause_idle_s)
@@ -152,7 +143,10 @@ class ManagerCore:
             pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
             local_sources_dir=config.image_imports_dir,
             lazy=LazyLayers(config.images_cache_dir / "lazy", snapshots.repo,
-                            config.snapshot_repository())
+                            config.snapshot_repository(),
+                            gzip_checkpoints=config.image_gzip_index,
+                            prefetch=config.image_prefetch,
+                            registry_timeout_s=config.image_registry_timeout_s)
             if config.image_loading == "lazy" else None)
         # One budget for the node-local cache: image layers and materialized snapshots.
         self.local_cache = LocalCache(config.cache_budget(), self.image_cache, snapshots,
@@ -162,13 +156,10 @@ class ManagerCore:
     # -- queries ------------------------------------------------------------------------
 
     def get(self, sandbox_id: str) -> SandboxRecord:
-        record = self._records.get(sandbox_id)
-        if record is None or record.state is SandboxState.KILLED:
-            raise NotFound(f"sandbox '{sandbox_id}' not found")
-        return record
+        return self.sandboxes.get(sandbox_id).record
 
     def list(self) -> builtins.list[SandboxRecord]:
-        return [r for r in self._records.values() if r.state is not SandboxState.KILLED]
+        return [e.record for e in self.sandboxes if e.state is not SandboxState.KILLED]
 
     def creates_waiting(self) -> int:
         """Creates queued for room (admission.py)."""
@@ -176,14 +167,17 @@ class ManagerCore:
 
     def active_count(self) -> int:
         """Sandboxes holding node resources (paused ones hold none)."""
-        return sum(1 for r in self._records.values()
-                   if r.state in (SandboxState.CREATING, SandboxState.RUNNING))
+        return len(self.sandboxes.in_state(SandboxState.CREATING, SandboxState.RUNNING))
 
     def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
         """Where the node reaches ``port`` inside a running sandbox (thawed: whoever
         asks is about to talk to it; requests that last use ``awake``)."""
-        record = self.get(sandbox_id)
-        if sandbox_id in self._killing or record.state is SandboxState.KILLED:
+        entry = self.sandboxes.get(sandbox_id)
+        record = entry.record
+        # From the moment a kill starts the sandbox has no endpoint, so the proxy
+        # answers E2B's 502 "was not found" (the SDK's /health probe after a cut
+        # stream then says the sandbox was killed), not "not running" or a hang.
+        if entry.killing or record.state is SandboxState.KILLED:
             raise NotFound(f"sandbox '{sandbox_id}' is being killed")
         if record.state is not SandboxState.RUNNING or record.error:
             raise not_running(record)
@@ -203,15 +197,11 @@ class ManagerCore:
         return self.freezer.awake(sandbox_id)
 
     def _short_for_idle(self) -> bool:
-        """Below the idle-memory watermark (pressure.py)."""
+        """Below the idle-memory watermark (pressure.py, SandboxManager's)."""
         raise NotImplementedError
 
     def _running_ids(self) -> builtins.list[str]:
-        return [r.sandbox_id for r in self._records.values() if r.state is SandboxState.RUNNING]
-
-    def _held(self, sandbox_id: str) -> bool:
-        lock = self._locks.get(sandbox_id)
-        return lock is not None and lock.locked()
+        return [e.sandbox_id for e in self.sandboxes.in_state(SandboxState.RUNNING)]
 
     async def set_timeout(self, sandbox_id: str, ttl: int | None) -> SandboxRecord:
         """The sandbox now ends ``ttl`` seconds from now (the default when None)."""
@@ -232,9 +222,9 @@ class ManagerCore:
         otherwise found "no network slot free"); a resident paused one does not (a
         launch evicts it when it needs the slot)."""
         cap = self.config.max_sandboxes
-        busy = sum(1 for r in self._records.values()
-                   if r.state in (SandboxState.CREATING, SandboxState.RUNNING)
-                   or (r.sandbox_id in self._slots and r.state is not SandboxState.PAUSED))
+        busy = sum(1 for e in self.sandboxes
+                   if e.state in (SandboxState.CREATING, SandboxState.RUNNING)
+                   or (e.slot is not None and e.state is not SandboxState.PAUSED))
         if self.boot_images is not None:  # captures of boot images, pooled sandboxes
             busy += self.boot_images.slots_held()
         if busy + reserved >= cap:
@@ -244,15 +234,15 @@ class ManagerCore:
                     "are being released)")
         limit = self._max_starting
         if starting and limit > 0:
-            launching = sum(1 for r in self._records.values()
-                            if r.state is SandboxState.CREATING)
+            launching = len(self.sandboxes.in_state(SandboxState.CREATING))
             if launching + reserved >= limit:
                 return f"{limit} sandboxes are starting, the most at once"
         return None
 
     def _owned(self, owner: str) -> int:
-        return sum(1 for r in self._records.values() if r.owner == owner and
-                   r.state in (SandboxState.CREATING, SandboxState.RUNNING))
+        return sum(1 for e in self.sandboxes.in_state(SandboxState.CREATING,
+                                                      SandboxState.RUNNING)
+                   if e.record.owner == owner)
 
     def _quota(self, owner: str) -> Quota:
         own = self.config.key_quotas.get(owner) or {}
@@ -307,11 +297,9 @@ class ManagerCore:
         """Templates whose rootfs must stay: sandboxes starting, running or being resumed,
         pooled ones and boot images being built. Called from worker threads."""
         used = set()
-        for r in builtins.list(self._records.values()):
-            lock = self._locks.get(r.sandbox_id)
-            if r.state in (SandboxState.CREATING, SandboxState.RUNNING) or \
-                    (lock is not None and lock.locked()):
-                used.add(r.template_id)
+        for e in self.sandboxes:
+            if e.state in (SandboxState.CREATING, SandboxState.RUNNING) or e.held():
+                used.add(e.record.template_id)
         if self.boot_images is not None:
             used |= self.boot_images.templates_in_use()
         return used
@@ -361,7 +349,7 @@ class ManagerCore:
         """Launch a ``creating`` record's sandbox; it holds the slot and runs after.
         On failure the launcher has undone its part; the caller drops the record."""
         slot = await self.launcher.launch(plan)
-        self._hold(record, slot)
+        self._started(record, slot)
         record.ready_at = time.time()
         self._transition(record, SandboxState.RUNNING)
         return record
@@ -377,7 +365,7 @@ class ManagerCore:
                 return await work
             except BaseException:
                 if record.state is SandboxState.CREATING and \
-                        self._records.get(record.sandbox_id) is record:
+                        self.sandboxes.holds(record) is not None:
                     await asyncio.shield(self._teardown(record, True))
                 raise
 
@@ -386,26 +374,45 @@ class ManagerCore:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    def _add(self, record: SandboxRecord) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Background work the node cancels when it stops."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _add(self, record: SandboxRecord) -> Sandbox:
         """A new record: in the store before anything starts for it."""
-        self._records[record.sandbox_id] = record
+        entry = self.sandboxes.add(record)
         self.store.put(record)
+        return entry
 
-    # -- records, slots and states ------------------------------------------------------
+    # -- what a sandbox holds, and states -----------------------------------------------
 
-    def _hold(self, record: SandboxRecord, slot: Slot) -> None:
-        self._slots[record.sandbox_id] = slot
-        record.slot_index, record.slot_address = slot.index, slot.address
+    def _started(self, record: SandboxRecord, slot: Slot) -> None:
+        """A launch handed the sandbox its slot and runtime: its undo stack takes them
+        over (the slot once, should the same one come back)."""
+        entry = self.sandboxes.holds(record)
+        if entry is None:  # (never: a record being launched is not removed)
+            raise OrchestratorError(f"sandbox '{record.sandbox_id}' was removed while "
+                                    "starting")
+        entry.hold(slot, self._give_back)
+        entry.runs(self.runtime.destroy)
 
-    async def _release_slot(self, record: SandboxRecord) -> None:
-        slot = self._slots.pop(record.sandbox_id, None)
-        record.slot_index, record.slot_address = 0, ""
-        if slot is not None:
-            try:
-                await self.slots.release(slot)
-            except Exception:
-                log.exception("release of slot %s of %s failed", slot.index, record.sandbox_id)
-            self.admission.wake()
+    async def _give_back(self, slot: Slot) -> None:
+        try:
+            await self.slots.release(slot)
+        except Exception:
+            log.exception("release of slot %s failed", slot.index)
+        self.admission.wake()
+
+    async def _release(self, entry: Sandbox, destroy: bool = True) -> None:
+        """Give back what the sandbox holds: its runtime (destroyed, with ``destroy``
+        even if no launch handed one over), then its slot."""
+        if destroy:
+            entry.runs(self.runtime.destroy)
+        await entry.cleanup.run()
+        entry.let_go_of_slot()
 
     async def _before_capture(self, sandbox_id: str) -> None:
         for listener in self.on_capture:
@@ -418,47 +425,41 @@ class ManagerCore:
         """Drop a record that holds nothing any more."""
         record.state = SandboxState.KILLED
         self.store.delete(record.sandbox_id)
-        self._records.pop(record.sandbox_id, None)
-        self._locks.pop(record.sandbox_id, None)
+        entry = self.sandboxes.holds(record)
+        if entry is not None:
+            self.sandboxes.remove(entry)
         self.admission.wake()
 
     async def _teardown(self, record: SandboxRecord, started: bool) -> None:
         """Stop a sandbox (if ``started``), free its slot and drop its record."""
+        entry = self.sandboxes.holds(record)
         record.state = SandboxState.KILLED
-        if started:
-            try:
-                await self.runtime.destroy(record.sandbox_id)
-            except Exception:
-                log.exception("destroy %s failed", record.sandbox_id)
-        await self._release_slot(record)
+        if entry is not None:
+            await self._release(entry, destroy=started)
         self._forget(record)
         self.freezer.forget(record.sandbox_id)
         self.cold_memory.forget(record.sandbox_id)
         for listener in self.on_removed:
             listener(record.sandbox_id)
 
-    async def _resident_exited(self, record: SandboxRecord, reason: str) -> None:
+    async def _resident_exited(self, entry: Sandbox, reason: str) -> None:
         """A resident paused sandbox's frozen runtime ended: it resumes from its
         capture if that was made; else its state is lost (error)."""
-        sandbox_id = record.sandbox_id
-        async with self._lock(sandbox_id):
-            entry = self._resident.pop(sandbox_id) if self._resident is not None else None
-            if entry is None or self._records.get(sandbox_id) is not record:
+        sandbox_id, record = entry.sandbox_id, entry.record
+        async with entry.lock:
+            resident = self._resident.pop(sandbox_id) if self._resident is not None else None
+            if resident is None or self.sandboxes.find(sandbox_id) is not entry:
                 return
-            if entry.capture is not None:
-                entry.capture.cancel()
-            try:
-                await self.runtime.destroy(sandbox_id)
-            except Exception:
-                log.exception("removing the ended runtime of %s failed", sandbox_id)
-            await self._release_slot(record)
-            if entry.captured:
+            if resident.capture is not None:
+                resident.capture.cancel()
+            await self._release(entry)
+            if resident.captured:
                 log.warning("paused sandbox %s %s; it resumes from its capture",
                             sandbox_id, reason)
                 self.store.put(record)
                 return
             record.error = f"{reason} while paused, before its state was saved"
-            record.snapshot_id = entry.previous_snapshot
+            record.snapshot_id = resident.previous_snapshot
             log.error("paused sandbox %s %s; it is now in state error", sandbox_id, record.error)
             self._transition(record, SandboxState.ERROR)
 
@@ -470,34 +471,31 @@ class ManagerCore:
         self.admission.wake()
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+        return self.sandboxes.lock(sandbox_id)
 
     async def _runtime_exited(self, sandbox_id: str, reason: str) -> None:
         """A running sandbox's runtime ended unasked: the record goes to ``error``
         with the reason, and what the sandbox held is freed (exits.py)."""
-        record = self._records.get(sandbox_id)
-        if record is None and self.boot_images is not None:
+        entry = self.sandboxes.find(sandbox_id)
+        if entry is None and self.boot_images is not None:
             await self.boot_images.member_exited(sandbox_id, reason)  # a pooled one
             return
-        if record is not None and record.state is SandboxState.PAUSED:
-            await self._resident_exited(record, reason)
+        if entry is not None and entry.state is SandboxState.PAUSED:
+            await self._resident_exited(entry, reason)
             return
-        if record is None or record.state is not SandboxState.RUNNING:
+        if entry is None or entry.state is not SandboxState.RUNNING:
             return  # being created (its start fails on its own), or gone
+        record = entry.record
         # Calls to it fail fast from now on, even while a pause, snapshot or fork
         # holding its lock finds out for itself.
         record.error = reason
-        async with self._lock(sandbox_id):
-            if self._records.get(sandbox_id) is not record or \
+        async with entry.lock:
+            if self.sandboxes.find(sandbox_id) is not entry or \
                     record.state is not SandboxState.RUNNING:
                 return
             log.error("sandbox %s %s; it is now in state error", sandbox_id, reason)
             self._transition(record, SandboxState.ERROR)
             for listener in self.on_removed:  # e.g. the proxy drops its connections
                 listener(sandbox_id)
-            try:
-                await self.runtime.destroy(sandbox_id)
-            except Exception:
-                log.exception("removing the ended runtime of %s failed", sandbox_id)
-            await self._release_slot(record)
+            await self._release(entry)
             self.store.put(record)

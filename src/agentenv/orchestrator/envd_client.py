@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+import h11
 import httpx
 
 from ..envd.protocol import ENVD_PORT, SANDBOX_KEEPALIVE_S
@@ -22,8 +23,48 @@ MAX_FRAME = 16 << 20  # one Connect message from envd
 WAIT_READY_MAX_S = 120.0  # a sandbox still starting (using CPU) is waited for this long
 
 
+# A files layer's reset or push: envd's kill pass may take up to 10 s (layers.py).
+LAYER_TIMEOUT_S = 35.0
+SMALL_ANSWER_MAX = 64 << 10
+
+
 class EnvdUnavailable(RuntimeError):
     pass
+
+
+async def small_post(address: str, path: str, token: str, body: bytes) -> tuple[int, bytes]:
+    """One JSON POST to envd on a connection of its own, its answer read whole: (status,
+    body). For a call on a files reset's path: httpx's layers (httpcore, anyio) cost
+    ~3 CPU-ms and ~13 ms of wall per new connection to envd on this 2-core machine
+    under load, this ~1 and ~5 (bench/results/lifecycle_cpu_files_both.md). The sandbox
+    is not trusted: an answer over SMALL_ANSWER_MAX or malformed raises h11.ProtocolError
+    (the caller bounds the time, asyncio.timeout)."""
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=SMALL_ANSWER_MAX)
+    reader, writer = await asyncio.open_connection(address, ENVD_PORT)
+    try:
+        writer.write(conn.send(h11.Request(method="POST", target=path, headers=[
+            ("Host", f"{address}:{ENVD_PORT}"), ("X-Access-Token", token),
+            ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+            ("Connection", "close")])) + conn.send(h11.Data(data=body)) +
+            conn.send(h11.EndOfMessage()))
+        status, chunks, size = 0, [], 0
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await reader.read(SMALL_ANSWER_MAX))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > SMALL_ANSWER_MAX:
+                    raise h11.RemoteProtocolError(f"answer over {SMALL_ANSWER_MAX} bytes")
+                chunks.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return status, b"".join(chunks)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise h11.RemoteProtocolError("envd closed the connection unanswered")
+    finally:
+        writer.close()
 
 
 class LayerRefused(RuntimeError):
@@ -139,22 +180,22 @@ class EnvdClient:
         the layer so tagged (envd/layers.py). LayerRefused when envd has no such layer
         or cannot layer (the caller then resets in full); EnvdUnavailable otherwise."""
         try:
-            r = await self._http.post(
-                httpx.URL(scheme="http", host=address, port=ENVD_PORT, path="/aenv/layer"),
-                headers={"X-Access-Token": token}, json={"op": op, "tag": tag},
-                timeout=httpx.Timeout(5.0, read=30.0))
-        except httpx.HTTPError as exc:
+            async with asyncio.timeout(LAYER_TIMEOUT_S):
+                status, raw = await small_post(address, "/aenv/layer", token,
+                                               json.dumps({"op": op, "tag": tag}).encode())
+        except (OSError, TimeoutError, h11.ProtocolError) as exc:
             raise EnvdUnavailable(f"envd /aenv/layer {op}: {exc!r}") from exc
         try:
-            body = r.json()
+            body = json.loads(raw)
         except ValueError:
             body = {}
-        if r.status_code == 200 and isinstance(body, dict):
+        if status == 200 and isinstance(body, dict):
             return body
-        why = str(body.get("message") if isinstance(body, dict) else "") or r.text[:200]
-        if r.status_code in (404, 409, 501):  # no such layer, or no layers in this envd
+        why = str(body.get("message") if isinstance(body, dict) else "") or \
+            raw[:200].decode("utf-8", "replace")
+        if status in (404, 409, 501):  # no such layer, or no layers in this envd
             raise LayerRefused(why)
-        raise EnvdUnavailable(f"envd /aenv/layer {op} answered {r.status_code}: {why}")
+        raise EnvdUnavailable(f"envd /aenv/layer {op} answered {status}: {why}")
 
     # -- filesystem-only pauses (envd's /aenv/fs/*) -----------------------------------
 

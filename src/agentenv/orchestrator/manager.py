@@ -2,8 +2,10 @@
 
 States move creating -> running -> (paused <-> running) -> killed, or running ->
 error when a sandbox's runtime dies; every move is checked against ``TRANSITIONS``.
-The jobs live in their own modules (pausing, resetting, forking, reconcile, egress)
-over the shared core; ``SandboxManager`` joins them into the one object the API calls.
+The jobs that change a sandbox under its lock live in their own modules over the
+shared core (pausing, resetting, forking, reconcile); the others are services built
+here with what they use (connecting, egress, runs, pressure, snapshots, comparing).
+``SandboxManager`` is the one object the API calls.
 """
 
 from __future__ import annotations
@@ -17,17 +19,18 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from ..envd.protocol import ENVD_PORT
+from ..config import Config
 from ..metrics import observed
-from ..network import SlotError
-from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
-from ..templates import Template, TemplateNotFound
+from ..network import EgressPolicy, SlotError, SlotPool
+from ..runtime import Runtime
+from ..snapshot import Manifest, SnapshotError, SnapshotNotFound, SnapshotStore
+from ..templates import Template, TemplateNotFound, TemplateRegistry
 from ..templates.registry import InvalidTemplateRef
-from . import diffing, disk_pause
 from .boot_images import BootImage, PooledSandbox
-from .connecting import Connecting
-from .egress import Egress
-from .envd_client import EnvdUnavailable
+from .comparing import Diffs
+from .connecting import Connections
+from .egress import EgressPolicies
+from .envd_client import EnvdClient
 from .forking import Forking, as_they_come
 from .lineage import Lineage
 from .models import (
@@ -44,16 +47,67 @@ from .reconcile import Reconciling
 from .records import new_record
 from .requests import CreateRequest, check_batch_count, check_create
 from .resetting import Resetting
+from .runbook import Run
 from .runs import Runs
-from .snapshots import SnapshotUse, resolve_snapshot
+from .snapshots import UserSnapshots, resolve_snapshot
+from .store import SandboxStore
 
 log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
-class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking, Egress,
-                     SnapshotUse, Runs):
+class SandboxManager(Reconciling, Resetting, Forking):
+    def __init__(self, config: Config, runtime: Runtime, slots: SlotPool,
+                 templates: TemplateRegistry, store: SandboxStore, snapshots: SnapshotStore,
+                 envd: EnvdClient | None = None) -> None:
+        super().__init__(config, runtime, slots, templates, store, snapshots, envd)
+        # The services with no part in the class tree: each gets what it uses.
+        self.egress = EgressPolicies(self.sandboxes, self.store, self.launcher)
+        self.user_snapshots = UserSnapshots(self.templates, self.snapshots, self.snapshot_gc)
+        self.runs = Runs(self.sandboxes, self.runbook, self.pause, self.kill, self._spawn)
+        self.connections = Connections(self.sandboxes, self.config, self.resume,
+                                       self.set_timeout)
+        self.pressure = PressureRelief(self.config, self.sandboxes, self.runtime, self.envd,
+                                       self.freezer, self.cold_memory, self.pause, self.evict)
+        self.diffs = Diffs(self.sandboxes, self.envd, self.diff_gate,
+                           self.config.run_dir / "diffs", self._resolve, self.create,
+                           self.kill, self.endpoint)
+
+    def _short_for_idle(self) -> bool:
+        return self.pressure.short_for_idle()
+
+    # -- what the API calls of the services ---------------------------------------------
+
+    async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
+        return await self.egress.set_network(sandbox_id, policy)
+
+    def user_snapshot_holder(self, manifest: Manifest) -> str | None:
+        return self.user_snapshots.holder(manifest)
+
+    async def delete_snapshot(self, name: str) -> Manifest:
+        return await self.user_snapshots.delete(name)
+
+    def create_run(self, name: object, lease_s: object, on_expiry: object) -> Run:
+        return self.runs.create(name, lease_s, on_expiry)
+
+    def run_members(self, run_id: str) -> list[SandboxRecord]:
+        return self.runs.members(run_id)
+
+    async def end_run(self, run_id: str) -> None:
+        await self.runs.end(run_id)
+
+    async def connect(self, sandbox_id: str, ttl: int | None = None,
+                      memory: bool = True) -> SandboxRecord:
+        return await self.connections.connect(sandbox_id, ttl, memory)
+
+    async def ensure_running(self, sandbox_id: str) -> SandboxRecord:
+        return await self.connections.ensure_running(sandbox_id)
+
+    async def diff(self, before: str, after: str, text: bool = False,
+                   owner: str = "", may_restore: bool = True) -> dict:
+        return await self.diffs.diff(before, after, text, owner, may_restore)
+
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -63,7 +117,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
         await self._reconcile()
         # Mounts a crash left are removed, except those adopted sandboxes run on.
         await asyncio.to_thread(self.image_cache.start, {
-            r.template_id for r in self._records.values() if r.state is SandboxState.RUNNING})
+            e.record.template_id for e in self.sandboxes.in_state(SandboxState.RUNNING)})
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
         self._quick_task = asyncio.create_task(self._quick_loop(), name="quick")
 
@@ -91,10 +145,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                     await task
         self.admission.close()
         self.cold_memory.close()
-        if self._relief is not None:
-            self._relief.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._relief
+        await self.pressure.close()
         for task in list(self._tasks):
             task.cancel()
         if destroy:  # their runtimes go below: what is frozen is captured first
@@ -103,15 +154,15 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
         await self.snapshot_gc.close()
         if self.boot_images is not None:
             await self.boot_images.close()
-        if self._releasing:
-            await asyncio.gather(*self._releasing.values(), return_exceptions=True)
-        if self._commits:
-            await asyncio.gather(*self._commits.values(), return_exceptions=True)
+        if releasing := self.sandboxes.releasing():
+            await asyncio.gather(*releasing, return_exceptions=True)
+        if commits := self.sandboxes.commits():
+            await asyncio.gather(*commits, return_exceptions=True)
         if destroy:
             # Paused sandboxes live on in their snapshots; everything running stops.
             await asyncio.gather(
-                *(self.kill(r.sandbox_id) for r in list(self._records.values())
-                  if r.state is not SandboxState.PAUSED),
+                *(self.kill(e.sandbox_id) for e in self.sandboxes
+                  if e.state is not SandboxState.PAUSED),
                 return_exceptions=True,
             )
             await self.slots.close()
@@ -185,7 +236,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
         """A sandbox the warm pool launched ahead of time becomes this record's: its
         egress policy and envd's token and env vars are set, nothing else."""
         t0 = time.perf_counter()
-        self._hold(record, member.slot)
+        self._started(record, member.slot)
         record.booted_at = time.time()
         self.store.put(record)
         try:
@@ -279,81 +330,6 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
         return {"snapshotID": manifest.snapshot_id, "ancestors": graph.ancestors(key),
                 "tree": graph.tree(key)}
 
-    async def diff(self, before: str, after: str, text: bool = False,
-                   owner: str = "", may_restore: bool = True) -> dict:
-        """What changed in the files from ``before`` to ``after`` (diffing.py): each a
-        running sandbox of this node, or a snapshot (ID or name), restored for the
-        purpose into a sandbox of its own that is killed afterwards."""
-        async with contextlib.AsyncExitStack() as stack:
-            stack.enter_context(self.diff_gate.hold(owner))  # a 429 past its limits
-            work = stack.enter_context(diffing.scratch_dir(self.config.run_dir / "diffs"))
-            if not may_restore:
-                for ref in (before, after):
-                    self._check_no_restore(ref)
-            sides = [await self._diff_side(ref, stack, owner) for ref in (before, after)]
-            listings = []
-            for i, (address, token) in enumerate(sides):
-                raw = work / f"listing-{i}"
-                try:
-                    await self.envd.disk_download(address, token, "list", raw,
-                                                  disk_pause.MAX_LISTING_BYTES)
-                except EnvdUnavailable as exc:
-                    raise OrchestratorError(f"listing the files of "
-                                            f"'{(before, after)[i]}' failed: {exc}") from exc
-                listings.append(await asyncio.to_thread(diffing.parse_listing, raw))
-            result = await asyncio.to_thread(diffing.compare, *listings)
-            if text:
-                paths = diffing.text_candidates(result, *listings)
-                body = work / "paths.jsonl"
-                await asyncio.to_thread(diffing.paths_body, paths, body)
-                versions = []
-                for i, (address, token) in enumerate(sides):
-                    tar = work / f"export-{i}.tar"
-                    try:
-                        await self.envd.disk_download(address, token, "export", tar,
-                                                      diffing.EXPORT_LIMIT, body=body)
-                    except EnvdUnavailable as exc:
-                        raise OrchestratorError(f"reading files of '{(before, after)[i]}' "
-                                                f"failed: {exc}") from exc
-                    versions.append(await asyncio.to_thread(diffing.read_export, tar, paths))
-                items, skipped = diffing.text_work(paths, versions, listings)
-                result["diffs"] = await asyncio.to_thread(diffing.diffs, items)
-                if skipped:
-                    result["notDiffed"] = skipped
-        return {"from": before, "to": after, **result}
-
-    async def _diff_side(self, ref: str, stack: contextlib.AsyncExitStack,
-                         owner: str) -> tuple[str, str]:
-        """Where envd of ``ref``'s files answers: a running sandbox's own, or that of a
-        sandbox restored from the snapshot ``ref`` names (killed when ``stack`` ends)."""
-        record = self._records.get(ref)
-        if record is None or record.state is SandboxState.KILLED:
-            manifest = await self._resolve(ref, f"no sandbox or snapshot '{ref}'")
-            record = await self.create(CreateRequest(
-                template=manifest.snapshot_id, timeout=600, internet=False, owner=owner,
-                metadata={"aenv.purpose": f"files of snapshot {manifest.snapshot_id} for a "
-                                          "diff"}))
-            stack.push_async_callback(self._kill_quietly, record.sandbox_id)
-        if record.state is not SandboxState.RUNNING:
-            raise Conflict(f"sandbox '{ref}' is {record.state}: only a running sandbox's "
-                           "files can be compared (resume it first)")
-        address, _ = self.endpoint(record.sandbox_id, ENVD_PORT)
-        return address, record.envd_token
-
-    def _check_no_restore(self, ref: str) -> None:
-        record = self._records.get(ref)
-        if record is None or record.state is SandboxState.KILLED:
-            err = OrchestratorError(
-                f"'{ref}' is no running sandbox of this node: comparing a snapshot restores "
-                "it into a temporary sandbox, which a GET does not do; send the same "
-                "request as a POST")
-            err.status, err.headers = 405, {"Allow": "POST"}
-            raise err
-
-    async def _kill_quietly(self, sandbox_id: str) -> None:
-        with contextlib.suppress(OrchestratorError):
-            await asyncio.shield(self.kill(sandbox_id))
-
     async def _source(self, req: CreateRequest) -> Template | Manifest:
         """What a create starts from: a template, or a snapshot (ID, name or tag)."""
         try:
@@ -371,15 +347,19 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
 
     @observed("delete")
     async def kill(self, sandbox_id: str) -> None:
-        self._killing.add(sandbox_id)  # before the lock: a pause may hold it a while
+        entry = self.sandboxes.find(sandbox_id)
+        if entry is None:
+            raise NotFound(f"sandbox '{sandbox_id}' not found")
+        entry.killing += 1  # before the lock: a pause may hold it a while
         try:
             await self._kill(sandbox_id)
         finally:
-            self._killing.discard(sandbox_id)
+            entry.killing -= 1
 
     async def _kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
-            record = self.get(sandbox_id)
+            entry = self.sandboxes.get(sandbox_id)
+            record = entry.record
             if record.state is SandboxState.CREATING:
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
             if record.state is SandboxState.PAUSED:
@@ -388,7 +368,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
             # (an ERROR sandbox's runtime is gone already)
             await asyncio.shield(self._teardown(record, record.state is SandboxState.RUNNING))
             if record.snapshot_id:  # its last pause snapshot is of no further use
-                pending = self._commits.get(record.snapshot_id)  # resumed before it landed
+                pending = entry.commits.get(record.snapshot_id)  # resumed before it landed
                 if pending is not None:
                     await asyncio.gather(pending, return_exceptions=True)
                 with contextlib.suppress(SnapshotError):
@@ -405,8 +385,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
             except Exception:
                 log.exception("idle freezing failed")
             self.cold_memory.tend()
-            self._tend_envd_sleep()
-            self._tend_pressure()
+            self.pressure.tend()
 
     async def _freeze_idle(self) -> None:
         """Freeze the sandboxes idle for a window, but for those holding an outbound
@@ -421,7 +400,8 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
             log.debug("idle freezing: %s", exc)
             held = Counter()
         for sandbox_id in due:
-            slot = self._slots.get(sandbox_id)
+            entry = self.sandboxes.find(sandbox_id)
+            slot = entry.slot if entry is not None else None
             if slot is not None and held[slot.address]:
                 self.freezer.working(sandbox_id)
                 continue
@@ -438,13 +418,13 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
                 log.exception("runtime housekeeping failed")
             ticks += 1
             await self._tend_residents()
-            await self._tend_runs()
+            self.runs.tend()
             if ticks % COMMIT_RETRY_TICKS == 0:
                 self._retry_failed_commits()
             if ticks % max(1, int(self.config.egress_refresh_s)) == 0:
-                await self._refresh_domain_policies()
+                await self.egress.refresh_domains()
             now = time.time()
-            for record in list(self._records.values()):
+            for record in [e.record for e in self.sandboxes]:
                 if record.state is SandboxState.RUNNING and record.expired(now):
                     log.info("sandbox %s reached its timeout: %s", record.sandbox_id,
                              "pausing" if record.auto_pause else "killing")
@@ -456,7 +436,7 @@ class SandboxManager(Reconciling, PressureRelief, Resetting, Connecting, Forking
     async def _expire(self, record: SandboxRecord) -> None:
         """Pause (or kill) an expired sandbox; a pause that fails kills it."""
         if record.auto_pause:
-            await self.pause_else_kill(record.sandbox_id, memory=record.auto_pause_memory,
+            await self.runs.pause_else_kill(record.sandbox_id, memory=record.auto_pause_memory,
                                        why="its timeout")
             return
         with contextlib.suppress(NotFound, Conflict):

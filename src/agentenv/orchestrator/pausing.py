@@ -110,14 +110,14 @@ class Pausing(Captures):
             previous = record.snapshot_id
             # The state is saved: freeing the stopped runtime and its slot need not
             # hold up the answer. Whatever reuses the ID waits for it (_settled).
-            slot = self._slots.pop(sandbox_id, None)
-            record.slot_index, record.slot_address = 0, ""
+            entry = self.sandboxes.get(sandbox_id)
+            entry.let_go_of_slot()
             record.snapshot_id = snapshot_id
             self._transition(record, SandboxState.PAUSED)
-            self._releasing[sandbox_id] = asyncio.create_task(self._free(sandbox_id, slot))
+            self._free_in_background(entry)
             for listener in self.on_removed:
                 listener(sandbox_id)
-            self._start_commit(snapshot_id, staging, metadata, replaces=previous)
+            self._start_commit(entry, snapshot_id, staging, metadata, replaces=previous)
             return record
 
     # -- resident pauses (two tiers: a freeze now, the capture after) --------------------
@@ -169,8 +169,10 @@ class Pausing(Captures):
                         "parent_snapshot_id": entry.previous_snapshot or None}
             self.snapshots.staging.hold_for_commit(snapshot_id, metadata)
             entry.captured = True
-            self._start_commit(snapshot_id, staging, metadata,
-                               replaces=entry.previous_snapshot)
+            sandbox = self.sandboxes.holds(record)
+            if sandbox is not None:
+                self._start_commit(sandbox, snapshot_id, staging, metadata,
+                                   replaces=entry.previous_snapshot)
 
     async def _thaw(self, record: SandboxRecord, entry: Resident) -> None:
         """Resume a resident sandbox in place; on failure it stays paused as it was."""
@@ -193,15 +195,13 @@ class Pausing(Captures):
         assert self._resident is not None
         async with self._lock(sandbox_id):
             entry = self._resident.get(sandbox_id)
-            record = self._records.get(sandbox_id)
-            if entry is None or not entry.captured or record is None:
+            sandbox = self.sandboxes.find(sandbox_id)
+            if entry is None or not entry.captured or sandbox is None:
                 return False
             self._resident.pop(sandbox_id)
-            slot = self._slots.pop(sandbox_id, None)
-            record.slot_index, record.slot_address = 0, ""
-            self.store.put(record)
-            task = asyncio.create_task(self._free(sandbox_id, slot))
-            self._releasing[sandbox_id] = task
+            sandbox.let_go_of_slot()
+            self.store.put(sandbox.record)
+            task = self._free_in_background(sandbox)
         log.info("paused sandbox %s evicted from memory (its capture is kept)", sandbox_id)
         EVICTIONS.labels("resident_pause").inc()
         await asyncio.shield(task)
@@ -233,7 +233,7 @@ class Pausing(Captures):
             return
         pending: list[asyncio.Task] = []
         for sandbox_id, entry in list(self._resident.entries.items()):
-            record = self._records.get(sandbox_id)
+            record = self.sandboxes.records.get(sandbox_id)
             if record is None or entry.captured:
                 continue
             entry.hurry.set()
@@ -267,7 +267,7 @@ class Pausing(Captures):
         if self._resident is None:
             return
         for sandbox_id, entry in list(self._resident.entries.items()):
-            record = self._records.get(sandbox_id)
+            record = self.sandboxes.records.get(sandbox_id)
             if record is not None and not entry.captured and entry.capture is None:
                 self._start_resident_capture(record, entry)
         for sandbox_id in self._resident.to_evict(self.runtime.capture_size):
@@ -354,7 +354,7 @@ class Pausing(Captures):
                               hostname_of=record.sandbox_id, init=False, purpose="resume")
         t0 = time.perf_counter()
         slot = await self.launcher.launch(plan)
-        self._hold(record, slot)
+        self._started(record, slot)
         self._transition(record, SandboxState.RUNNING)
         log.info("resumed %s in %.0f ms (%s)", sandbox_id, (time.perf_counter() - t0) * 1000,
                  "rebooted with its files" if plan.files else "restored")
@@ -375,17 +375,18 @@ class Pausing(Captures):
         """Kill a paused sandbox: its snapshot (committed or staged) goes too, and a
         resident one's frozen runtime and slot."""
         entry = self._resident.pop(record.sandbox_id) if self._resident is not None else None
+        sandbox = self.sandboxes.holds(record)
         doomed = [record.snapshot_id]
         if entry is not None:
             if entry.capture is not None:
                 entry.capture.cancel()
             if not entry.captured and entry.previous_snapshot:
                 doomed.append(entry.previous_snapshot)  # no commit will replace it
-            slot = self._slots.pop(record.sandbox_id, None)
-            record.slot_index, record.slot_address = 0, ""
-            await asyncio.shield(self._free(record.sandbox_id, slot))
+            if sandbox is not None:
+                await asyncio.shield(self._free_in_background(sandbox))
         await self._settled(record.sandbox_id)
-        pending = [t for t in map(self._commits.get, doomed) if t is not None]
+        commits = sandbox.commits if sandbox is not None else {}
+        pending = [t for t in map(commits.get, doomed) if t is not None]
         await asyncio.gather(*pending, return_exceptions=True)
         for snapshot_id in doomed:
             with contextlib.suppress(SnapshotError):
@@ -397,12 +398,9 @@ class Pausing(Captures):
     # -- paused sandboxes changing node -------------------------------------------------
 
     async def _drop_copy(self, record: SandboxRecord) -> None:
-        try:
-            async with self._lock(record.sandbox_id):
-                if self._records.get(record.sandbox_id) is record:
-                    await self._teardown(record, True)
-        finally:
-            self._releasing.pop(record.sandbox_id, None)
+        async with self._lock(record.sandbox_id):
+            if self.sandboxes.holds(record) is not None:
+                await self._teardown(record, True)
 
     def disown(self, sandbox_id: str) -> bool:
         """Drop the record of a paused sandbox another node has taken over; its
@@ -411,23 +409,23 @@ class Pausing(Captures):
 
         A running one was taken over from its last pause while this node was lost (past
         its heartbeat TTL): this copy is destroyed, its snapshot left to the other."""
-        record = self._records.get(sandbox_id)
-        if record is not None and record.state is SandboxState.RUNNING \
-                and not self._lock(sandbox_id).locked() and sandbox_id not in self._releasing:
+        sandbox = self.sandboxes.find(sandbox_id)
+        record = sandbox.record if sandbox is not None else None
+        if sandbox is not None and sandbox.state is SandboxState.RUNNING \
+                and not sandbox.held() and not sandbox.releasing_now():
             log.warning("sandbox %s was taken over by another node while this one was lost; "
                         "destroying this copy", sandbox_id)
-            self._releasing[sandbox_id] = asyncio.create_task(self._drop_copy(record))
+            sandbox.releasing = asyncio.create_task(self._drop_copy(sandbox.record))
             return True
         entry = self._resident.get(sandbox_id) if self._resident is not None else None
-        if record is None or record.state is not SandboxState.PAUSED \
-                or self._lock(sandbox_id).locked() or sandbox_id in self._releasing \
+        if sandbox is None or record is None or record.state is not SandboxState.PAUSED \
+                or sandbox.held() or sandbox.releasing_now() \
                 or (entry is not None and not entry.captured) \
                 or not self.pause_committed(record):
             return False
         if entry is not None and self._resident is not None:
             self._resident.pop(sandbox_id)
-            slot = self._slots.pop(sandbox_id, None)
-            self._releasing[sandbox_id] = asyncio.create_task(self._free(sandbox_id, slot))
+            self._free_in_background(sandbox)
         self._forget(record)
         log.info("paused sandbox %s now lives on another node; record dropped", sandbox_id)
         return True
@@ -436,8 +434,14 @@ class Pausing(Captures):
         """Take over a paused sandbox whose node is gone, from its committed pause
         snapshot: the record is rebuilt from the snapshot's metadata, PAUSED, same ID
         and envd token; a resume then restores it on this node."""
-        async with self._lock(sandbox_id):
-            existing = self._records.get(sandbox_id)
+        try:
+            return await self._adopt_paused(sandbox_id, snapshot_id)
+        finally:
+            self.sandboxes.unclaim(sandbox_id)
+
+    async def _adopt_paused(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
+        async with self.sandboxes.claim(sandbox_id):
+            existing = self.sandboxes.records.get(sandbox_id)
             if existing is not None and existing.state is not SandboxState.KILLED:
                 if existing.state is SandboxState.PAUSED and existing.snapshot_id == snapshot_id:
                     return existing

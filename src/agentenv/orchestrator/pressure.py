@@ -16,14 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from .. import metrics
+from ..config import Config
 from ..resources import host_memory_mb
+from ..runtime import Runtime
+from .cold_memory import ColdMemory
+from .envd_client import EnvdClient
 from .envd_sleep import Candidate, EnvdSleeper
 from .envd_sleep import default_watermark_mb as envd_watermark_mb
+from .idling import IdleFreezer
 from .models import OrchestratorError, SandboxState
-from .pausing import Pausing
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 MIN_IDLE_S = 2.0
@@ -44,9 +51,32 @@ def default_watermark_mb() -> int:
     return max(256, min(2048, host_memory_mb() // 20))
 
 
-class PressureRelief(Pausing):
-    _relief: asyncio.Task | None = None
-    _envd_sleeper: EnvdSleeper | None = None
+class PressureRelief:
+    def __init__(self, config: Config, sandboxes: SandboxTable, runtime: Runtime,
+                 envd: EnvdClient, freezer: IdleFreezer, cold_memory: ColdMemory,
+                 pause: Callable[[str], Awaitable[Any]],
+                 evict: Callable[[str], Awaitable[Any]]) -> None:
+        self.config = config
+        self.sandboxes = sandboxes
+        self.runtime = runtime
+        self.envd = envd
+        self.freezer = freezer
+        self.cold_memory = cold_memory
+        self._pause = pause
+        self._evict = evict
+        self._relief: asyncio.Task | None = None
+        self._envd_sleeper: EnvdSleeper | None = None
+
+    async def close(self) -> None:
+        if self._relief is not None:
+            self._relief.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._relief
+
+    def tend(self) -> None:
+        """Each tick of the node's quick loop: both tiers."""
+        self._tend_envd_sleep()
+        self._tend_pressure()
 
     # -- the first tier: idle envds asked to sleep (envd_sleep.py) --------------------
     def _envd_dormancy_watermark_mb(self) -> int:
@@ -59,11 +89,11 @@ class PressureRelief(Pausing):
         """Running sandboxes whose envd is awake, most idle first (none in flight, none
         an operation holds)."""
         found = []
-        for record in self._records.values():
+        for record in [e.record for e in self.sandboxes]:
             sid = record.sandbox_id
             if record.state is not SandboxState.RUNNING or record.error or \
                     not record.slot_address or record.metadata.get("aenv.build") or \
-                    self.freezer.in_flight(sid) or self._held(sid):
+                    self.freezer.in_flight(sid) or self.sandboxes.held(sid):
                 continue
             idle = self.freezer.idle_for(sid, record.ready_at)
             found.append(Candidate(sid, record.slot_address, record.envd_token, idle))
@@ -75,7 +105,7 @@ class PressureRelief(Pausing):
         with self.freezer.thawed(c.sandbox_id):
             return await self.envd.ask_dormant(c.address, c.token)
 
-    def _short_for_idle(self) -> bool:
+    def short_for_idle(self) -> bool:
         """Below the idle-memory watermark: frozen sandboxes' memory goes to swap after
         a second (cold_memory.py), or, on a host with no swap, idle envds sleep."""
         watermark = self._envd_dormancy_watermark_mb()
@@ -108,11 +138,11 @@ class PressureRelief(Pausing):
     def _pressure_candidates(self) -> list[str]:
         now_idle = self.freezer.idle_for
         found = []
-        for record in self._records.values():
+        for record in [e.record for e in self.sandboxes]:
             sid = record.sandbox_id
             if record.state is not SandboxState.RUNNING or record.error or \
                     record.metadata.get("aenv.build") or self.freezer.in_flight(sid) or \
-                    self._held(sid):
+                    self.sandboxes.held(sid):
                 continue
             idle = now_idle(sid, record.ready_at)
             if idle >= MIN_IDLE_S:
@@ -132,7 +162,7 @@ class PressureRelief(Pausing):
                 break
             held = self.runtime.capture_size(sandbox_id)
             try:
-                await self.pause(sandbox_id)
+                await self._pause(sandbox_id)
             except OrchestratorError as exc:  # gone meanwhile, or its capture failed
                 log.warning("memory pressure: pausing %s failed: %s", sandbox_id, exc)
                 continue
@@ -144,7 +174,7 @@ class PressureRelief(Pausing):
         for sandbox_id in paused:
             available = available_mb()
             try:
-                await self.evict(sandbox_id)
+                await self._evict(sandbox_id)
             except OrchestratorError as exc:  # resumed or killed meanwhile
                 log.warning("memory pressure: evicting %s failed: %s", sandbox_id, exc)
                 continue

@@ -20,6 +20,7 @@ from .envd_client import EnvdUnavailable
 from .models import SandboxRecord, SandboxState, new_sandbox_id
 from .pausing import Pausing
 from .resident import Resident
+from .sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,15 @@ class Reconciling(Pausing):
             log.info("reconcile: removed %d orphaned runtime sandboxes", len(removed))
         await self.slots.start({r.slot_index: r.internet for r in keep.values()
                                 if r.state is SandboxState.RUNNING or r.sandbox_id in frozen})
-        self._records = keep
+        entries = self.sandboxes.replace(list(keep.values()))
         await asyncio.to_thread(self._remove_stale_captures, keep)
-        for record in keep.values():
+        for entry in entries:
+            record = entry.record
             held = self.slots.held(record.slot_index) if record.slot_index else None
             if held is not None:
-                self._slots[record.sandbox_id] = held
+                entry.hold(held, self._give_back)
+                if record.state is SandboxState.RUNNING or record.sandbox_id in frozen:
+                    entry.runs(self.runtime.destroy)
                 if record.network:  # the rules are rebuilt from the record
                     try:
                         await self.launcher.apply_egress(record.sandbox_id, held,
@@ -82,19 +86,20 @@ class Reconciling(Pausing):
                         log.exception("reconcile: egress policy of %s", record.sandbox_id)
             log.info("reconcile: adopted %s sandbox %s", record.state, record.sandbox_id)
             if record.sandbox_id in frozen:
-                await self._readopt_frozen(record)
+                await self._readopt_frozen(entry)
             elif record.state is SandboxState.PAUSED:
                 if record.sandbox_id in thawed:
                     await self._check_paused_state_kept(record)
-                self._recommit_if_staged(record)
+                self._recommit_if_staged(entry)
             elif record.state is SandboxState.RUNNING:  # resumed before its pause committed
-                self._recommit_if_staged(record)
+                self._recommit_if_staged(entry)
         await self._drop_unanswering()
 
-    async def _readopt_frozen(self, record: SandboxRecord) -> None:
+    async def _readopt_frozen(self, sandbox: Sandbox) -> None:
         """A paused sandbox left frozen by the node before: resident again; captured
         now unless its capture was staged or committed before the restart."""
         assert self._resident is not None
+        record = sandbox.record
         snapshot_id = record.snapshot_id
         captured = self.snapshots.staging.pending(snapshot_id) is not None
         if not captured:
@@ -110,7 +115,7 @@ class Reconciling(Pausing):
             record.snapshot_id = new_sandbox_id()
             self.store.put(record)
         self._resident.add(record.sandbox_id, entry)
-        self._recommit_if_staged(record)
+        self._recommit_if_staged(sandbox)
         if not captured:
             log.info("reconcile: capturing frozen paused sandbox %s", record.sandbox_id)
             self._start_resident_capture(record, entry)
@@ -132,7 +137,7 @@ class Reconciling(Pausing):
     async def _drop_unanswering(self) -> None:
         """A running sandbox is adopted only if its envd answers: one a killed node
         was pausing can still show as running while its capture stops it."""
-        running = [r for r in self._records.values() if r.state is SandboxState.RUNNING]
+        running = [e.record for e in self.sandboxes.in_state(SandboxState.RUNNING)]
 
         async def answers(record: SandboxRecord) -> bool:
             if self.runtime.envd_dormant(record.sandbox_id):

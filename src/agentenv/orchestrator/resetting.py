@@ -53,6 +53,7 @@ from .models import (
     not_running,
 )
 from .pausing import Pausing
+from .sandbox import RUNTIME
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,8 @@ class Resetting(Pausing):
             files = disk_pause.is_disk_capture(image)
             template = self._reset_template(record, files)
             meta = manifest.metadata
-            slot = None if paused else self._slots.get(sandbox_id)
+            entry = self.sandboxes.get(sandbox_id)
+            slot = None if paused else entry.slot
             if files:  # a boot of the template, then the snapshot's files
                 plan = self._plan(record, template, files=image, hostname_of=sandbox_id,
                                   start_command=True, purpose="reset", slot=slot)
@@ -234,17 +236,18 @@ class Resetting(Pausing):
                 await self._settled(sandbox_id)
                 # On failure the launch has undone itself: the sandbox stays paused.
                 slot = await self.launcher.launch(plan)
-                self._hold(record, slot)
+                self._started(record, slot)
                 self._transition(record, SandboxState.RUNNING)
             else:
                 try:
+                    entry.cleanup.discard(RUNTIME)  # destroyed here, and started again
                     await self._drop_runtime(sandbox_id, slot)
                     destroyed_ms = (time.perf_counter() - t0) * 1000
                     # Connections to the old processes are dead: the proxy drops them.
                     for listener in self.on_removed:
                         listener(sandbox_id)
                     # The same slot back (a new one only if it somehow held none).
-                    self._hold(record, await self.launcher.launch(plan))
+                    self._started(record, await self.launcher.launch(plan))
                 except BaseException as exc:
                     await asyncio.shield(self._reset_failed(record, manifest, exc))
                     if isinstance(exc, Exception):
@@ -287,9 +290,7 @@ class Resetting(Pausing):
         self._transition(record, SandboxState.ERROR)
         for listener in self.on_removed:
             listener(record.sandbox_id)
-        try:
-            await self.runtime.destroy(record.sandbox_id)
-        except Exception:
-            log.exception("removing the runtime of %s after its failed reset", record.sandbox_id)
-        await self._release_slot(record)
+        entry = self.sandboxes.holds(record)
+        if entry is not None:
+            await self._release(entry)
         self.store.put(record)

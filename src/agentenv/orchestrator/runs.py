@@ -2,6 +2,9 @@
 ``leaseSeconds``) or on DELETE, and every sandbox created in it is then killed (or
 paused, if the run asked so). A trainer killed with -9 thus leaks nothing past its
 lease. The books (and their persistence) are ``runbook.py``'s.
+
+``pause_else_kill`` is the one "pause, else kill" policy: a run's end and a timeout's
+auto-pause both go through it.
 """
 
 from __future__ import annotations
@@ -10,44 +13,53 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from .models import Conflict, NotFound, SandboxRecord, SandboxState
-from .pausing import Pausing
-from .runbook import Run, check_run
+from .runbook import Run, RunBook, check_run
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 # How long ending a run waits for its sandboxes still being created.
 END_WAIT_S = 120.0
 
 
-class Runs(Pausing):
-    def create_run(self, name: object, lease_s: object, on_expiry: object) -> Run:
+class Runs:
+    def __init__(self, sandboxes: SandboxTable, runbook: RunBook,
+                 pause: Callable[..., Awaitable[Any]], kill: Callable[[str], Awaitable[None]],
+                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task]) -> None:
+        self.sandboxes = sandboxes
+        self.runbook = runbook
+        self._pause = pause  # (sandbox_id, memory=...)
+        self._kill = kill
+        self._spawn = spawn  # a task the node cancels when it stops
+
+    def create(self, name: object, lease_s: object, on_expiry: object) -> Run:
         return self.runbook.create(*check_run(name, lease_s, on_expiry))
 
-    def run_members(self, run_id: str) -> list[SandboxRecord]:
-        return [r for r in self._records.values()
-                if r.run_id == run_id and r.state is not SandboxState.KILLED]
+    def members(self, run_id: str) -> list[SandboxRecord]:
+        return [e.record for e in self.sandboxes
+                if e.record.run_id == run_id and e.state is not SandboxState.KILLED]
 
-    async def end_run(self, run_id: str) -> None:
+    async def end(self, run_id: str) -> None:
         """DELETE: the run's sandboxes killed (or paused), then the run gone."""
         run = self.runbook.get(run_id)
-        await self._end_run(run, "deleted")
+        await self._end(run, "deleted")
 
-    async def _tend_runs(self) -> None:
+    def tend(self) -> None:
         """Runs whose lease lapsed end (in the background: the TTL loop goes on)."""
         for run in self.runbook.lapsed(time.time()):
             log.info("run %s (%s): its lease of %ss lapsed; ending it", run.run_id, run.name,
                      run.lease_s)
-            task = asyncio.create_task(self._end_run(run, "lease lapsed"))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._end(run, "lease lapsed"))
 
-    async def _end_run(self, run: Run, why: str) -> None:
+    async def _end(self, run: Run, why: str) -> None:
         run.ending = True  # no create joins it from now on
         end = time.monotonic() + END_WAIT_S
         while True:
             creating = False
-            for record in self.run_members(run.run_id):
+            for record in self.members(run.run_id):
                 if record.state is SandboxState.CREATING:
                     creating = True  # it is killed once it runs (or it fails by itself)
                     continue
@@ -57,7 +69,7 @@ class Runs(Pausing):
                                                    why="its run ended")
                     elif record.state is not SandboxState.PAUSED or run.on_expiry == "kill":
                         with contextlib.suppress(NotFound, Conflict):
-                            await self.kill(record.sandbox_id)
+                            await self._kill(record.sandbox_id)
                 except Exception:  # the others still go; its own TTL ends it at worst
                     log.exception("ending %s of run %s failed", record.sandbox_id, run.run_id)
             if not creating or time.monotonic() > end:
@@ -71,16 +83,13 @@ class Runs(Pausing):
         end): a pause; if the pause fails, a kill, so it never goes on holding the
         node's resources. One paused or gone meanwhile is left as it is."""
         try:
-            await self.pause(sandbox_id, memory=memory)
+            await self._pause(sandbox_id, memory=memory)
             return
         except Exception as exc:
-            record = self._records.get(sandbox_id)
-            if record is None or record.state in (SandboxState.PAUSED, SandboxState.KILLED) \
-                    or sandbox_id in self._killing:
+            entry = self.sandboxes.find(sandbox_id)
+            if entry is None or entry.state in (SandboxState.PAUSED, SandboxState.KILLED) \
+                    or entry.killing:
                 return
             log.error("pausing %s (%s) failed (%s); killing it", sandbox_id, why, exc)
         with contextlib.suppress(NotFound, Conflict):
-            await self.kill(sandbox_id)
-
-    async def kill(self, sandbox_id: str) -> None:
-        raise NotImplementedError  # SandboxManager's
+            await self._kill(sandbox_id)

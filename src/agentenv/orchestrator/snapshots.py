@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 
 from ..snapshot import Manifest, SnapshotNotFound, SnapshotStore
+from ..templates import TemplateRegistry
 from ..templates.tags import DEFAULT_TAG, SEPARATOR
-from .core import ManagerCore
+from .collect import SnapshotCollector
 from .models import Conflict, NotFound
 
 
@@ -35,8 +36,14 @@ def resolve_snapshot(store: SnapshotStore, name: str) -> Manifest:
         return store.resolve(stem)
 
 
-class SnapshotUse(ManagerCore):
-    def user_snapshot_holder(self, manifest: Manifest) -> str | None:
+class UserSnapshots:
+    def __init__(self, templates: TemplateRegistry, snapshots: SnapshotStore,
+                 collector: SnapshotCollector) -> None:
+        self.templates = templates
+        self.snapshots = snapshots
+        self.collector = collector
+
+    def holder(self, manifest: Manifest) -> str | None:
         """What needs this snapshot (so it must stay), or None: a paused sandbox, a
         template build, or the node's boot image of a template."""
         meta = manifest.metadata
@@ -54,22 +61,22 @@ class SnapshotUse(ManagerCore):
                         f"(DELETE /templates/{template.template_id})")
         return None
 
-    async def delete_snapshot(self, name: str) -> Manifest:
+    async def delete(self, name: str) -> Manifest:
         """Delete a user's snapshot by ID or name (404 unknown, 409 needed), then
         collect its chunks in the background."""
         try:
             manifest = await asyncio.to_thread(resolve_snapshot, self.snapshots, name)
         except SnapshotNotFound as exc:
             raise NotFound(f"snapshot '{name}' not found") from exc
-        holder = self.user_snapshot_holder(manifest)
+        holder = self.holder(manifest)
         if holder is not None:
             raise Conflict(f"snapshot '{name}' cannot be deleted: {holder}")
         try:
             await asyncio.to_thread(self.snapshots.delete, manifest.snapshot_id)
         except SnapshotNotFound as exc:  # deleted meanwhile
             raise NotFound(f"snapshot '{name}' not found") from exc
-        self.snapshot_gc.request()
+        self.collector.request()
         return manifest
 
 
-__all__ = ["SnapshotUse", "resolve_snapshot"]
+__all__ = ["UserSnapshots", "resolve_snapshot"]

@@ -21,6 +21,7 @@ import zstandard
 
 from agentenv.snapshot.chunking import MAX_SIZE
 from agentenv.snapshot.errors import CorruptSnapshot
+from agentenv.snapshot.gzip_index import BadGzipIndex, GzipPoints
 from agentenv.snapshot.manifest import ZERO, valid_digest
 
 
@@ -62,7 +63,9 @@ class Entry:
     chunks: list[tuple[str, int]] = field(default_factory=list)
     xattrs: dict[str, str] = field(default_factory=dict)  # values latin-1 (raw bytes)
     # Registry-served layers only, one per chunk: (offset of its gzip member in the
-    # blob, bytes to read from there, offset of the chunk in the member's output).
+    # blob, bytes to read from there, offset of the chunk in the member's output); for
+    # a plain gzip layer read through its checkpoints, (offset of the chunk in the
+    # uncompressed stream, its bytes, 0).
     spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     def to_doc(self, path: str) -> dict:
@@ -104,8 +107,13 @@ class LayerIndex:
     entries: dict[str, Entry]
     # Set when the chunks are ranges of the registry blob, not repository chunks.
     blob: RegistryBlob | None = None
+    # Set for a plain gzip blob: its decompressor's checkpoints (``gzip_index``).
+    gzip: GzipPoints | None = None
 
     def digests(self) -> set[str]:
+        """The repository chunks it uses (none when served from its registry blob)."""
+        if self.blob is not None:
+            return set()
         return {d for e in self.entries.values() for d, _ in e.chunks if d != ZERO}
 
     def file_bytes(self) -> int:
@@ -116,8 +124,11 @@ class LayerIndex:
                "entries": [e.to_doc(p) for p, e in sorted(self.entries.items())]}
         if self.blob is not None:
             doc["blob"] = self.blob.to_doc()
+        if self.gzip is not None:
+            doc["gzip"] = self.gzip.to_doc()
         raw = json.dumps(doc, separators=(",", ":")).encode()
-        return zstandard.ZstdCompressor(level=level).compress(raw)
+        # The frame's checksum: a copy damaged in storage is refused, not served.
+        return zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
 
 
 def load(blob: bytes, what: str) -> LayerIndex:
@@ -133,10 +144,19 @@ def load(blob: bytes, what: str) -> LayerIndex:
     if not isinstance(items, list) or len(items) > MAX_ENTRIES:
         raise BadLayerIndex(f"{what}: layer index has no entry list or too many entries")
     location = _blob(doc.get("blob"), what)
+    points = None
+    if doc.get("gzip") is not None:
+        try:
+            points = GzipPoints.from_doc(doc["gzip"])
+        except BadGzipIndex as exc:
+            raise BadLayerIndex(f"{what}: {exc}") from exc
+        if location is None or points.size != location.size or \
+                location.data_end != location.size:
+            raise BadLayerIndex(f"{what}: gzip checkpoints of another blob than the index's")
     entries: dict[str, Entry] = {}
     for item in items:
         try:
-            path, entry = _entry(item, what, location)
+            path, entry = _entry(item, what, location, points)
         except (KeyError, TypeError, ValueError) as exc:
             raise BadLayerIndex(f"{what}: malformed layer index entry ({exc})") from exc
         if path in entries:
@@ -151,8 +171,11 @@ def load(blob: bytes, what: str) -> LayerIndex:
         entries[path] = entry
     if "" not in entries:
         entries[""] = Entry("d")
-    return LayerIndex(str(doc.get("layer", "")), str(doc.get("diffID", "")), entries,
-                      location)
+    layer = str(doc.get("layer", ""))
+    if location is not None and layer != location.digest:
+        raise BadLayerIndex(f"{what}: the index is of layer {layer[:80]!r} but reads blob "
+                            f"{location.digest}")
+    return LayerIndex(layer, str(doc.get("diffID", "")), entries, location, points)
 
 
 def _blob(doc: object, what: str) -> RegistryBlob | None:
@@ -183,7 +206,20 @@ def check_span(span: tuple[int, int, int], n: int, blob: RegistryBlob, path: str
             f" of {blob.size}): the index points outside the blob")
 
 
-def _entry(item: dict, what: str, blob: RegistryBlob | None = None) -> tuple[str, Entry]:
+def check_tar_span(span: tuple[int, int, int], n: int, points: GzipPoints, path: str,
+                   what: str) -> None:
+    """A chunk of a plain gzip layer must lie in the blob's uncompressed stream."""
+    offset, length, inner = span
+    if not (0 <= offset and length == n and inner == 0 and 0 < n <= MAX_SPAN_CHUNK and
+            offset + n <= points.tar_size):
+        raise BadLayerIndex(
+            f"{what}: file {path[:200]!r} has a chunk at bytes {offset}..{offset + length} of "
+            f"the uncompressed layer ({n} bytes), outside its {points.tar_size} bytes: the "
+            "index points outside the blob")
+
+
+def _entry(item: dict, what: str, blob: RegistryBlob | None = None,
+           points: GzipPoints | None = None) -> tuple[str, Entry]:
     path = item["p"]
     if not isinstance(path, str) or path.startswith("/") or len(path) > 4096 or \
             (path and any(p in ("", ".", "..") for p in path.split("/"))) or "\0" in path:
@@ -229,7 +265,10 @@ def _entry(item: dict, what: str, blob: RegistryBlob | None = None) -> tuple[str
                                    f"for {len(entry.chunks)} chunks")
             for (_, n), r in zip(entry.chunks, spans, strict=True):
                 span = (int(r[0]), int(r[1]), int(r[2]))
-                check_span(span, n, blob, path, what)
+                if points is not None:
+                    check_tar_span(span, n, points, path, what)
+                else:
+                    check_span(span, n, blob, path, what)
                 entry.spans.append(span)
         if covered != entry.size:
             raise BadLayerIndex(f"{what}: file {path[:200]!r}: its chunks cover {covered} bytes, "

@@ -29,8 +29,10 @@ def bare_sandbox(work: Path, rootfs: Path, argv: list[str]) -> tuple[list[str], 
     return [runsc, f"--root={root}", "--network=none", "--overlay2=root:memory"], bundle
 
 
-def two_checkpoints(work: Path, rootfs: Path, mib: int) -> tuple[Path, Path]:
-    """``(first, second)`` image directories under ``work``, 1 MiB apart."""
+def two_checkpoints(work: Path, rootfs: Path, mib: int, change_kib: int = 1024
+                    ) -> tuple[Path, Path]:
+    """``(first, second)`` image directories under ``work``: a process holding ``mib``
+    MiB of random data, then ``change_kib`` KiB written to a file between the two."""
     cid = f"ckpt-{uuid.uuid4().hex[:8]}"
     program = (f"import os, time\nkeep = os.urandom({mib} << 20)\n"
                "open('/tmp/ready', 'w').close()\ntime.sleep(1e9)\n")
@@ -52,7 +54,8 @@ def two_checkpoints(work: Path, rootfs: Path, mib: int) -> tuple[Path, Path]:
         first, second = work / "ck1", work / "ck2"
         run("checkpoint", "--image-path", str(first), "--leave-running", "--compression=none",
             cid)
-        run("exec", cid, "/bin/sh", "-c", "head -c 1048576 /dev/urandom > /root/change.bin")
+        run("exec", cid, "/bin/sh", "-c",
+            f"head -c {change_kib << 10} /dev/urandom > /root/change.bin")
         run("checkpoint", "--image-path", str(second), "--leave-running", "--compression=none",
             cid)
         return first, second

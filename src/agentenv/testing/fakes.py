@@ -112,6 +112,7 @@ class FakeRuntime:
 
     async def destroy(self, sandbox_id: str) -> None:
         self.calls.append(("destroy", sandbox_id))
+        await self.faults.check("destroy")
         self.frozen.discard(sandbox_id)
         self.sandboxes.pop(sandbox_id, None)
         self.specs.pop(sandbox_id, None)

@@ -93,6 +93,24 @@ def tar_layer(entries: list[Entry]) -> bytes:
     return out.getvalue()
 
 
+BUSYBOX = Path("/bin/busybox")  # busybox-static (scripts/setup-system.sh)
+BUSYBOX_APPLETS = ("sh", "cat", "head", "wc", "md5sum", "ls", "echo", "true", "whoami")
+
+
+def busybox_layer(extra: Sequence[Entry] = ()) -> bytes:
+    """A minimal bootable rootfs as one layer (~1 MiB): static busybox, its applets and
+    the users envd needs. envd brings its own runtime, so sandboxes start from it."""
+    entries = [Entry(d + "/", type=tarfile.DIRTYPE, mode=0o755)
+               for d in ("bin", "etc", "root", "proc", "dev", "home", "home/user", "opt")]
+    entries += [Entry("tmp/", type=tarfile.DIRTYPE, mode=0o1777),
+                Entry("bin/busybox", BUSYBOX.read_bytes(), mode=0o755)]
+    entries += [Entry(f"bin/{a}", type=tarfile.SYMTYPE, link="busybox") for a in BUSYBOX_APPLETS]
+    entries += [Entry("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"
+                      b"user:x:1000:1000:user:/home/user:/bin/sh\n"),
+                Entry("etc/group", b"root:x:0:\nuser:x:1000:\n"), *extra]
+    return tar_layer(entries)
+
+
 def tar_tree(root: Path, dest: Path) -> Path:
     """An uncompressed tar of a directory (numeric owners, xattrs), made once per path."""
     if not dest.exists():
