@@ -29,7 +29,8 @@ build deploy-base scripts/build-deploy-base.sh & deploy=$!
 make --no-print-directory lint >"$pending/lint.log" 2>&1 & lint=$!
 
 status=0
-"$venv/bin/pytest" -n "${TEST_WORKERS:-2}" --dist loadfile -m "not serial" --durations=25 || status=$?
+"$venv/bin/pytest" -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -m "not serial" \
+  --durations=25 || status=$?
 for job in "code-interpreter:$ci" "deploy-base:$deploy"; do
   if ! wait "${job#*:}"; then
     status=1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -67,22 +68,23 @@ def api(node: Node):
         yield client
 
 
-# The files that take longest (seconds of one worker, summed from --junitxml, in a run
-# of the whole parallel part on this 2-core machine). pytest-xdist's loadfile hands
-# out the files with the most tests first (its loadscope reorder, on by default), so
-# this order only breaks ties between files of as many tests. Longest first for
-# everything (--no-loadscope-reorder) was tried: it starts the heavy files side by
-# side (test_fork's sixteen children beside test_e2b_js's three SDK files at a time),
-# and the fork test failed on a child's port refused after it answered (502), the one
-# run of it with two workers (parallel part 1109 s against 960 s) as with three.
-# (test_cluster's place is the last CI run's: its cluster did not come up in this one.)
-SLOW_FILES = ("test_cli.py", "test_envd_dormant.py", "test_sandbox_snapshots.py",
-              "test_crash_safety.py", "test_security_memory.py", "test_idle_freeze.py",
-              "test_images_node.py", "test_cluster.py", "test_code_interpreter_parity.py",
-              "test_template_build_cli.py", "test_fork.py", "test_e2b_js.py",
-              "test_images_cleanup.py", "test_rl_client.py", "test_e2b_code_interpreter.py",
-              "test_deploy_compose.py", "test_snapshot_store.py", "test_cluster_gateways.py",
-              "test_security_round3.py", "test_crash.py", "test_images_lazy.py")
+# The files that take longest, longest first (seconds of one worker, from a run's
+# AENV_TEST_TIMELINE), handed out in this order (--no-loadscope-reorder in
+# scripts/test-suite.sh: xdist's own order hands out the files with the most tests
+# first, which left the two heaviest, one test each, for the end, side by side while
+# the rest of the machine idled). The files that wait for a template built beside the
+# tests (needs_build) are not first: from scratch those builds take 2-3 minutes.
+SLOW_FILES = ("test_envd_dormant.py", "test_cluster.py", "test_crash_safety.py",
+              "test_deploy_compose.py", "test_crash.py", "test_e2b_js.py",
+              "test_idle_freeze.py", "test_code_interpreter_parity.py", "test_fork.py",
+              "test_template_build_cli.py", "test_sandbox_snapshots.py", "test_cli.py",
+              "test_rl_client.py", "test_images_cleanup.py", "test_security_round3.py",
+              "test_e2b_code_interpreter.py", "test_diff.py", "test_template_build_restart.py",
+              "test_security_memory.py", "test_snapshot_crash.py", "test_reset.py",
+              "test_pause_filesystem.py", "test_images_estargz.py", "test_images_lazy.py",
+              "test_cold_memory.py", "test_cluster_gateways.py", "test_images_create.py",
+              "test_fuzz_api.py", "test_template_start.py", "test_cluster_room.py",
+              "test_cluster_sim.py", "test_snapshot_store.py", "test_images_node.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -114,3 +116,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             time.sleep(1.0)
         if rc.read_text().strip() != "0":
             pytest.fail(f"building {name} failed:\n{log.read_text()[-4000:]}")
+
+
+# AENV_TEST_TIMELINE=<file>: each test phase's worker, start and end appended as a JSON
+# line, to see where a run's time goes (which files overlap, where a worker idles).
+_TIMELINE = os.environ.get("AENV_TEST_TIMELINE")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not _TIMELINE:
+        return
+    line = json.dumps({"w": WORKER, "id": report.nodeid, "phase": report.when,
+                       "start": report.start, "stop": report.stop, "outcome": report.outcome})
+    with open(_TIMELINE, "a") as f:
+        f.write(line + "\n")
