@@ -124,9 +124,13 @@ _TIMELINE = os.environ.get("AENV_TEST_TIMELINE")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if not _TIMELINE:
+    # Written by one process: xdist's controller gets every worker's reports (with
+    # the worker as report.node); a run without workers writes its own.
+    if not _TIMELINE or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    line = json.dumps({"w": WORKER, "id": report.nodeid, "phase": report.when,
+    node = getattr(report, "node", None)
+    worker = node.gateway.id if node is not None else "main"
+    line = json.dumps({"w": worker, "id": report.nodeid, "phase": report.when,
                        "start": report.start, "stop": report.stop, "outcome": report.outcome})
     with open(_TIMELINE, "a") as f:
         f.write(line + "\n")

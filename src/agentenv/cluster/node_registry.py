@@ -44,7 +44,10 @@ from .common import NodeStatus as NodeStatus
 from .common import SandboxEntry as SandboxEntry
 from .redis_conn import REDIS_MAX_CONNECTIONS as REDIS_MAX_CONNECTIONS
 from .redis_conn import connect
-from .sandbox_index import Indexed, Keys, indexed, move
+from .sandbox_index import Indexed, Keys, indexed, move, pair_hash, split
+
+RUN_METADATA = "aenv.run"  # the metadata pair of a run's members (api/routes/sandboxes.py)
+MAX_RUN_MEMBERS = 10_000  # a run's sandboxes dropped from the listings when it ends
 
 # sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>, released:<n>.
 # The node keys are derived inside the script: fine on one Redis (not for Redis Cluster).
@@ -425,4 +428,12 @@ class Registry:
         return await self.redis.get(self._k("run", run_id))
 
     async def forget_run(self, run_id: str) -> None:
+        """The run ended through this gateway, and its node killed its sandboxes: they
+        leave the listings now, not at the node's next heartbeat."""
         await self.redis.delete(self._k("run", run_id))
+        key = self.index.pair(pair_hash(RUN_METADATA, run_id))
+        members = await self.redis.zrange(key, 0, MAX_RUN_MEMBERS - 1)
+        for m in members:
+            await self.forget_sandbox(split(m)[1])
+        if members:  # an entry indexed without its record is gone too
+            await self.redis.zrem(key, *members)
