@@ -44,9 +44,8 @@ from .common import NodeStatus as NodeStatus
 from .common import SandboxEntry as SandboxEntry
 from .redis_conn import REDIS_MAX_CONNECTIONS as REDIS_MAX_CONNECTIONS
 from .redis_conn import connect
-from .sandbox_index import Indexed, Keys, indexed, move, pair_hash, split
+from .sandbox_index import RUN_METADATA, Indexed, Keys, indexed, move, pair_hash, split
 
-RUN_METADATA = "aenv.run"  # the metadata pair of a run's members (api/routes/sandboxes.py)
 MAX_RUN_MEMBERS = 10_000  # a run's sandboxes dropped from the listings when it ends
 
 # sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>, released:<n>.

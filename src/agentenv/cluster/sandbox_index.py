@@ -53,6 +53,9 @@ _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _DIGITS = 20
 
 
+RUN_METADATA = "aenv.run"  # the metadata pair of a run's members
+
+
 def micros(raw: Any) -> int | None:
     """An RFC 3339 time (a listing's ``startedAt``) in µs since the epoch."""
     if not isinstance(raw, str) or len(raw) > 64:
@@ -119,6 +122,11 @@ def indexed(sandbox_id: str, state: str, item: dict[str, Any] | None,
         for k, v in list(meta.items())[:MAX_INDEXED_PAIRS]:
             if isinstance(v, str) and len(k) + len(v) <= MAX_PAIR_CHARS:
                 pairs.append(pair_hash(k, v))
+    run = item.get("runID") if item else None
+    if isinstance(run, str) and 0 < len(run) <= MAX_PAIR_CHARS:
+        # A run's member made with the run header has no aenv.run metadata: indexed
+        # under that pair all the same, so that a run's end finds all of its members.
+        pairs.append(pair_hash(RUN_METADATA, run))
     return Indexed(member(started, sandbox_id), state, sorted(set(pairs)))
 
 
