@@ -5,7 +5,7 @@
 #   tests that need one wait for its build: tests/conftest.py, marker needs_build),
 #   and their output follows that part's;
 # - the lint runs beside it too (none of the tests needs it);
-# - two pytest workers (TEST_WORKERS), a file each at a time: the suite mostly waits on
+# - three pytest workers (TEST_WORKERS), a file each at a time: the suite mostly waits on
 #   sandboxes, and a file's nodes stay its own;
 # - then the files marked serial, alone: they compare figures with unloaded ones.
 # Every run's log ends with the 25 slowest steps (--durations).
