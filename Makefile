@@ -14,7 +14,8 @@ UV_VERSION := 0.13.9
 UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY)
 # pytest workers of `make test`'s parallel part. Three keep the two cores busy while
 # tests wait on idle windows and sandboxes (fresh clones of one tree, 2026-12-04:
-# parallel part two 921 s at 26 % CPU idle, three 793 s at 7 %). Three were slower
+# parallel part two 921 s at 26 % CPU idle, three 793 s at 7 % beside other work and
+# 686 s alone: 13:03 in all from the clone). Three were slower
 # while every node burned a core on conntrack dumps (18:01 against 16:52).
 TEST_WORKERS ?= 3
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
