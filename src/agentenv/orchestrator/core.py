@@ -143,8 +143,7 @@ class ManagerCore:
             pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
             local_sources_dir=config.image_imports_dir,
             lazy=LazyLayers(config.images_cache_dir / "lazy", snapshots.repo,
-                            config.snapshot_repository(),
-                            gzip_checkpoints=config.image_gzip_index,
+                            config.snapshot_repository(), gzip_checkpoints=config.image_gzip_index,
                             prefetch=config.image_prefetch,
                             registry_timeout_s=config.image_registry_timeout_s)
             if config.image_loading == "lazy" else None)
