@@ -109,6 +109,35 @@ def test_heartbeats_own_sandboxes_and_nodes_are_read_whole(redis_url: str) -> No
     asyncio.run(scenario())
 
 
+def test_a_heartbeat_sent_before_a_kill_does_not_bring_the_sandbox_back(redis_url: str
+                                                                        ) -> None:
+    """The gateway kills a sandbox and forgets it; its node's heartbeat, sent just
+    before the kill and read just after, still lists it. A listing must not show a
+    sandbox its user has just killed (it did, until the node's next heartbeat)."""
+
+    async def scenario() -> None:
+        registry = Registry(redis_url, prefix="kill-race:")
+        try:
+            item = {"sandboxID": "k1", "templateID": "base", "state": "running",
+                    "startedAt": "2026-12-04T10:00:00Z"}
+            await registry.heartbeat(_status("n1"), 5000)
+            await registry.set_sandbox("k1", "n1", "running", item=item)
+            stale = _status("n1", SandboxEntry("k1", "running", item=item), load=1)
+            await registry.forget_sandbox("k1")  # the kill through the gateway
+            await registry.heartbeat(stale, 5000)  # sent before it, read after it
+            assert await registry.sandbox("k1") is None
+            assert await registry.redis.zrange(registry.index.all, 0, -1) == []
+            # The node's next heartbeat no longer lists it, and nothing is left behind.
+            await registry.heartbeat(_status("n1"), 5000)
+            assert await registry.sandbox("k1") is None
+            assert await registry.redis.hgetall(registry._k("node-fp", "n1")) == {}
+        finally:
+            await registry.redis.flushdb()
+            await registry.close()
+
+    asyncio.run(scenario())
+
+
 def _commands(registry: Registry) -> Any:
     async def read() -> int:
         return int((await registry.redis.info("stats"))["total_commands_processed"])

@@ -56,6 +56,9 @@ async def _trickle_head(port: int, stop: asyncio.Event) -> float | None:
                 closed = await asyncio.wait_for(reader.read(1024), 0.5) == b""
             except TimeoutError:
                 closed = False
+            except ConnectionError:
+                # Closed with a trickled line unread in the server's buffer: a reset.
+                closed = True
             if closed:
                 return time.monotonic() - t0
             writer.write(f"X-Trickle-{n}: {n}\r\n".encode())

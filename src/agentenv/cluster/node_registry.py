@@ -89,6 +89,10 @@ return redis.call('GET', KEYS[4]) or '0'
 # (an owner moved while the node was up is seen by then; see ``heartbeat``).
 FULL_CHECK_EVERY = 20
 
+# How long a sandbox the gateway forgot (killed through it) is not written back by a
+# heartbeat: one sent before the kill and read after it would list it again.
+FORGOTTEN_MS = 60_000
+
 
 def _fingerprint(entry: SandboxEntry) -> str:
     raw = json.dumps([entry.state, entry.snapshot_id, entry.committed, entry.item],
@@ -166,8 +170,12 @@ class Registry:
         sids = list(reported) if full else list(news)
         # A round trip per step, not per sandbox: a node holds hundreds of them.
         # Each one's node and the key that made it (a cluster-wide quota's: quotas.py).
-        found = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key", "ix")
-                                            for sid in sids])
+        checked = await self._each(lambda p: [c for sid in sids for c in (
+            p.hmget(self._k("sbx", sid), "node", "key", "ix"),
+            p.exists(self._k("forgotten", sid)))])
+        kept = [(sid, record) for sid, record, forgotten
+                in zip(sids, checked[::2], checked[1::2], strict=True) if not forgotten]
+        sids, found = [sid for sid, _ in kept], [record for _, record in kept]
         owners = [node for node, _, _ in found]
         others = sorted({o for o in owners if o and o != nid})
         alive = await self._each(lambda p: [p.exists(self._k("alive", o)) for o in others])
@@ -412,9 +420,12 @@ class Registry:
         return entry, status
 
     async def forget_sandbox(self, sandbox_id: str) -> None:
+        """The sandbox ended (killed through the gateway): out of the listings, and
+        not written back by a heartbeat its node sent before the kill."""
         old = Indexed.load(await self.redis.hget(self._k("sbx", sandbox_id), "ix"))
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self._k("sbx", sandbox_id))
+        pipe.set(self._k("forgotten", sandbox_id), "1", px=FORGOTTEN_MS)
         move(pipe, self.index, old, None)
         await pipe.execute()
 
