@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -138,6 +139,50 @@ def test_a_heartbeat_sent_before_a_kill_does_not_bring_the_sandbox_back(redis_ur
     asyncio.run(scenario())
 
 
+def test_room_freed_through_the_gateway_outlives_a_heartbeat_taken_before_it(
+        redis_url: str) -> None:
+    """A pause or kill through the gateway frees its slot at once; a heartbeat the node
+    took before the pause finished (it still counts the sandbox) does not take that room
+    back, one that no longer counts it settles it, and a resume takes the slot again."""
+
+    async def scenario() -> None:
+        registry = Registry(redis_url, prefix="room-test:")
+        try:
+            full = [SandboxEntry("p1", "running"), SandboxEntry("p2", "running")]
+            await registry.heartbeat(dataclasses.replace(_status("n1", *full, load=2),
+                                                         capacity=2), 5000)
+            assert await registry.reserve_room("n1", 5000) is None  # full
+            await registry.free("n1", "p1", 5000)  # p1 paused through the gateway
+            await registry.free("n1", "p1", 5000)  # said twice: counted once
+            # The heartbeat the node took while p1 was pausing: still running, load 2.
+            await registry.heartbeat(dataclasses.replace(_status("n1", *full, load=2),
+                                                         capacity=2), 5000)
+            assert (await registry.node("n1")).released == 1
+            assert await registry.reserve_room("n1", 5000) is not None  # p1's slot
+            assert await registry.reserve_room("n1", 5000) is None
+            # The next heartbeat shows it paused (and the placement running): settled.
+            after = [SandboxEntry("p1", "paused"), SandboxEntry("p2", "running"),
+                     SandboxEntry("new", "running")]
+            await registry.heartbeat(dataclasses.replace(_status("n1", *after, load=2),
+                                                         capacity=2), 5000)
+            assert (await registry.node("n1")).released == 0
+            assert await registry.reserve_room("n1", 5000) is None
+            # A kill frees p2, and its resume before any heartbeat takes that room back
+            # (a sandbox killed cannot resume: the same count for a pause then resume).
+            await registry.free("n1", "p2", 5000)
+            assert [(n.released, n.reserved) for n in await registry.nodes()] == [(1, 0)]
+            await registry.take("n1", "p2", 5000)
+            assert [(n.released, n.reserved) for n in await registry.nodes()] == [(0, 0)]
+            # A resume of p1, whose pause a heartbeat has seen: a slot taken until the next.
+            await registry.take("n1", "p1", 5000)
+            assert [(n.released, n.reserved) for n in await registry.nodes()] == [(0, 1)]
+        finally:
+            await registry.redis.flushdb()
+            await registry.close()
+
+    asyncio.run(scenario())
+
+
 def _commands(registry: Registry) -> Any:
     async def read() -> int:
         return int((await registry.redis.info("stats"))["total_commands_processed"])
@@ -168,9 +213,9 @@ def test_a_placement_reads_redis_the_same_whatever_the_number_of_nodes(redis_url
                 per_size.append((await count() - before - 1) / 40)
                 for k in range(size):
                     await registry.forget_node(f"s{size}-{k}")
-            # A reservation each (a script: 7 commands as Redis counts them) and the
-            # read of the nodes (7): the same at 10 and at 200 nodes.
-            assert per_size[1] <= per_size[0] + 0.5 and max(per_size) <= 8, per_size
+            # A reservation each (a script: 8 commands as Redis counts them) and the
+            # read of the nodes (8): the same at 10 and at 200 nodes.
+            assert per_size[1] <= per_size[0] + 0.5 and max(per_size) <= 9, per_size
 
             # One node with room for 3 (capacity 8, load 5), two schedulers that both
             # read it with room: 3 placements succeed between them, the rest are refused.

@@ -5,14 +5,18 @@ Keys (under ``prefix``, default ``aenv:``):
 - ``node:<id>``: the node's last heartbeat (JSON), plus ``state`` up/down;
 - ``alive:<id>``: exists while the node's heartbeats keep coming (a TTL);
 - ``reserved:<id>``: placements handed out since the node's last heartbeat;
-- ``released:<id>``: sandboxes the gateway saw end or pause on the node since its
-  last heartbeat (and placements whose create failed), so room freed between
-  heartbeats is room at once;
+- ``released:<id>``: placements whose create failed since the node's last heartbeat
+  (their room again);
+- ``freed:<id>``: sandboxes the gateway saw end or pause on the node that its
+  heartbeats still count as running (a heartbeat taken before the kill or pause
+  finished), and ``freed-n:<id>`` their number: room freed between heartbeats is room
+  at once, and stays counted until a heartbeat no longer counts the sandbox;
 - ``room:<id>``: the sandboxes the node had room for at its last heartbeat
   (capacity less load): a placement reserves against it atomically (``reserve_room``),
   so schedulers placing from views a moment old never overfill a node;
-- ``beat:<id>``: the number of the node's last heartbeat (a release counts only if
-  no heartbeat came while it was made: that heartbeat may already show it);
+- ``beat:<id>``: the number of the node's last heartbeat (a failed create's release
+  counts only if no heartbeat came since its placement: that heartbeat reset
+  ``reserved:<id>``);
 - ``sbx:<id>``: hash ``node``, ``state``, ``snapshot``, ``committed``, ``key`` (the
   caller key ID that made it through a gateway, when a quota counts it), ``item`` (how
   its node lists it, JSON: the gateway lists it so once the node is lost);
@@ -47,18 +51,24 @@ from .redis_conn import connect
 from .sandbox_index import RUN_METADATA, Indexed, Keys, indexed, move, pair_hash, split
 
 MAX_RUN_MEMBERS = 10_000  # a run's sandboxes dropped from the listings when it ends
+# The states a node's load counts (``active_count``): a sandbox freed through the
+# gateway stays freed room while a heartbeat still reports it in one of them.
+COUNTED_STATES = frozenset({"creating", "running"})
 
-# sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>, released:<n>.
-# The node keys are derived inside the script: fine on one Redis (not for Redis Cluster).
+# sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>, and the room
+# freed since its heartbeat (released:<n> + freed-n:<n>). The node keys are derived
+# inside the script: fine on one Redis (not for Redis Cluster).
 _ROUTE = """
 local entry = redis.call('HGETALL', KEYS[1])
 if #entry == 0 then return false end
 local node = ''
 for i = 1, #entry, 2 do if entry[i] == 'node' then node = entry[i + 1] end end
 local p = ARGV[1]
+local freed = tonumber(redis.call('GET', p .. 'released:' .. node) or '0')
+              + tonumber(redis.call('GET', p .. 'freed-n:' .. node) or '0')
 return {entry, redis.call('GET', p .. 'node:' .. node),
         redis.call('EXISTS', p .. 'alive:' .. node), redis.call('GET', p .. 'reserved:' .. node),
-        redis.call('GET', p .. 'released:' .. node)}
+        freed}
 """
 
 # released:<n> += 1 if beat:<n> is still ARGV[1] (no heartbeat since the caller read it).
@@ -70,13 +80,43 @@ return 1
 """
 
 
+# A sandbox ended or paused through the gateway (ARGV[1]) is room on its node (freed:<n>,
+# its count freed-n:<n>) until a heartbeat no longer counts it; both kept ARGV[2] ms.
+_FREE = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then redis.call('INCR', KEYS[2]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+"""
+
+# A paused sandbox resumed takes a slot again: back out of freed:<n> if it is there
+# (no heartbeat has seen its pause yet), else reserved:<n> += 1 until a heartbeat.
+_TAKE = """
+if redis.call('SREM', KEYS[1], ARGV[1]) == 1 then
+  redis.call('DECR', KEYS[2])
+  return 0
+end
+redis.call('INCR', KEYS[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
+return 1
+"""
+
+# A heartbeat that no longer counts these freed sandboxes (ARGV) as running: its load
+# shows their room, so freed:<n> stops counting it.
+_SETTLE = """
+for _, sid in ipairs(ARGV) do
+  if redis.call('SREM', KEYS[1], sid) == 1 then redis.call('DECR', KEYS[2]) end
+end
+"""
+
 # reserved:<n> += 1 if room:<n> (room at the last heartbeat) is more than reserved:<n>
-# less released:<n>; the heartbeat's number, or false when the node is full.
+# less released:<n> and freed-n:<n>; the heartbeat's number, or false when the node
+# is full.
 _RESERVE_ROOM = """
 local room = redis.call('GET', KEYS[1])
 if room then
   local used = tonumber(redis.call('GET', KEYS[2]) or '0')
                - tonumber(redis.call('GET', KEYS[3]) or '0')
+               - tonumber(redis.call('GET', KEYS[5]) or '0')
   if used >= tonumber(room) then return false end
 end
 redis.call('INCR', KEYS[2])
@@ -121,6 +161,9 @@ class Registry:
         self._route = self.redis.register_script(_ROUTE)
         self._release = self.redis.register_script(_RELEASE)
         self._reserve_room = self.redis.register_script(_RESERVE_ROOM)
+        self._free = self.redis.register_script(_FREE)
+        self._take = self.redis.register_script(_TAKE)
+        self._settle = self.redis.register_script(_SETTLE)
         self.index = Keys(prefix)
 
     def _k(self, *parts: str) -> str:
@@ -145,7 +188,10 @@ class Registry:
         nid = status.node_id
         reported = {s.sandbox_id: s for s in status.sandboxes}
         prints = {sid: _fingerprint(e) for sid, e in reported.items()}
-        previous: dict[str, str] = await self.redis.hgetall(self._k("node-fp", nid))
+        reads = self.redis.pipeline(transaction=False)
+        reads.hgetall(self._k("node-fp", nid))
+        reads.smembers(self._k("freed", nid))
+        previous, freed = await reads.execute()
         gone = sorted(set(previous) - set(reported))
         pipe = self.redis.pipeline()
         pipe.exists(self._k("alive", nid))
@@ -213,6 +259,13 @@ class Registry:
                     writes.zrem(self._k("key-run", key), sid)
         if len(writes):
             await writes.execute()
+        # Freed through the gateway, and this heartbeat no longer counts them: its load
+        # has their room now.
+        settled = [sid for sid in freed
+                   if sid not in reported or reported[sid].state not in COUNTED_STATES]
+        if settled:
+            await self._settle(keys=[self._k("freed", nid), self._k("freed-n", nid)],
+                               args=settled)
         return disown, not was_alive
 
     async def _each(self, queue: Callable[[Any], list[Any]]) -> list[Any]:
@@ -234,10 +287,11 @@ class Registry:
         pipe.exists(self._k("alive", node_id))
         pipe.get(self._k("reserved", node_id))
         pipe.get(self._k("released", node_id))
-        alive, reserved, released = await pipe.execute()
+        pipe.get(self._k("freed-n", node_id))
+        alive, reserved, released, freed = await pipe.execute()
         status.state = "up" if alive else "down"
         status.reserved = int(reserved or 0)
-        status.released = int(released or 0)
+        status.released = int(released or 0) + int(freed or 0)
         return status
 
     async def nodes(self) -> list[NodeStatus]:
@@ -253,12 +307,13 @@ class Registry:
         if not ids:
             self._bodies.clear()
             return []
-        # Four MGETs whatever the number of nodes (one command each, not one per node).
+        # Five MGETs whatever the number of nodes (one command each, not one per node).
         pipe = self.redis.pipeline()
-        for kind in ("beat", "alive", "reserved", "released"):
+        for kind in ("beat", "alive", "reserved", "released", "freed-n"):
             pipe.mget([self._k(kind, nid) for nid in ids])
-        beats, alives, reserveds, releaseds = await pipe.execute()
-        counts = {nid: (beats[i], alives[i], reserveds[i], releaseds[i])
+        beats, alives, reserveds, releaseds, freeds = await pipe.execute()
+        counts = {nid: (beats[i], alives[i], reserveds[i],
+                        int(releaseds[i] or 0) + int(freeds[i] or 0))
                   for i, nid in enumerate(ids)}
         stale = [nid for nid in ids
                  if nid not in self._bodies or self._bodies[nid][0] != (counts[nid][0] or "0")]
@@ -280,7 +335,7 @@ class Registry:
             status = dataclasses.replace(self._bodies[nid][1])
             status.state = "up" if alive else "down"
             status.reserved = int(reserved or 0)
-            status.released = int(released or 0)
+            status.released = released
             out.append(status)
         return out
 
@@ -322,20 +377,33 @@ class Registry:
         number, or None when another placement took the last of it."""
         beat = await self._reserve_room(
             keys=[self._k("room", node_id), self._k("reserved", node_id),
-                  self._k("released", node_id), self._k("beat", node_id)],
+                  self._k("released", node_id), self._k("beat", node_id),
+                  self._k("freed-n", node_id)],
             args=[ttl_ms])
         return None if beat is None else str(beat)
 
     async def beat(self, node_id: str) -> str:
-        """The number of the node's last heartbeat (read before a delete or a create
-        whose freed room ``release`` is to count)."""
+        """The number of the node's last heartbeat."""
         return str(await self.redis.get(self._k("beat", node_id)) or "0")
 
+    async def free(self, node_id: str, sandbox_id: str, ttl_ms: int) -> None:
+        """A running sandbox of the node ended or paused (through the gateway): its slot
+        is room until a heartbeat no longer counts it as running (one taken before the
+        kill or pause finished still does; counting it then too would overfill the
+        node, and waiting for the next one would refuse creates meanwhile)."""
+        await self._free(keys=[self._k("freed", node_id), self._k("freed-n", node_id)],
+                         args=[sandbox_id, ttl_ms])
+
+    async def take(self, node_id: str, sandbox_id: str, ttl_ms: int) -> None:
+        """A paused sandbox of the node runs again (a resume through the gateway)."""
+        await self._take(keys=[self._k("freed", node_id), self._k("freed-n", node_id),
+                               self._k("reserved", node_id)],
+                         args=[sandbox_id, ttl_ms])
+
     async def release(self, node_id: str, beat: str, ttl_ms: int) -> bool:
-        """Count a sandbox slot freed on the node (a kill, a pause, a create that
-        failed) until its next heartbeat; not if a heartbeat came since ``beat`` was
-        read (it may count the freed slot already: counting it twice would send
-        creates to a full node). True if counted."""
+        """Hand back the slot of a placement whose create failed, until the node's next
+        heartbeat; not if a heartbeat came since the placement (``beat``, its number
+        then: that heartbeat reset the placement's count). True if counted."""
         return bool(await self._release(
             keys=[self._k("beat", node_id), self._k("released", node_id)],
             args=[beat, ttl_ms]))
@@ -344,7 +412,8 @@ class Registry:
         await self.redis.srem(self._k("nodes"), node_id)
         await self.redis.srem(self._k("down"), node_id)
         await self.redis.delete(self._k("node", node_id), self._k("alive", node_id),
-                                self._k("room", node_id), self._k("node-fp", node_id))
+                                self._k("room", node_id), self._k("node-fp", node_id),
+                                self._k("freed", node_id), self._k("freed-n", node_id))
 
     # -- sandboxes ----------------------------------------------------------------
 

@@ -121,9 +121,6 @@ async def sandbox_scoped(sandbox_id: str, request: Request) -> Response:
         raise
     whole = request.url.path.rstrip("/").endswith(sandbox_id)
     action = request.url.path.rsplit("/", 1)[-1]
-    # Read before the request: a heartbeat that comes meanwhile may count its effect.
-    beat = await registry.beat(node.node_id) \
-        if (request.method == "DELETE" and whole) or action == "pause" else ""
     # A paused sandbox resumed runs again: its caller's quota admits it first.
     owner = caller(request)
     wakes = request.method == "POST" and action in ("resume", "connect") \
@@ -146,14 +143,14 @@ async def sandbox_scoped(sandbox_id: str, request: Request) -> Response:
     if request.method == "DELETE" and r.status_code in (204, 404) and whole:
         await registry.forget_sandbox(sandbox_id)
         if r.status_code == 204 and entry.get("state") != "paused":
-            await registry.release(node.node_id, beat, node_ttl_ms)
+            await registry.free(node.node_id, sandbox_id, node_ttl_ms)
     elif r.status_code in (200, 201, 204):
         state = {"pause": "paused", "resume": "running", "connect": "running"}.get(action)
         # The gateway counts what frees or takes a slot between heartbeats.
         if state == "paused" and entry.get("state") != "paused":
-            await registry.release(node.node_id, beat, node_ttl_ms)
+            await registry.free(node.node_id, sandbox_id, node_ttl_ms)
         elif state == "running" and entry.get("state") == "paused":
-            await registry.reserve(node.node_id, node_ttl_ms)
+            await registry.take(node.node_id, sandbox_id, node_ttl_ms)
         if state:
             await registry.set_sandbox(sandbox_id, node.node_id, state,
                                        entry.get("snapshot", ""), False)
