@@ -26,6 +26,8 @@ import argparse
 import asyncio
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +39,7 @@ import httpx
 import redis
 
 from agentenv.testing.cluster import Cluster
-from common import write
+from common import main_with_modes, write
 
 HEARTBEAT_S = 1.0  # --heartbeat-s
 CAPACITY = 1000  # per simulated node: room is never what limits a create here
@@ -432,7 +434,10 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     global HEARTBEAT_S
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="mode `imports`: what starting a gateway costs in imports "
+               "(bench_control_plane.py imports --help)")
     parser.add_argument("--nodes", default="10,100")
     parser.add_argument("--creates", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -458,5 +463,54 @@ def main() -> None:
     write(NAME, {"rows": ordered}, render(ordered))
 
 
+# -------------------- mode `imports` (formerly import_time.py)
+# What starting a control plane costs in imports: CPU and wall time of a fresh
+# interpreter importing the gateway (and building both apps), median of ``--runs``, and
+# the modules it loads. Run it with the tree to measure first on ``PYTHONPATH``.
+
+
+CASES = {
+    "python -c pass": "pass",
+    "import agentenv.cluster.gateway": "import agentenv.cluster.gateway",
+    "both apps built": (
+        "import agentenv.cluster.gateway as g, agentenv.cluster.scheduler as s\n"
+        "g.create_gateway_app('redis://127.0.0.1:1/0', 'http://127.0.0.1:1', 'key')\n"
+        "s.create_scheduler_app('redis://127.0.0.1:1/0', 'key')"),
+}
+COUNT = ("import sys, agentenv.cluster.gateway\n"
+         "print(sum(m.startswith('agentenv') for m in sys.modules), len(sys.modules),"
+         " sum(m.startswith('pyroute2') for m in sys.modules))")
+
+
+def timed(code: str, runs: int) -> tuple[float, float]:
+    """Median CPU (user + system) and wall milliseconds of ``python -c code``."""
+    cpu, wall = [], []
+    for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        wall.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return statistics.median(cpu) * 1000, statistics.median(wall) * 1000
+
+
+IMPORTS = "What starting a gateway costs in imports (the tree to measure on PYTHONPATH)."
+
+
+def imports_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench_control_plane.py imports", description=IMPORTS)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args(argv)
+    for label, code in CASES.items():
+        cpu, wall = timed(code, args.runs)
+        print(f"{label}: CPU {cpu:.0f} ms, wall {wall:.0f} ms (median of {args.runs})")
+    ours, everything, pyroute2 = subprocess.run(
+        [sys.executable, "-c", COUNT], capture_output=True, text=True, check=True
+    ).stdout.split()
+    print(f"modules after importing the gateway: {everything} ({ours} of agentenv, "
+          f"{pyroute2} of pyroute2)")
+
+
 if __name__ == "__main__":
-    main()
+    main_with_modes(main, {"imports": imports_main})
