@@ -14,7 +14,6 @@ the cluster protocol, no sandboxes):
 from __future__ import annotations
 
 import base64
-import os
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ import httpx
 import pytest
 
 from agentenv.testing.cluster import Cluster
-from agentenv.testing.sim_cluster import InThread, heartbeating, up_nodes, wait_for
+from agentenv.testing.sim_cluster import InThread, sim_fixtures, up_nodes, wait_for
 from agentenv.testing.sim_records import Behaviour
 
 NODES = 10
@@ -35,19 +34,9 @@ HEARTBEAT_S = 0.3
 NODE_TTL_MS = 3000
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("sim-cluster"), f"s{os.getpid() % 256:02x}", nodes=0,
-                node_ttl_ms=NODE_TTL_MS, gateway_queue_s=2.0)
-    with c.serving() as serving:
-        yield serving
-
-
-@pytest.fixture(scope="module")
-def sim(cluster: Cluster) -> Iterator[InThread]:
-    with heartbeating(cluster, NODES, Behaviour(capacity=CAPACITY,
-                                                heartbeat_s=HEARTBEAT_S)) as nodes:
-        yield nodes
+cluster, sim = sim_fixtures("sim-cluster", "s", NODES,
+                            Behaviour(capacity=CAPACITY, heartbeat_s=HEARTBEAT_S),
+                            node_ttl_ms=NODE_TTL_MS, gateway_queue_s=2.0)
 
 
 @pytest.fixture
