@@ -357,6 +357,65 @@ def _how(r: dict[str, Any]) -> str:
             f"{r.get('sequential', 30)}` ({r.get('when', '?')})")
 
 
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table under its title, a row a list of cells."""
+    return ["", title, "", "| " + " | ".join(columns) + " |",
+            "| " + " | ".join(["---"] * len(columns)) + " |",
+            *("| " + " | ".join(str(cell) for cell in cells) + " |" for cells in rows)]
+
+
+CREATE_COLUMNS = [
+    "nodes", "creates/s", "per gateway core (1 s / its CPU per create)",
+    "burst create p50 / p99 ms", "create direct p50 / p99 ms", "via gateway p50 / p99 ms",
+    "added p50 / p99 ms", "Redis cmds / bytes per create",
+    "CPU ms per create, heartbeats meanwhile included: gateway / scheduler / Redis "
+    "(sim nodes); the scheduler's when idle"]
+
+
+def _create_cells(r: dict[str, Any]) -> list[Any]:
+    b = r["burst"]
+    per_core = round(1000 / max(b["cpu_ms_per_create"].get("gateway", 0), 0.01))
+    return [r["nodes"], b["creates_per_s"], per_core, f"{b['p50_ms']} / {b['p99_ms']}",
+            _pp(r["create_direct"]), _pp(r["create_via_gateway"]),
+            f"{r['create_added_ms']['p50']} / {r['create_added_ms']['p99']}",
+            f"{b['redis_commands_per_create']} / {b['redis_bytes_per_create']}", _cpu(r)]
+
+
+LIST_COLUMNS = [
+    "nodes", "sandboxes held", "v2 first page (100)", "CPU ms per first page: gateway / Redis",
+    "v2 pages followed by token", "v2 by metadata, 1 % match (items)", "v2 state=running",
+    "v1 all (items)", "Redis used MB", "gateway RSS MB"]
+
+
+def _list_cells(r: dict[str, Any]) -> list[Any]:
+    lst = r["list"]
+    cpu = lst.get("v2_page_cpu_ms") or {}
+    v1 = f"{_pp(lst.get('v1_all'))} ({lst['v1_items']})" if lst.get("v1_all") \
+        else f"not timed (over {V1_MAX})"
+    return [r["nodes"], lst["sandboxes_held"], _pp(lst["v2_first_page"]),
+            f"{cpu.get('gateway', '?')} / {cpu.get('redis', '?')}",
+            _pp(lst.get("v2_followed_pages")),
+            f"{_pp(lst.get('v2_by_metadata'))} ({lst.get('v2_by_metadata_items', '?')})",
+            _pp(lst.get("v2_running")), v1, lst.get("redis_used_mb", "?"),
+            lst.get("gateway_rss_mb", "?")]
+
+
+HEARTBEAT_COLUMNS = [
+    "nodes", "Redis cmds / bytes per heartbeat (idle)", "same, holding (sandboxes/node)",
+    "heartbeats/s recorded, idle / holding (due: nodes/s; nodes up)",
+    "first heartbeats' preload indexed in s"]
+
+
+def _heartbeat_cells(r: dict[str, Any]) -> list[Any]:
+    i, h = r["idle"], r["idle_holding"]
+    return [r["nodes"], f"{i['commands_per_heartbeat']} / {i['bytes_per_heartbeat']}",
+            f"{h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
+            f"({h['sandboxes_per_node']})",
+            f"{i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
+            f"({r['nodes'] / r.get('heartbeat_s', 1):g}; up {i['nodes_up']} / "
+            f"{h['nodes_up']})", r.get("preload_indexed_s", "n/a")]
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     lines = ["## Control plane at fleet scale (simulated nodes)", "",
              "The real gateway, scheduler and Redis (one each) over simulated nodes "
@@ -366,56 +425,10 @@ def render(rows: list[dict[str, Any]]) -> str:
              "Reproduce a row: `PYTHONPATH=src:bench python bench/bench_control_plane.py` "
              "and its arguments (each run replaces its sizes' rows):", ""]
     lines += [f"- {r['nodes']} nodes: {_how(r)}" for r in rows]
-    lines += ["", "Creates:", "",
-              "| nodes | creates/s | per gateway core (1 s / its CPU per create) "
-              "| burst create p50 / p99 ms | create direct p50 / p99 ms "
-              "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
-              "| CPU ms per create, heartbeats meanwhile included: gateway / scheduler / "
-              "Redis (sim nodes); the scheduler's when idle |",
-              "| " + " | ".join(["---"] * 9) + " |"]
-    for r in rows:
-        b = r["burst"]
-        per_core = round(1000 / max(b["cpu_ms_per_create"].get("gateway", 0), 0.01))
-        lines.append(
-            f"| {r['nodes']} | {b['creates_per_s']} | {per_core} "
-            f"| {b['p50_ms']} / {b['p99_ms']} "
-            f"| {_pp(r['create_direct'])} | {_pp(r['create_via_gateway'])} "
-            f"| {r['create_added_ms']['p50']} / {r['create_added_ms']['p99']} "
-            f"| {b['redis_commands_per_create']} / {b['redis_bytes_per_create']} "
-            f"| {_cpu(r)} |")
-    lines += ["", "Listings through the gateway (from Redis; p50 / p99 ms; 100 of each):", "",
-              "| nodes | sandboxes held | v2 first page (100) "
-              "| CPU ms per first page: gateway / Redis | v2 pages followed by token "
-              "| v2 by metadata, 1 % match (items) | v2 state=running | v1 all (items) "
-              "| Redis used MB | gateway RSS MB |",
-              "| " + " | ".join(["---"] * 10) + " |"]
-    for r in rows:
-        lst = r["list"]
-        cpu = lst.get("v2_page_cpu_ms") or {}
-        v1 = f"{_pp(lst.get('v1_all'))} ({lst['v1_items']})" if lst.get("v1_all") \
-            else f"not timed (over {V1_MAX})"
-        lines.append(
-            f"| {r['nodes']} | {lst['sandboxes_held']} | {_pp(lst['v2_first_page'])} "
-            f"| {cpu.get('gateway', '?')} / {cpu.get('redis', '?')} "
-            f"| {_pp(lst.get('v2_followed_pages'))} "
-            f"| {_pp(lst.get('v2_by_metadata'))} ({lst.get('v2_by_metadata_items', '?')}) "
-            f"| {_pp(lst.get('v2_running'))} | {v1} | {lst.get('redis_used_mb', '?')} "
-            f"| {lst.get('gateway_rss_mb', '?')} |")
-    lines += ["", "Heartbeats:", "",
-              "| nodes | Redis cmds / bytes per heartbeat (idle) "
-              "| same, holding (sandboxes/node) "
-              "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) "
-              "| first heartbeats' preload indexed in s |",
-              "| " + " | ".join(["---"] * 5) + " |"]
-    for r in rows:
-        i, h = r["idle"], r["idle_holding"]
-        lines.append(
-            f"| {r['nodes']} | {i['commands_per_heartbeat']} / {i['bytes_per_heartbeat']} "
-            f"| {h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
-            f"({h['sandboxes_per_node']}) "
-            f"| {i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
-            f"({r['nodes'] / r.get('heartbeat_s', 1):g}; up {i['nodes_up']} / "
-            f"{h['nodes_up']}) | {r.get('preload_indexed_s', 'n/a')} |")
+    lines += _table("Creates:", CREATE_COLUMNS, [_create_cells(r) for r in rows])
+    lines += _table("Listings through the gateway (from Redis; p50 / p99 ms; 100 of each):",
+                    LIST_COLUMNS, [_list_cells(r) for r in rows])
+    lines += _table("Heartbeats:", HEARTBEAT_COLUMNS, [_heartbeat_cells(r) for r in rows])
     if len(rows) > 1:
         lines += ["", "Growth from the smallest to the largest size:", "",
                   f"- creates/s: {growth(rows, lambda r: r['burst']['creates_per_s'])}",
