@@ -45,11 +45,6 @@ def api(cluster: Cluster) -> Iterator[httpx.Client]:
         yield client
 
 
-def owner(cluster: Cluster, sandbox_id: str) -> str:
-    with cluster.client(cluster.scheduler_url) as c:
-        return c.get(f"/sandboxes/{sandbox_id}").json()["node"]
-
-
 def where(sim: InThread) -> dict[str, str]:
     """Sandbox ID -> the simulated node holding it."""
     return {sid: node for node, sandboxes in sim.states().items() for sid in sandboxes}
@@ -73,7 +68,7 @@ def test_creates_are_placed_across_nodes_and_listed(cluster: Cluster, sim: InThr
     per_node = Counter(held[sid] for sid in ids)
     # Least loaded first: twenty creates on ten idle nodes of four fill none.
     assert len(per_node) >= NODES // 2 and max(per_node.values()) <= CAPACITY, per_node
-    assert all(owner(cluster, sid) == held[sid] for sid in ids)
+    assert all(cluster.owner(sid) == held[sid] for sid in ids)
 
     seen: list[dict] = []
     token = None
@@ -189,7 +184,7 @@ def test_a_node_whose_heartbeats_lapse(cluster: Cluster, sim: InThread,
     # Its committed paused one is taken over by another node when resumed.
     r = api.post(f"/sandboxes/{paused_one}/resume")
     assert r.status_code == 201, r.text
-    taker = owner(cluster, paused_one)
+    taker = cluster.owner(paused_one)
     assert taker != lapsing and sim.states()[taker][paused_one] == "running"
 
     # A kill of the lost one still reaches its node, which may only be slow.
@@ -202,7 +197,7 @@ def test_a_node_whose_heartbeats_lapse(cluster: Cluster, sim: InThread,
     sim.set_heartbeating(lapsing, True)
     wait_for(lambda: lapsing in up_nodes(cluster), f"{lapsing} up again")
     wait_for(lambda: paused_one not in sim.states()[lapsing], "the taken-over copy dropped")
-    assert owner(cluster, paused_one) == taker
+    assert cluster.owner(paused_one) == taker
 
     for sid in ids:
         assert api.delete(f"/sandboxes/{sid}").status_code == 204, sid
