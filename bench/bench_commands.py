@@ -13,8 +13,9 @@
   bundle's exec-as, util-linux's setpriv through the bundle's loader;
 - the SDK itself: `Sandbox.commands.run("true")` (the e2b Python SDK, default user).
 
-Reproduce: see bench/results/commands_exec_as.md (runs alternated before/after, then
-`--compare` for the table).
+Before/after two trees: runs of each alternated with `--name LABEL_i` (the node runs the
+tree on PYTHONPATH), then `--compare BEFORE_1,BEFORE_2 AFTER_1,AFTER_2` for the table
+(the exec-as change's, retired: `git show ba2a28a:bench/results/commands_exec_as.md`).
 
 `--profile-fix` also times the login shell with the base template's /etc/profile
 edited as scripts/build-base-template.sh now edits it (in that sandbox only), for a

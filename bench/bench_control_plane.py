@@ -26,6 +26,8 @@ import argparse
 import asyncio
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +39,7 @@ import httpx
 import redis
 
 from agentenv.testing.cluster import Cluster
-from common import write
+from common import main_with_modes, write
 
 HEARTBEAT_S = 1.0  # --heartbeat-s
 CAPACITY = 1000  # per simulated node: room is never what limits a create here
@@ -355,6 +357,65 @@ def _how(r: dict[str, Any]) -> str:
             f"{r.get('sequential', 30)}` ({r.get('when', '?')})")
 
 
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table under its title, a row a list of cells."""
+    return ["", title, "", "| " + " | ".join(columns) + " |",
+            "| " + " | ".join(["---"] * len(columns)) + " |",
+            *("| " + " | ".join(str(cell) for cell in cells) + " |" for cells in rows)]
+
+
+CREATE_COLUMNS = [
+    "nodes", "creates/s", "per gateway core (1 s / its CPU per create)",
+    "burst create p50 / p99 ms", "create direct p50 / p99 ms", "via gateway p50 / p99 ms",
+    "added p50 / p99 ms", "Redis cmds / bytes per create",
+    "CPU ms per create, heartbeats meanwhile included: gateway / scheduler / Redis "
+    "(sim nodes); the scheduler's when idle"]
+
+
+def _create_cells(r: dict[str, Any]) -> list[Any]:
+    b = r["burst"]
+    per_core = round(1000 / max(b["cpu_ms_per_create"].get("gateway", 0), 0.01))
+    return [r["nodes"], b["creates_per_s"], per_core, f"{b['p50_ms']} / {b['p99_ms']}",
+            _pp(r["create_direct"]), _pp(r["create_via_gateway"]),
+            f"{r['create_added_ms']['p50']} / {r['create_added_ms']['p99']}",
+            f"{b['redis_commands_per_create']} / {b['redis_bytes_per_create']}", _cpu(r)]
+
+
+LIST_COLUMNS = [
+    "nodes", "sandboxes held", "v2 first page (100)", "CPU ms per first page: gateway / Redis",
+    "v2 pages followed by token", "v2 by metadata, 1 % match (items)", "v2 state=running",
+    "v1 all (items)", "Redis used MB", "gateway RSS MB"]
+
+
+def _list_cells(r: dict[str, Any]) -> list[Any]:
+    lst = r["list"]
+    cpu = lst.get("v2_page_cpu_ms") or {}
+    v1 = f"{_pp(lst.get('v1_all'))} ({lst['v1_items']})" if lst.get("v1_all") \
+        else f"not timed (over {V1_MAX})"
+    return [r["nodes"], lst["sandboxes_held"], _pp(lst["v2_first_page"]),
+            f"{cpu.get('gateway', '?')} / {cpu.get('redis', '?')}",
+            _pp(lst.get("v2_followed_pages")),
+            f"{_pp(lst.get('v2_by_metadata'))} ({lst.get('v2_by_metadata_items', '?')})",
+            _pp(lst.get("v2_running")), v1, lst.get("redis_used_mb", "?"),
+            lst.get("gateway_rss_mb", "?")]
+
+
+HEARTBEAT_COLUMNS = [
+    "nodes", "Redis cmds / bytes per heartbeat (idle)", "same, holding (sandboxes/node)",
+    "heartbeats/s recorded, idle / holding (due: nodes/s; nodes up)",
+    "first heartbeats' preload indexed in s"]
+
+
+def _heartbeat_cells(r: dict[str, Any]) -> list[Any]:
+    i, h = r["idle"], r["idle_holding"]
+    return [r["nodes"], f"{i['commands_per_heartbeat']} / {i['bytes_per_heartbeat']}",
+            f"{h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
+            f"({h['sandboxes_per_node']})",
+            f"{i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
+            f"({r['nodes'] / r.get('heartbeat_s', 1):g}; up {i['nodes_up']} / "
+            f"{h['nodes_up']})", r.get("preload_indexed_s", "n/a")]
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     lines = ["## Control plane at fleet scale (simulated nodes)", "",
              "The real gateway, scheduler and Redis (one each) over simulated nodes "
@@ -364,56 +425,10 @@ def render(rows: list[dict[str, Any]]) -> str:
              "Reproduce a row: `PYTHONPATH=src:bench python bench/bench_control_plane.py` "
              "and its arguments (each run replaces its sizes' rows):", ""]
     lines += [f"- {r['nodes']} nodes: {_how(r)}" for r in rows]
-    lines += ["", "Creates:", "",
-              "| nodes | creates/s | per gateway core (1 s / its CPU per create) "
-              "| burst create p50 / p99 ms | create direct p50 / p99 ms "
-              "| via gateway p50 / p99 ms | added p50 / p99 ms | Redis cmds / bytes per create "
-              "| CPU ms per create, heartbeats meanwhile included: gateway / scheduler / "
-              "Redis (sim nodes); the scheduler's when idle |",
-              "| " + " | ".join(["---"] * 9) + " |"]
-    for r in rows:
-        b = r["burst"]
-        per_core = round(1000 / max(b["cpu_ms_per_create"].get("gateway", 0), 0.01))
-        lines.append(
-            f"| {r['nodes']} | {b['creates_per_s']} | {per_core} "
-            f"| {b['p50_ms']} / {b['p99_ms']} "
-            f"| {_pp(r['create_direct'])} | {_pp(r['create_via_gateway'])} "
-            f"| {r['create_added_ms']['p50']} / {r['create_added_ms']['p99']} "
-            f"| {b['redis_commands_per_create']} / {b['redis_bytes_per_create']} "
-            f"| {_cpu(r)} |")
-    lines += ["", "Listings through the gateway (from Redis; p50 / p99 ms; 100 of each):", "",
-              "| nodes | sandboxes held | v2 first page (100) "
-              "| CPU ms per first page: gateway / Redis | v2 pages followed by token "
-              "| v2 by metadata, 1 % match (items) | v2 state=running | v1 all (items) "
-              "| Redis used MB | gateway RSS MB |",
-              "| " + " | ".join(["---"] * 10) + " |"]
-    for r in rows:
-        lst = r["list"]
-        cpu = lst.get("v2_page_cpu_ms") or {}
-        v1 = f"{_pp(lst.get('v1_all'))} ({lst['v1_items']})" if lst.get("v1_all") \
-            else f"not timed (over {V1_MAX})"
-        lines.append(
-            f"| {r['nodes']} | {lst['sandboxes_held']} | {_pp(lst['v2_first_page'])} "
-            f"| {cpu.get('gateway', '?')} / {cpu.get('redis', '?')} "
-            f"| {_pp(lst.get('v2_followed_pages'))} "
-            f"| {_pp(lst.get('v2_by_metadata'))} ({lst.get('v2_by_metadata_items', '?')}) "
-            f"| {_pp(lst.get('v2_running'))} | {v1} | {lst.get('redis_used_mb', '?')} "
-            f"| {lst.get('gateway_rss_mb', '?')} |")
-    lines += ["", "Heartbeats:", "",
-              "| nodes | Redis cmds / bytes per heartbeat (idle) "
-              "| same, holding (sandboxes/node) "
-              "| heartbeats/s recorded, idle / holding (due: nodes/s; nodes up) "
-              "| first heartbeats' preload indexed in s |",
-              "| " + " | ".join(["---"] * 5) + " |"]
-    for r in rows:
-        i, h = r["idle"], r["idle_holding"]
-        lines.append(
-            f"| {r['nodes']} | {i['commands_per_heartbeat']} / {i['bytes_per_heartbeat']} "
-            f"| {h['commands_per_heartbeat']} / {h['bytes_per_heartbeat']} "
-            f"({h['sandboxes_per_node']}) "
-            f"| {i['heartbeats_per_s']} / {h['heartbeats_per_s']} "
-            f"({r['nodes'] / r.get('heartbeat_s', 1):g}; up {i['nodes_up']} / "
-            f"{h['nodes_up']}) | {r.get('preload_indexed_s', 'n/a')} |")
+    lines += _table("Creates:", CREATE_COLUMNS, [_create_cells(r) for r in rows])
+    lines += _table("Listings through the gateway (from Redis; p50 / p99 ms; 100 of each):",
+                    LIST_COLUMNS, [_list_cells(r) for r in rows])
+    lines += _table("Heartbeats:", HEARTBEAT_COLUMNS, [_heartbeat_cells(r) for r in rows])
     if len(rows) > 1:
         lines += ["", "Growth from the smallest to the largest size:", "",
                   f"- creates/s: {growth(rows, lambda r: r['burst']['creates_per_s'])}",
@@ -432,7 +447,10 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     global HEARTBEAT_S
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="mode `imports`: what starting a gateway costs in imports "
+               "(bench_control_plane.py imports --help)")
     parser.add_argument("--nodes", default="10,100")
     parser.add_argument("--creates", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -458,5 +476,54 @@ def main() -> None:
     write(NAME, {"rows": ordered}, render(ordered))
 
 
+# -------------------- mode `imports` (formerly import_time.py)
+# What starting a control plane costs in imports: CPU and wall time of a fresh
+# interpreter importing the gateway (and building both apps), median of ``--runs``, and
+# the modules it loads. Run it with the tree to measure first on ``PYTHONPATH``.
+
+
+CASES = {
+    "python -c pass": "pass",
+    "import agentenv.cluster.gateway": "import agentenv.cluster.gateway",
+    "both apps built": (
+        "import agentenv.cluster.gateway as g, agentenv.cluster.scheduler as s\n"
+        "g.create_gateway_app('redis://127.0.0.1:1/0', 'http://127.0.0.1:1', 'key')\n"
+        "s.create_scheduler_app('redis://127.0.0.1:1/0', 'key')"),
+}
+COUNT = ("import sys, agentenv.cluster.gateway\n"
+         "print(sum(m.startswith('agentenv') for m in sys.modules), len(sys.modules),"
+         " sum(m.startswith('pyroute2') for m in sys.modules))")
+
+
+def timed(code: str, runs: int) -> tuple[float, float]:
+    """Median CPU (user + system) and wall milliseconds of ``python -c code``."""
+    cpu, wall = [], []
+    for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        wall.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return statistics.median(cpu) * 1000, statistics.median(wall) * 1000
+
+
+IMPORTS = "What starting a gateway costs in imports (the tree to measure on PYTHONPATH)."
+
+
+def imports_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench_control_plane.py imports", description=IMPORTS)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args(argv)
+    for label, code in CASES.items():
+        cpu, wall = timed(code, args.runs)
+        print(f"{label}: CPU {cpu:.0f} ms, wall {wall:.0f} ms (median of {args.runs})")
+    ours, everything, pyroute2 = subprocess.run(
+        [sys.executable, "-c", COUNT], capture_output=True, text=True, check=True
+    ).stdout.split()
+    print(f"modules after importing the gateway: {everything} ({ours} of agentenv, "
+          f"{pyroute2} of pyroute2)")
+
+
 if __name__ == "__main__":
-    main()
+    main_with_modes(main, {"imports": imports_main})

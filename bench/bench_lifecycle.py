@@ -10,32 +10,39 @@ Before/after two trees on a shared machine: one round per tree, alternately, sev
 rounds (the node runs the tree on PYTHONPATH), `--name <label>` writing
 results/lifecycle_<label>.json, then `--summarize BEFORE AFTER OUT` for the medians
 over rounds. With --cpu: CPU-seconds per create, reset, fork child and snapshot beside
-bare runsc (lifecycle_cpu.py; results/lifecycle_cpu.md).
+bare runsc (results/lifecycle_cpu.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
-import lifecycle_cpu
+import httpx
+
+from agentenv.envd.dormancy import DORMANT_LINE, WOKEN_LINE
+from agentenv.network.slot import reset_slot
 from agentenv.testing import Node, leaks
-from bench_node import runsc_do_true
+from agentenv.testing.nodes import free_cidr
+from bench_node import exec_native, runsc_do_true
 from bench_snapshots import (
     Failures,
     NodeLog,
-    Tracker,
     bare_runsc,
     bench_cold_creates,
     bench_fork,
     bench_pause_resume,
     bench_template_creates,
 )
-from common import RESULTS
+from common import ACCT, RESULTS, CpuMeter, write
+from snapshot_probes import Floor, Tracker, answered, until_command
 
 KEYS = {
     "cold create, node-side (node log)": "baseline: cold create, node-side (node log)",
@@ -99,7 +106,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=5)
     ap.add_argument("--forks", type=int, default=1)
     ap.add_argument("--cpu", action="store_true",
-                    help="CPU-seconds per operation beside bare runsc (lifecycle_cpu.py)")
+                    help="CPU-seconds per operation beside bare runsc")
     ap.add_argument("--files-only", action="store_true",
                     help="with --cpu: only the filesystem-mode resets "
                          "(results/lifecycle_cpu_files_STEP)")
@@ -107,10 +114,10 @@ def main() -> None:
                     help="with --files-only: what each rollout does before its reset")
     args = ap.parse_args()
     if args.cpu and args.files_only:
-        lifecycle_cpu.run_files(args.n, args.step)
+        run_files(args.n, args.step)
         return
     if args.cpu:
-        lifecycle_cpu.run(args.n)
+        run_cpu(args.n)
         return
     if args.summarize:
         summarize(*args.summarize)
@@ -158,6 +165,332 @@ def main() -> None:
     name = f"lifecycle_{args.name}" if args.name else "lifecycle"
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(picked, indent=1))
+
+
+# -------------------- --cpu: CPU-seconds per operation (formerly lifecycle_cpu.py)
+# CPU-seconds per restart, host-wide (issue 28): what a create, a reset, a fork child and
+# a leave-running snapshot cost the machine, beside bare `runsc restore` / `runsc
+# checkpoint` of the same capture with the same flags and spec, in the same run.
+#
+# Operations run one at a time. Each one's CPU is read from cgroup v1 cpuacct (common.CpuMeter):
+# the node's own Python process, the processes it starts (runsc commands, `ip`,
+# `iptables`, the unshare wrapper) and its sandboxes (sentry, gofer); a new sandbox's
+# processes are split by name. A window runs from the call until a command has run in
+# the restored sandbox (creates, resets, forks) or until the call returns (snapshots).
+# The idle CPU of the node's other sandboxes over a window is measured apart and named.
+#
+#     cd bench && PYTHONPATH=<tree>/src:. python bench_lifecycle.py --cpu [-n 5]
+
+
+HZ = os.sysconf("SC_CLK_TCK")
+SNAPSHOT = "leave-running snapshot, small sandbox (envd awake)"
+RESET_AWAKE = "reset to a snapshot of it (envd awake at the capture)"
+RESET_DORMANT = "reset to a snapshot taken while its envd was dormant"
+RESET_FILES = "reset in filesystem mode (its files layer, no restore)"
+RESET_FILES_CALL = "reset in filesystem mode: the call alone (until it returns)"
+PARTS = ["node process", "node's commands (runsc CLI, ip, ...)", "sentry", "gofer", "total"]
+
+
+def proc_s(pid: int | str) -> float:
+    """CPU-seconds of a live process (all its threads) so far."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / HZ
+
+
+def sandbox_split(prefix: str, sid: str) -> dict[str, float]:
+    """A live sandbox's processes' CPU so far, by kind (its sentry, its gofer)."""
+    out = {"sentry": 0.0, "gofer": 0.0}
+    for group in ("cpuacct",):
+        try:
+            pids = (Path("/sys/fs/cgroup") / group / prefix / sid / "cgroup.procs"
+                    ).read_text().split()
+        except OSError:
+            return out
+        for pid in pids:
+            try:
+                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+                # runsc-gofer; the rest is the sentry (runsc-sandbox) and its stubs
+                out["gofer" if argv0.endswith(b"gofer") else "sentry"] += proc_s(pid)
+            except OSError:
+                continue
+    return out
+
+
+class Window:
+    """CPU of one operation on one node, split into PARTS."""
+
+    def __init__(self, meter: CpuMeter, node: Node):
+        self.meter, self.pid = meter, node.proc.pid  # type: ignore[union-attr]
+        self.c0, self.p0 = meter.read(), proc_s(self.pid)
+
+    def close(self, prefix: str, new_sandbox: str | None, idle_rate: float,
+              wall: float) -> dict[str, float]:
+        c1, p1 = self.meter.read(), proc_s(self.pid)
+        d = CpuMeter.delta_s(self.c0, c1)
+        split = sandbox_split(prefix, new_sandbox) if new_sandbox else {}
+        out = {"node process": p1 - self.p0,
+               "node's commands (runsc CLI, ip, ...)": d["node"] - (p1 - self.p0),
+               "sentry": split.get("sentry", 0.0), "gofer": split.get("gofer", 0.0),
+               "sandboxes, other": d["sandboxes"] - sum(split.values()) - idle_rate * wall,
+               "total": d["total"] - idle_rate * wall, "wall": wall}
+        return out
+
+
+def wait_dormant(node: Node, sid: str, timeout: float = 60) -> None:
+    """Until the sandbox's envd has gone dormant (the stub's line last on its console)."""
+    console = node.home / "run" / "sandboxes" / sid / "console.log"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = console.read_text(errors="replace") if console.exists() else ""
+        if text.rfind(DORMANT_LINE) > text.rfind(WOKEN_LINE):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{sid}: envd did not go dormant within {timeout:.0f}s")
+
+
+def med(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+
+
+def floor_cpu(floor: Floor, sid: str, token: str, prefix: str, n: int) -> dict[str, list]:
+    """Bare checkpoint (leave-running) of the node's sandbox and bare restores of it:
+    CPU of the runsc commands (reaped by this process) and of the sandboxes' cgroups."""
+    out: dict[str, list] = {"bare runsc checkpoint --leave-running": [],
+                            "bare runsc restore (until a command ran)": []}
+    src_group = ACCT / prefix / sid
+
+    def usage(g: Path) -> float:
+        try:
+            return int((g / "cpuacct.usage").read_text()) / 1e9
+        except OSError:
+            return 0.0
+
+    def reaped() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    for _ in range(n):
+        until_command(floor.node, sid, token, time.perf_counter())  # envd awake, as above
+        r0, s0, t0 = reaped(), usage(src_group), time.perf_counter()
+        floor.capture()
+        wall = time.perf_counter() - t0
+        out["bare runsc checkpoint --leave-running"].append(
+            {"runsc commands": reaped() - r0, "sentry": usage(src_group) - s0,
+             "total": reaped() - r0 + usage(src_group) - s0, "wall": wall})
+        time.sleep(0.3)
+        out["bare runsc restore (until a command ran)"].append(bare_restore(floor, usage, reaped))
+        time.sleep(0.3)
+    return out
+
+
+def bare_restore(floor: Floor, usage, reaped) -> dict[str, float]:
+    """One bare restore into the floor's slot, as Floor.fan_out runs it, read before
+    the restored sandbox is deleted (its reaped sentry would count twice after)."""
+    cid = f"fl-{uuid.uuid4().hex[:6]}"
+    slot = floor.slots[0]
+    bundle = floor._bundle(cid, slot.netns_path)
+    fl_group = ACCT / floor.cgroup
+    with httpx.Client(base_url=f"http://{slot.address}:49983", timeout=10) as http:
+        r0, f0, t0 = reaped(), usage(fl_group), time.perf_counter()
+        floor.restore(cid, bundle)
+        wall = answered(http, floor.sid, floor.token, t0)
+        row = {"runsc commands": reaped() - r0, "sentry": usage(fl_group) - f0}
+    row["total"], row["wall"] = row["runsc commands"] + row["sentry"], wall
+    floor.delete_all()
+    reset_slot(slot, internet=True)
+    return row
+
+
+def run_cpu(n: int) -> None:
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
+    prefix = "lcpu"
+    node = Node(work / "home", prefix, free_cidr(90, 30, 3), AENV_MAX_SANDBOXES="20",
+                AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8", AENV_WARM_POOL_SIZE="0",
+                # bare runsc cannot checkpoint a frozen (idle) sandbox: no idle freezing
+                AENV_IDLE_FREEZE_S="0",
+                # envd sleeps by itself once idle (for the snapshot taken while dormant:
+                # the node asks only when short of memory), and no idle memory goes to
+                # swap meanwhile (issue 27)
+                AENV_ENVD_DORMANT_AFTER_S="5", AENV_COLD_MEMORY_AFTER_S="0")
+    try:
+        node.start()
+    except BaseException:
+        node.stop()  # a node that never answered is stopped too
+        raise
+    meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
+    samples: dict[str, list] = {k: [] for k in (
+        "create from the template's boot image", RESET_AWAKE, RESET_DORMANT, RESET_FILES,
+        RESET_FILES_CALL,
+        "fork child (fork of 1)", "fork of 4, per child", SNAPSHOT)}
+    loads: list[float] = []
+    try:
+        with node.client() as api, httpx.Client(base_url=node.url, timeout=60) as http:
+            t = Tracker(node, api)
+            _, body = t.create("base")  # builds the boot image
+            t.delete(body["sandboxID"])
+            _, src = t.create("base")
+            sid, token = src["sandboxID"], src["envdAccessToken"]
+            t.snapshot(sid)  # the first snapshot stores every chunk; later ones are measured
+            wait_dormant(node, sid)
+            _, dormant = t.snapshot(sid)
+            c0 = meter.read()
+            time.sleep(3)
+            idle_rate = CpuMeter.delta_s(c0, meter.read())["sandboxes"] / 3
+            until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
+            # The snapshot the filesystem-mode resets go back to: taken outside any
+            # files layer (one taken inside a layer is one more layer when reset to).
+            _, files_snap = t.snapshot(sid)
+
+            def reset(key: str, snapshot_id: str, mode: str = "memory") -> None:
+                w, call, t0 = Window(meter, node), Window(meter, node), time.perf_counter()
+                r = api.post(f"/sandboxes/{sid}/reset",
+                             json={"snapshotID": snapshot_id, "mode": mode})
+                if r.status_code != 200 or r.json()["mode"] != mode:
+                    raise RuntimeError(f"reset: {r.status_code} {r.text[:200]}")
+                if mode == "filesystem":  # the same sandbox and kernel: no split by process
+                    samples[RESET_FILES_CALL].append(
+                        call.close(prefix, None, idle_rate, time.perf_counter() - t0))
+                until_command(node, sid, token, t0, http=http)
+                samples[key].append(w.close(prefix, sid if mode == "memory" else None,
+                                            idle_rate, time.perf_counter() - t0))
+                time.sleep(0.5)
+
+            for _ in range(n):
+                loads.append(os.getloadavg()[0])
+                w, t0 = Window(meter, node), time.perf_counter()
+                _, body = t.create("base")
+                until_command(node, body["sandboxID"], body["envdAccessToken"], t0, http=http)
+                samples["create from the template's boot image"].append(
+                    w.close(prefix, body["sandboxID"], idle_rate, time.perf_counter() - t0))
+                t.delete(body["sandboxID"])
+                time.sleep(0.5)
+                until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
+                w, t0 = Window(meter, node), time.perf_counter()
+                dt, awake = t.snapshot(sid)
+                samples[SNAPSHOT].append(w.close(prefix, None, idle_rate, dt))
+                time.sleep(0.5)
+                reset(RESET_AWAKE, awake["snapshotID"])
+                reset(RESET_DORMANT, dormant["snapshotID"])
+                # The first reset in filesystem mode is a full one that layers the files
+                # (not measured); the next is the layer's.
+                api.post(f"/sandboxes/{sid}/reset",
+                         json={"snapshotID": files_snap["snapshotID"], "mode": "filesystem"})
+                until_command(node, sid, token, time.perf_counter(), http=http)
+                http.post("/files?path=/home/user/rollout.txt", content=b"x", headers={
+                    "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
+                    "X-Access-Token": token})
+                reset(RESET_FILES, files_snap["snapshotID"], "filesystem")
+                for count, key in ((1, "fork child (fork of 1)"), (4, "fork of 4, per child")):
+                    w, t0 = Window(meter, node), time.perf_counter()
+                    kids = [c["sandbox"] for c in api.post(
+                        f"/sandboxes/{sid}/fork", json={"count": count}, timeout=300).json()]
+                    for c in kids:
+                        until_command(node, c["sandboxID"], c["envdAccessToken"], t0, http=http)
+                    row = w.close(prefix, None, idle_rate, time.perf_counter() - t0)
+                    for c in kids:
+                        for part, v in sandbox_split(prefix, c["sandboxID"]).items():
+                            row[part] += v
+                    row["sandboxes, other"] -= row["sentry"] + row["gofer"]
+                    samples[key].append({k: v / count for k, v in row.items()})
+                    t.delete_many([c["sandboxID"] for c in kids])
+                    time.sleep(0.5)
+            until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
+            with Floor(work / "floor", node, sid, token, int(free_cidr(90, 30, 15).split(".")[1]),
+                       1) as floor:
+                floor.capture()
+                floor_rows = floor_cpu(floor, sid, token, prefix, n)
+            t.cleanup([])  # type: ignore[arg-type]
+    finally:
+        node.stop()
+        meter.close()
+    left = leaks(prefix, node.home)
+    report(samples, floor_rows, loads, idle_rate, left, n)
+
+
+def run_files(n: int, step: str = "both") -> None:
+    """The filesystem-mode rows alone (``--files-only``), n resets of one sandbox, each
+    after a rollout's ``step``: ``file`` (a file written: a file worker to end, as in
+    the full run's row), ``command`` (a command left running with nohup), ``both``, or
+    ``none`` (then the window ends with the call)."""
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
+    prefix = "lcpf"
+    node = Node(work / "home", prefix, free_cidr(90, 30, os.getpid()), AENV_MAX_SANDBOXES="4",
+                AENV_WARM_POOL_SIZE="0", AENV_IDLE_FREEZE_S="0")
+    try:
+        node.start()
+    except BaseException:
+        node.stop()
+        raise
+    meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
+    samples: dict[str, list] = {RESET_FILES: [], RESET_FILES_CALL: []}
+    loads: list[float] = []
+    try:
+        with node.client() as api, httpx.Client(base_url=node.url, timeout=60) as http:
+            t = Tracker(node, api)
+            _, src = t.create("base")
+            sid, token = src["sandboxID"], src["envdAccessToken"]
+            until_command(node, sid, token, time.perf_counter(), http=http)
+            _, snap = t.snapshot(sid)
+            c0 = meter.read()
+            time.sleep(3)
+            idle_rate = CpuMeter.delta_s(c0, meter.read())["sandboxes"] / 3
+            body = {"snapshotID": snap["snapshotID"], "mode": "filesystem"}
+            api.post(f"/sandboxes/{sid}/reset", json=body)  # the full one, that layers
+            until_command(node, sid, token, time.perf_counter(), http=http)
+            for _ in range(n):
+                loads.append(os.getloadavg()[0])
+                if step in ("file", "both"):
+                    http.post("/files?path=/home/user/rollout.txt", content=b"x", headers={
+                        "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
+                        "X-Access-Token": token})
+                if step in ("command", "both"):
+                    exec_native(http, sid, token,
+                                ["/bin/sh", "-c", "nohup sleep 86399 >/dev/null 2>&1 &"])
+                time.sleep(0.3)
+                w, call, t0 = Window(meter, node), Window(meter, node), time.perf_counter()
+                r = api.post(f"/sandboxes/{sid}/reset", json=body)
+                if r.status_code != 200 or r.json()["mode"] != "filesystem":
+                    raise RuntimeError(f"reset: {r.status_code} {r.text[:200]}")
+                samples[RESET_FILES_CALL].append(
+                    call.close(prefix, None, idle_rate, time.perf_counter() - t0))
+                if step != "none":
+                    until_command(node, sid, token, t0, http=http)
+                samples[RESET_FILES].append(
+                    w.close(prefix, None, idle_rate, time.perf_counter() - t0))
+                time.sleep(0.3)
+            t.cleanup([])  # type: ignore[arg-type]
+    finally:
+        node.stop()
+        meter.close()
+    left = leaks(prefix, node.home)
+    report(samples, {}, loads, idle_rate, left, n, name=f"lifecycle_cpu_files_{step}")
+
+
+def report(samples: dict, floor_rows: dict, loads: list[float], idle_rate: float,
+           left: list, n: int, name: str = "lifecycle_cpu") -> None:
+    cols = ["node process", "node's commands (runsc CLI, ip, ...)", "sentry", "gofer",
+            "sandboxes, other", "total", "wall"]
+    lines = ["### CPU-seconds per operation, host-wide (one node, operations one at a time)", "",
+             f"n = {n} each, medians; load 1m {min(loads):.1f}-{max(loads):.1f}. CPU in "
+             "seconds (cgroup cpuacct), wall in seconds. Windows end when a command ran in "
+             "the new sandbox (snapshot: when the call returned). The node's other sandboxes' "
+             f"idle CPU ({idle_rate * 1000:.1f} ms/s) is taken out.", "",
+             "| operation | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
+    rows = {}
+    for key, rs in samples.items():
+        rows[key] = m = med(rs)
+        lines.append(f"| {key} | " + " | ".join(f"{m.get(c, 0):.3f}" for c in cols) + " |")
+    for key, rs in floor_rows.items():
+        rows[key] = m = med(rs)
+        lines.append(f"| floor: {key} | | {m['runsc commands']:.3f} | {m['sentry']:.3f} "
+                     f"(+gofer) | | | {m['total']:.3f} | {m['wall']:.3f} |")
+    if left:
+        lines.append(f"\nLeft behind: {left}")
+    text = "\n".join(lines) + "\n"
+    write(name, {"rows": rows, "samples": samples, "floor": floor_rows,
+                            "loads": loads, "idle_rate_s_per_s": idle_rate, "leaks": left}, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,6 @@ def api(cluster: Cluster) -> Iterator[httpx.Client]:
         yield client
 
 
-def owner(cluster: Cluster, sandbox_id: str) -> str:
-    with cluster.client(cluster.scheduler_url) as c:
-        return c.get(f"/sandboxes/{sandbox_id}").json()["node"]
-
-
 def kill_all(api: httpx.Client) -> None:
     for sbx in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
         api.delete(f"/sandboxes/{sbx['sandboxID']}")
@@ -80,7 +75,7 @@ def test_a_sandbox_made_on_a_node_directly_is_found_at_once(cluster: Cluster,
         # Before any heartbeat told the gateway of it, the nodes are asked.
         r = api.get(f"/sandboxes/{sid}")
         assert r.status_code == 200 and r.json()["sandboxID"] == sid, r.text
-        assert owner(cluster, sid) == f"node-{len(cluster.nodes)}"
+        assert cluster.owner(sid) == f"node-{len(cluster.nodes)}"
     finally:
         api.delete(f"/sandboxes/{sid}")
 
@@ -88,7 +83,7 @@ def test_a_sandbox_made_on_a_node_directly_is_found_at_once(cluster: Cluster,
 def test_e2b_sdk_through_the_gateway(cluster: Cluster, api: httpx.Client) -> None:
     sandboxes = [Sandbox.create(template="base", timeout=120) for _ in range(4)]
     try:
-        nodes = {owner(cluster, s.sandbox_id) for s in sandboxes}
+        nodes = {cluster.owner(s.sandbox_id) for s in sandboxes}
         assert len(nodes) >= 2, f"4 creates on 3 idle nodes all went to {nodes}"
         sbx = sandboxes[0]
         assert sbx.commands.run("echo hi from $(hostname)").stdout.startswith("hi from")
@@ -274,9 +269,9 @@ def test_capacity_is_respected_across_the_cluster(cluster: Cluster, api: httpx.C
         time.sleep(cluster.heartbeat_ms / 1000 * 3)
         created = [api.post("/sandboxes", json={"templateID": "base"}) for _ in range(2)]
         assert [r.status_code for r in created] == [201, 201]
-        assert "node-1" not in {owner(cluster, r.json()["sandboxID"]) for r in created}
+        assert "node-1" not in {cluster.owner(r.json()["sandboxID"]) for r in created}
         # the gateway learned of node 1's own sandboxes from its heartbeats
-        assert {owner(cluster, sid) for sid in direct} == {"node-1"}
+        assert {cluster.owner(sid) for sid in direct} == {"node-1"}
         assert api.get(f"/sandboxes/{direct[0]}").json()["sandboxID"] == direct[0]
         rest = [api.post("/sandboxes", json={"templateID": "base"}) for _ in range(4)]
         assert [r.status_code for r in rest] == [201] * 4  # 9 of 9 places taken
@@ -304,7 +299,7 @@ def test_runs_through_the_gateway_live_on_one_node(cluster: Cluster,
                                   metadata={"aenv.run": run_id}).sandbox_id,
                    api.post("/sandboxes", json={"templateID": "base"},
                             headers={"X-Aenv-Run": run_id}).json()["sandboxID"]]
-        assert len({owner(cluster, sid) for sid in members}) == 1  # the run's node
+        assert len({cluster.owner(sid) for sid in members}) == 1  # the run's node
         assert api.post(f"/runs/{run_id}/heartbeat").json()["sandboxes"] == 2
         assert [r["runID"] for r in api.get("/runs").json()] == [run_id]
         bad = api.post("/sandboxes", json={"templateID": "base"},
@@ -326,7 +321,7 @@ def test_fork_places_children_on_other_nodes(cluster: Cluster, api: httpx.Client
         results = r.json()
         assert all("sandbox" in x for x in results), results
         children = [x["sandbox"]["sandboxID"] for x in results]
-        homes = {owner(cluster, c) for c in children}
+        homes = {cluster.owner(c) for c in children}
         assert len(homes) >= 2, homes  # the source's node has room for 2 of the 4
         for cid in children:
             child = Sandbox.connect(cid)
@@ -341,7 +336,7 @@ def test_peer_transfer_is_digest_verified(cluster: Cluster, api: httpx.Client) -
     sbx = Sandbox.create(template="base", timeout=120)
     try:
         sbx.files.write("/home/user/peer.txt", "from a peer")
-        home = owner(cluster, sbx.sandbox_id)
+        home = cluster.owner(sbx.sandbox_id)
         others = [n for k, n in enumerate(cluster.nodes, 1) if f"node-{k}" != home]
         for attempt, target in enumerate(others):
             snap = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={}).json()
@@ -402,7 +397,7 @@ def test_a_template_built_on_one_node_starts_on_any(cluster: Cluster,
                     break
                 time.sleep(0.1)
         sbx = Sandbox.create(name, timeout=60)
-        assert owner(cluster, sbx.sandbox_id) == f"node-{built_on[0]}"
+        assert cluster.owner(sbx.sandbox_id) == f"node-{built_on[0]}"
         sbx.kill()
         for k, node in enumerate(cluster.nodes, 1):
             if k in built_on:
@@ -412,7 +407,7 @@ def test_a_template_built_on_one_node_starts_on_any(cluster: Cluster,
                 assert r.status_code == 201, r.text
                 sbx = Sandbox.connect(r.json()["sandboxID"])
                 assert sbx.files.read("/home/user/shared.txt") == "built once\n"
-                assert owner(cluster, sbx.sandbox_id) == f"node-{k}"
+                assert cluster.owner(sbx.sandbox_id) == f"node-{k}"
                 sbx.kill()
                 assert name in {a for t in direct.get("/templates").json()
                                 for a in t["aliases"]}
@@ -458,7 +453,7 @@ def test_cut_link_marks_node_down_and_it_rejoins(cluster: Cluster, api: httpx.Cl
         assert took < cluster.node_ttl_ms / 1000 + 3
         created = [api.post("/sandboxes", json={"templateID": "base"}) for _ in range(3)]
         assert all(r.status_code == 201 for r in created), [r.text for r in created]
-        assert "node-3" not in {owner(cluster, r.json()["sandboxID"]) for r in created}
+        assert "node-3" not in {cluster.owner(r.json()["sandboxID"]) for r in created}
     finally:
         cluster.restore_link(3)
     cluster.wait_state(3, "up")
@@ -477,7 +472,7 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
     sbx.files.write("/home/user/kept.txt", "survives its node")
     sbx.commands.run(COUNTER, background=True, timeout=0)
     assert counting(sbx)
-    home = owner(cluster, sbx.sandbox_id)
+    home = cluster.owner(sbx.sandbox_id)
     # running sandboxes on the same node: one never paused dies with it; one paused
     # and resumed since can be resumed from that pause
     with cluster.client(cluster.node(home).url) as direct:
@@ -527,12 +522,12 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
     assert api.post(f"/sandboxes/{doomed}/pause").status_code == 410
     # the one paused before resumes on another node from that pause
     kept = Sandbox.connect(again, timeout=120)
-    assert owner(cluster, again) != home
+    assert cluster.owner(again) != home
     assert kept.files.read("/home/user/paused.txt") == "before the pause"
     assert not kept.files.exists("/home/user/since.txt")
     # the paused one resumes on another node, state and processes intact
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
-    new_home = owner(cluster, sbx.sandbox_id)
+    new_home = cluster.owner(sbx.sandbox_id)
     assert new_home != home
     assert resumed.files.read("/home/user/kept.txt") == "survives its node"
     assert counting(resumed)
@@ -552,7 +547,7 @@ def test_kill9_node_paused_sandbox_resumes_elsewhere(cluster: Cluster,
             time.sleep(0.1)
         assert direct.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404
         assert direct.get(f"/sandboxes/{again}").status_code == 404
-    assert owner(cluster, sbx.sandbox_id) == new_home
+    assert cluster.owner(sbx.sandbox_id) == new_home
     assert resumed.commands.run("cat /home/user/kept.txt").stdout == "survives its node"
     assert kept.commands.run("cat /home/user/paused.txt").stdout == "before the pause"
     resumed.kill()

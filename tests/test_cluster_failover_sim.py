@@ -16,19 +16,16 @@ the native clients and the front do):
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 import redis
 
 from agentenv.testing.cluster import Cluster
-from agentenv.testing.sim_cluster import InThread, heartbeating, up_nodes, wait_for
+from agentenv.testing.sim_cluster import InThread, sim_fixtures, up_nodes, wait_for
 from agentenv.testing.sim_records import Behaviour
 
 NODES = 10
@@ -39,21 +36,11 @@ FLOW = 6
 CREATE_DEADLINE_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("sim-failover"), f"f{os.getpid() % 256:02x}",
-                nodes=0, node_ttl_ms=NODE_TTL_MS, gateway_queue_s=5.0, schedulers=2,
-                gateways=2, sentinel=True)
-    with c.serving() as serving:
-        yield serving
-
-
-@pytest.fixture(scope="module")
-def sim(cluster: Cluster) -> Iterator[InThread]:
-    # A create takes 50 ms on the node: some are on their way at each kill.
-    with heartbeating(cluster, NODES, Behaviour(capacity=100, heartbeat_s=HEARTBEAT_S,
-                                                create_s=0.05), wait=30) as nodes:
-        yield nodes
+# A create takes 50 ms on the node: some are on their way at each kill.
+cluster, sim = sim_fixtures("sim-failover", "f", NODES,
+                            Behaviour(capacity=100, heartbeat_s=HEARTBEAT_S, create_s=0.05),
+                            wait=30, node_ttl_ms=NODE_TTL_MS, gateway_queue_s=5.0,
+                            schedulers=2, gateways=2, sentinel=True)
 
 
 class Flow:

@@ -14,15 +14,12 @@ forty (agentenv.testing.sim_nodes):
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 
 from agentenv.testing.cluster import Cluster
-from agentenv.testing.sim_cluster import InThread, heartbeating, wait_for
+from agentenv.testing.sim_cluster import InThread, sim_fixtures, wait_for
 from agentenv.testing.sim_records import Behaviour
 
 NODES = 10
@@ -30,20 +27,11 @@ QUOTA = 5
 HEARTBEAT_S = 0.3
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("sim-quotas"), f"q{os.getpid() % 256:02x}", nodes=0,
-                node_ttl_ms=3000, gateway_queue_s=1.0, gateways=2)
-    with pytest.MonkeyPatch.context() as mp:  # the gateways' config, from their env
-        mp.setenv("AENV_KEY_MAX_SANDBOXES", str(QUOTA))
-        with c.serving() as serving:
-            yield serving
-
-
-@pytest.fixture(scope="module")
-def sim(cluster: Cluster) -> Iterator[InThread]:
-    with heartbeating(cluster, NODES, Behaviour(capacity=4, heartbeat_s=HEARTBEAT_S)) as nodes:
-        yield nodes
+# The gateways' config, from their env.
+cluster, sim = sim_fixtures("sim-quotas", "q", NODES,
+                            Behaviour(capacity=4, heartbeat_s=HEARTBEAT_S),
+                            env={"AENV_KEY_MAX_SANDBOXES": str(QUOTA)},
+                            node_ttl_ms=3000, gateway_queue_s=1.0, gateways=2)
 
 
 def running_ids(sim: InThread) -> set[str]:

@@ -14,7 +14,6 @@ the cluster protocol, no sandboxes):
 from __future__ import annotations
 
 import base64
-import os
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ import httpx
 import pytest
 
 from agentenv.testing.cluster import Cluster
-from agentenv.testing.sim_cluster import InThread, heartbeating, up_nodes, wait_for
+from agentenv.testing.sim_cluster import InThread, sim_fixtures, up_nodes, wait_for
 from agentenv.testing.sim_records import Behaviour
 
 NODES = 10
@@ -35,30 +34,15 @@ HEARTBEAT_S = 0.3
 NODE_TTL_MS = 3000
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("sim-cluster"), f"s{os.getpid() % 256:02x}", nodes=0,
-                node_ttl_ms=NODE_TTL_MS, gateway_queue_s=2.0)
-    with c.serving() as serving:
-        yield serving
-
-
-@pytest.fixture(scope="module")
-def sim(cluster: Cluster) -> Iterator[InThread]:
-    with heartbeating(cluster, NODES, Behaviour(capacity=CAPACITY,
-                                                heartbeat_s=HEARTBEAT_S)) as nodes:
-        yield nodes
+cluster, sim = sim_fixtures("sim-cluster", "s", NODES,
+                            Behaviour(capacity=CAPACITY, heartbeat_s=HEARTBEAT_S),
+                            node_ttl_ms=NODE_TTL_MS, gateway_queue_s=2.0)
 
 
 @pytest.fixture
 def api(cluster: Cluster) -> Iterator[httpx.Client]:
     with cluster.client() as client:
         yield client
-
-
-def owner(cluster: Cluster, sandbox_id: str) -> str:
-    with cluster.client(cluster.scheduler_url) as c:
-        return c.get(f"/sandboxes/{sandbox_id}").json()["node"]
 
 
 def where(sim: InThread) -> dict[str, str]:
@@ -84,7 +68,7 @@ def test_creates_are_placed_across_nodes_and_listed(cluster: Cluster, sim: InThr
     per_node = Counter(held[sid] for sid in ids)
     # Least loaded first: twenty creates on ten idle nodes of four fill none.
     assert len(per_node) >= NODES // 2 and max(per_node.values()) <= CAPACITY, per_node
-    assert all(owner(cluster, sid) == held[sid] for sid in ids)
+    assert all(cluster.owner(sid) == held[sid] for sid in ids)
 
     seen: list[dict] = []
     token = None
@@ -200,7 +184,7 @@ def test_a_node_whose_heartbeats_lapse(cluster: Cluster, sim: InThread,
     # Its committed paused one is taken over by another node when resumed.
     r = api.post(f"/sandboxes/{paused_one}/resume")
     assert r.status_code == 201, r.text
-    taker = owner(cluster, paused_one)
+    taker = cluster.owner(paused_one)
     assert taker != lapsing and sim.states()[taker][paused_one] == "running"
 
     # A kill of the lost one still reaches its node, which may only be slow.
@@ -213,7 +197,7 @@ def test_a_node_whose_heartbeats_lapse(cluster: Cluster, sim: InThread,
     sim.set_heartbeating(lapsing, True)
     wait_for(lambda: lapsing in up_nodes(cluster), f"{lapsing} up again")
     wait_for(lambda: paused_one not in sim.states()[lapsing], "the taken-over copy dropped")
-    assert owner(cluster, paused_one) == taker
+    assert cluster.owner(paused_one) == taker
 
     for sid in ids:
         assert api.delete(f"/sandboxes/{sid}").status_code == 204, sid

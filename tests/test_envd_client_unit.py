@@ -8,7 +8,7 @@ import base64
 import json
 import os
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -35,30 +35,43 @@ START = {"event": {"start": {"pid": 42}}}
 
 
 @asynccontextmanager
-async def _envd(status: int, messages: list[dict], slot: int
-                ) -> AsyncIterator[tuple[str, list[dict]]]:
-    """A stand-in envd on a loopback address of its own: its address, and the
-    requests it received (their first envelope, decoded)."""
+async def _stand_in(slot: int, respond: Callable[[bytes, asyncio.StreamReader],
+                                                 Awaitable[bytes]]) -> AsyncIterator[str]:
+    """A stand-in envd on a loopback address of its own (yields it): each request's head
+    is read, then what ``respond`` makes of it (and the rest of the request) is written
+    as it is and the connection closed."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
-        bodies.append(json.loads((await reader.readexactly(length))[5:]))
-        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/connect+json\r\n"
-                     "Connection: close\r\n\r\n".encode())
-        if status == 200:
-            writer.write(b"".join(_envelope(m) for m in messages) + _envelope({}, flags=2))
+        writer.write(await respond(await reader.readuntil(b"\r\n\r\n"), reader))
         await writer.drain()
         writer.close()
 
-    bodies: list[dict] = []
     address = f"127.28.{os.getpid() % 250}.{slot}"
     server = await asyncio.start_server(serve, address, ENVD_PORT)
     try:
-        yield address, bodies
+        yield address
     finally:
         server.close()
         await server.wait_closed()
+
+
+@asynccontextmanager
+async def _envd(status: int, messages: list[dict], slot: int
+                ) -> AsyncIterator[tuple[str, list[dict]]]:
+    """A stand-in envd answering ``status`` and, when 200, ``messages`` as Connect
+    envelopes: its address, and the requests it received (their first envelope, decoded)."""
+    async def respond(head: bytes, reader: asyncio.StreamReader) -> bytes:
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        bodies.append(json.loads((await reader.readexactly(length))[5:]))
+        answer = (f"HTTP/1.1 {status} X\r\nContent-Type: application/connect+json\r\n"
+                  "Connection: close\r\n\r\n").encode()
+        if status == 200:
+            answer += b"".join(_envelope(m) for m in messages) + _envelope({}, flags=2)
+        return answer
+
+    bodies: list[dict] = []
+    async with _stand_in(slot, respond) as address:
+        yield address, bodies
 
 
 async def test_run_and_run_logged_read_the_stream_to_its_exit_code() -> None:
@@ -105,22 +118,15 @@ async def test_a_stream_without_an_exit_code_or_a_refusal_is_envd_unavailable() 
 async def _answering(answer: bytes, slot: int) -> AsyncIterator[tuple[str, list[bytes]]]:
     """A stand-in envd that reads a request and writes ``answer`` as it is (b"": says
     nothing and holds the connection): its address and the requests' heads."""
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        heads.append(await reader.readuntil(b"\r\n\r\n"))
+    async def respond(head: bytes, reader: asyncio.StreamReader) -> bytes:
+        heads.append(head)
         if not answer:
             await asyncio.sleep(30)
-        writer.write(answer)
-        await writer.drain()
-        writer.close()
+        return answer
 
     heads: list[bytes] = []
-    address = f"127.28.{os.getpid() % 250}.{slot}"
-    server = await asyncio.start_server(serve, address, ENVD_PORT)
-    try:
+    async with _stand_in(slot, respond) as address:
         yield address, heads
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 def _http(status: int, body: bytes) -> bytes:

@@ -36,7 +36,8 @@ async def small_post(address: str, path: str, token: str, body: bytes) -> tuple[
     """One JSON POST to envd on a connection of its own, its answer read whole: (status,
     body). For a call on a files reset's path: httpx's layers (httpcore, anyio) cost
     ~3 CPU-ms and ~13 ms of wall per new connection to envd on this 2-core machine
-    under load, this ~1 and ~5 (bench/results/lifecycle_cpu_files_both.md). The sandbox
+    under load, this ~1 and ~5 (`bench_lifecycle.py --cpu --files-only`;
+    git show 3857f5a:bench/results/lifecycle_cpu_files_both.md). The sandbox
     is not trusted: an answer over SMALL_ANSWER_MAX or malformed raises h11.ProtocolError
     (the caller bounds the time, asyncio.timeout)."""
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=SMALL_ANSWER_MAX)

@@ -28,7 +28,7 @@ from ..resources import host_memory_mb
 
 log = logging.getLogger(__name__)
 
-ENVD_MB = 22  # what a dormant envd gives back (bench/results/dormant.md: 22.5 MiB)
+ENVD_MB = 22  # what a dormant envd gives back (3857f5a:bench/results/dormant.md: 22.5 MiB)
 MAX_ROUND = 32  # envds asked per round at most, before memory is looked at again
 ROUND_GAP_S = 2.0  # between rounds: the memory of those asked takes a moment to return
 REFUSED_RETRY_S = 10.0  # one that said it was busy is not asked again for this long

@@ -68,7 +68,7 @@ class Pausing(Captures):
         # An automatic clean-up of the template waits for this snapshot to go.
         with contextlib.suppress(OSError):
             await asyncio.to_thread(self.templates.note_snapshot, record.template_id, snapshot_id)
-        # bench/bench_capture.py reads this line: the capture is what the sandbox
+        # bench/bench_snapshots.py capture reads this line: the capture is what the sandbox
         # is stopped for, the commit runs beside it.
         log.info("snapshot %s of %s: capture %.0f ms, commit %.0f ms, %d bytes",
                  snapshot_id, sandbox_id, (t1 - t0) * 1000,

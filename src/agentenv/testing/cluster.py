@@ -216,6 +216,11 @@ class Cluster:
         return httpx.Client(base_url=url or self.gateway_url, timeout=120, trust_env=False,
                             headers={"X-API-Key": self.api_key})
 
+    def owner(self, sandbox_id: str) -> str:
+        """The node Redis names as the sandbox's owner (asked of the first scheduler)."""
+        with self.client(self.scheduler_url) as c:
+            return str(c.get(f"/sandboxes/{sandbox_id}").json()["node"])
+
     # -- start / stop -------------------------------------------------------------------
     def _write_key(self, home: Path) -> None:
         secrets = home / "secrets"

@@ -1,10 +1,11 @@
-"""Simulated nodes in a thread of the caller (tests), and the waits the tests of the
-control plane over them share."""
+"""Simulated nodes in a thread of the caller (tests), the waits the tests of the
+control plane over them share, and their two fixtures (``sim_fixtures``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -102,3 +103,35 @@ def heartbeating(cluster: Cluster, count: int, behaviour: Behaviour,
     with running(count, schedulers, cluster.api_key, behaviour) as nodes:
         wait_for(lambda: len(up_nodes(cluster)) == count, "every simulated node up", wait)
         yield nodes
+
+
+def sim_fixtures(name: str, prefix: str, nodes: int, behaviour: Behaviour, *,
+                 wait: float = 15, env: dict[str, str] | None = None,
+                 **cluster: Any) -> tuple[Any, Any]:
+    """A test module's two module-scoped fixtures over simulated nodes: ``cluster``, a
+    real control plane (Redis, schedulers, gateways; ``cluster``: Cluster's arguments)
+    with no node of its own, its services started with ``env`` in their environment
+    (their config), and ``sim``, ``nodes`` simulated nodes of ``behaviour`` heartbeating
+    to every scheduler of it, each listed up within ``wait`` s. ``prefix``: one letter,
+    the cluster's names' own (with the process's ID)::
+
+        cluster, sim = sim_fixtures("sim-quotas", "q", 10, Behaviour(capacity=4), gateways=2)
+    """
+    import pytest  # tests only: a benchmark importing this module does not need it
+
+    @pytest.fixture(scope="module", name="cluster")
+    def cluster_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+        c = Cluster(tmp_path_factory.mktemp(name), f"{prefix}{os.getpid() % 256:02x}",
+                    nodes=0, **cluster)
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in (env or {}).items():
+                mp.setenv(key, value)
+            with c.serving() as serving:
+                yield serving
+
+    @pytest.fixture(scope="module", name="sim")
+    def sim_fixture(cluster: Cluster) -> Iterator[InThread]:
+        with heartbeating(cluster, nodes, behaviour, wait) as running_nodes:
+            yield running_nodes
+
+    return cluster_fixture, sim_fixture
