@@ -62,7 +62,7 @@ class Captures(ManagerCore):
     async def _capture(self, sandbox_id: str, snapshot_id: str, leave_running: bool) -> Path:
         """Checkpoint into a fresh staging dir; on failure nothing stays staged."""
         await self._check_staging_room(sandbox_id)
-        await self._before_capture(sandbox_id)
+        await self.life.before_capture(sandbox_id)
         try:
             staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
         except SnapshotError as exc:
@@ -94,7 +94,7 @@ class Captures(ManagerCore):
 
     async def _capture_files(self, record: SandboxRecord, snapshot_id: str) -> Path:
         """A filesystem-only capture of a running sandbox (which runs on if it fails)."""
-        template = self._bootable_template(record)
+        template = self.plans.bootable_template(record)
         try:
             staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
         except SnapshotError as exc:
@@ -103,7 +103,7 @@ class Captures(ManagerCore):
         try:
             size = await disk_pause.capture(
                 self.envd, record.slot_address, record.envd_token, template.rootfs,
-                self._template_listings, staging, record.disk_size_mb << 20)
+                self.template_listings, staging, record.disk_size_mb << 20)
         except BaseException:
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
             raise

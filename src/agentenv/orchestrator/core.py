@@ -1,18 +1,12 @@
-"""What every part of the sandbox manager shares: the node's collaborators, the table
-of sandboxes, and the few primitives that change them.
+"""What every part of the sandbox manager shares: the node's collaborators (the
+runtime, slots, stores, admission, the idle freezer, caches), the table of sandboxes,
+and the queries and admission rules over them.
 
-The jobs that change a sandbox under its lock are classes over this core (``pausing``
-and ``captures``: snapshot, pause, resume; ``resetting``; ``forking``; ``reconcile``:
-restart), joined in ``SandboxManager`` (``manager``: create, kill, TTL), which also
-builds the services that get what they use as arguments (connecting, egress, runs,
-pressure, snapshots, comparing). What each sandbox holds is its ``Sandbox``
-(sandbox.py) in the table ``sandboxes`` (table.py); only this module adds and removes
-them and changes states (``_transition``), so the rules below hold everywhere:
-
-- a record is in the store before anything is started for it, so a crash at any
-  point leaves something the next start can clean up;
-- a slot is handed back by the sandbox's undo stack only, never twice;
-- every state change is checked against ``TRANSITIONS``.
+The state changes of sandboxes are ``Lifecycle``'s (lifecycle.py), what a request
+or a record launches from is ``Plans``' (plans.py); the jobs on sandboxes are
+services that receive these (captures, pausing, forking, resetting, reconcile,
+connecting, egress, runs, pressure, snapshots, comparing), built and joined in
+``SandboxManager`` (manager.py: create, kill, TTL).
 """
 
 from __future__ import annotations
@@ -23,14 +17,12 @@ import contextlib
 import logging
 import os
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from ..config import Config
-from ..images import DEFAULT_MOUNTPOINTS, ImageError, ImageService, LayerStore, LazyLayers
-from ..network import Slot, SlotPool
-from ..resources import CPU, DISK, MEMORY, host_cpus
+from ..images import ImageError
+from ..network import SlotPool
+from ..resources import host_cpus
 from ..runtime import Runtime
 from ..snapshot import SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
@@ -44,24 +36,21 @@ from .envd_client import EnvdClient
 from .exits import ExitHandler
 from .idempotency import IdempotencyKeys
 from .idling import IdleFreezer
-from .launch import EnvdInit, Launcher, LaunchPlan
-from .local_cache import LocalCache
+from .launch import Launcher
+from .lifecycle import Lifecycle
+from .local_cache import LocalCache, node_images
 from .models import (
-    TRANSITIONS,
-    BadRequest,
-    Conflict,
     NotFound,
     OrchestratorError,
     SandboxRecord,
     SandboxState,
     not_running,
 )
-from .records import Resources
-from .requests import check_timeout
+from .plans import Plans
 from .resident import ResidentSet, default_budget_bytes
 from .runbook import RunBook
 from .sandbox import Sandbox
-from .specs import BUNDLE_MOUNT, SpecFactory
+from .specs import SpecFactory
 from .store import SandboxStore
 from .table import SandboxTable
 
@@ -85,21 +74,12 @@ class ManagerCore:
         self.limits = config.resource_limits
         templates.limits = self.limits
         self.specs = SpecFactory(config, runtime, self.limits)
+        self.plans = Plans(config, templates, self.limits)
         self.launcher = Launcher(runtime, slots, self.envd, self.specs, self.ensure_rootfs,
                                  config.egress_refresh_s, make_room=self.make_room,
                                  slot_wait_s=config.admission_queue_timeout_s)
         # Every sandbox of the node and what it holds (its slot, lock, background work).
         self.sandboxes = SandboxTable()
-        # Creates (and fork children) under way: each runs as a task of its own.
-        self._tasks: set[asyncio.Task] = set()
-        # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
-        self._exits = ExitHandler(self._runtime_exited)
-        # Called with a sandbox ID once it is gone (the proxy drops its connections).
-        self.on_removed: list[Callable[[str], None]] = []
-        # Awaited with a sandbox ID before its running state is captured (snapshot,
-        # pause, fork): the proxy closes its idle connections to it, which a copy
-        # restored elsewhere would hold half-open (see SandboxProxy.release_idle).
-        self.on_capture: list[Callable[[str], Awaitable[None]]] = []
         configured = config.admission_max_starting
         self._max_starting = configured if configured else max(4, 2 * (os.cpu_count() or 1))
         # Creates beyond the node's room wait here, fair across API keys (admission.py).
@@ -113,8 +93,6 @@ class ManagerCore:
         # Answers of creates sent with an Idempotency-Key (idempotency.py).
         self.idempotency = IdempotencyKeys(store.path, config.idempotency_ttl_s,
                                            config.idempotency_max_keys)
-        # What each template's rootfs holds (filesystem-only pauses compare with it).
-        self._template_listings = TemplateListings()
         # Idle running sandboxes frozen in place, thawed by the next request (idling.py).
         self.freezer = IdleFreezer(runtime, config.idle_freeze_s, config.idle_freeze_cpu_pct,
                                    lambda: self.sandboxes.records, self.sandboxes.held,
@@ -126,6 +104,15 @@ class ManagerCore:
         # Frozen sandboxes' memory moved to the host's compressed swap (cold_memory.py).
         self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids,
                                       lambda: self._short_for_idle(), self.sandboxes.held)
+        # The state changes of sandboxes, and the work done apart from callers.
+        self.life = Lifecycle(self.sandboxes, store, runtime, slots, self.launcher,
+                              self.admission.wake, self.freezer, self.cold_memory)
+        self.on_removed = self.life.on_removed  # the proxy listens (lifecycle.py)
+        self.on_capture = self.life.on_capture
+        # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
+        self._exits = ExitHandler(self._runtime_exited)
+        # What each template's rootfs holds (filesystem-only pauses compare with it).
+        self.template_listings = TemplateListings()
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
         self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
                                       config.resident_pause_idle_s)
@@ -136,17 +123,7 @@ class ManagerCore:
         if self.boot_images is not None:
             self.boot_images.on_freed = self.admission.wake
         # Pulled OCI images: their layers, and the rootfs mounts of image templates.
-        self.image_cache = ImageService(
-            LayerStore(config.images_cache_dir, config.cache_budget(),
-                       mountpoints=(*DEFAULT_MOUNTPOINTS, BUNDLE_MOUNT)), templates,
-            config.secrets_dir, in_use=self._templates_in_use,
-            pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
-            local_sources_dir=config.image_imports_dir,
-            lazy=LazyLayers(config.images_cache_dir / "lazy", snapshots.repo,
-                            config.snapshot_repository(), gzip_checkpoints=config.image_gzip_index,
-                            prefetch=config.image_prefetch,
-                            registry_timeout_s=config.image_registry_timeout_s)
-            if config.image_loading == "lazy" else None)
+        self.image_cache = node_images(config, templates, snapshots, self._templates_in_use)
         # One budget for the node-local cache: image layers and materialized snapshots.
         self.local_cache = LocalCache(config.cache_budget(), self.image_cache, snapshots,
                                       pinned_snapshots=self._pinned_snapshots,
@@ -204,7 +181,7 @@ class ManagerCore:
 
     async def set_timeout(self, sandbox_id: str, ttl: int | None) -> SandboxRecord:
         """The sandbox now ends ``ttl`` seconds from now (the default when None)."""
-        seconds = self._check_timeout(ttl)
+        seconds = self.plans.timeout(ttl)
         record = self.get(sandbox_id)
         record.end_at = time.time() + seconds
         self.store.put(record)
@@ -260,15 +237,6 @@ class ManagerCore:
             raise
         return ticket
 
-    def _check_timeout(self, timeout: int | None) -> int:
-        return check_timeout(timeout, self.config.default_timeout, self.config.max_timeout)
-
-    def _resources(self, cpu_count: Any, memory_mb: Any, disk_size_mb: Any) -> Resources:
-        """Resources within the node's bounds (values from disk are never trusted)."""
-        return Resources(self.limits.clamp(CPU, cpu_count, 1),
-                         self.limits.clamp(MEMORY, memory_mb, 512),
-                         self.limits.clamp(DISK, disk_size_mb, 0))
-
     # -- templates' root filesystems ----------------------------------------------------
 
     async def ensure_rootfs(self, template: Template) -> None:
@@ -305,141 +273,10 @@ class ManagerCore:
 
     # -- launching a record -------------------------------------------------------------
 
-    def _bootable_template(self, record: SandboxRecord) -> Template:
-        try:
-            template = self.templates.get(record.template_id)
-        except TemplateNotFound as exc:
-            raise NotFound(f"template of the sandbox is gone: {exc}") from exc
-        if template.snapshot_id:
-            raise BadRequest(f"template '{template.template_id}' was built from steps: its "
-                             "files live in its memory snapshot, so a filesystem-only pause "
-                             "cannot reboot it; pause with memory")
-        return template
-
-
-    def _plan(self, record: SandboxRecord, template: Template, *, hostname_of: str,
-              image=None, current_token: str = "", init: bool = True,
-              start_command: bool = False, purpose: str = "", files=None,
-              new_boot: bool = False, slot: Slot | None = None) -> LaunchPlan:
-        return LaunchPlan(
-            sandbox_id=record.sandbox_id, template=template, cpu_count=record.cpu_count,
-            memory_mb=record.memory_mb, hostname_of=hostname_of, image=image,
-            internet=record.internet, network=record.network,
-            init=self._envd_init(record, template, current_token, new_boot) if init else None,
-            files=files, start_command=start_command, purpose=purpose, slot=slot,
-            on_started=lambda: setattr(record, "booted_at", time.time()))
-
-    def _envd_init(self, record: SandboxRecord, template: Template, current_token: str = "",
-                   new_boot: bool = False) -> EnvdInit:
-        """What envd is told for this record: its token, env vars, the template's user
-        and file access, and for a new boot (a create, not a fork or a resume) a boot
-        ID of its own."""
-        return EnvdInit(record.envd_token, record.env_vars,
-                        default_user=template.default_user or "user",
-                        default_workdir=template.default_workdir, current_token=current_token,
-                        boot_id=str(uuid.uuid4()) if new_boot else "",
-                        file_access=self.file_access(template))
-
     def file_access(self, template: Template) -> str:
-        """envd's file access for ``template``'s sandboxes: its own, else the node's."""
-        return template.file_access or self.config.envd_file_access
-
-    async def _bring_up(self, record: SandboxRecord, plan: LaunchPlan) -> SandboxRecord:
-        """Launch a ``creating`` record's sandbox; it holds the slot and runs after.
-        On failure the launcher has undone its part; the caller drops the record."""
-        slot = await self.launcher.launch(plan)
-        self._started(record, slot)
-        record.ready_at = time.time()
-        self._transition(record, SandboxState.RUNNING)
-        return record
-
-    async def _as_task(self, record: SandboxRecord,
-                       work: Coroutine[Any, Any, SandboxRecord]) -> SandboxRecord:
-        """Run a create as a task of its own: a client that hangs up mid-create leaves
-        no half-built sandbox. Whatever the work raises, the record does not stay
-        ``creating`` (counted against capacity for ever): it is torn down."""
-
-        async def guarded() -> SandboxRecord:
-            try:
-                return await work
-            except BaseException:
-                if record.state is SandboxState.CREATING and \
-                        self.sandboxes.holds(record) is not None:
-                    await asyncio.shield(self._teardown(record, True))
-                raise
-
-        task = asyncio.create_task(guarded())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(task)
-
-    def _spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        """Background work the node cancels when it stops."""
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    def _add(self, record: SandboxRecord) -> Sandbox:
-        """A new record: in the store before anything starts for it."""
-        entry = self.sandboxes.add(record)
-        self.store.put(record)
-        return entry
+        return self.plans.file_access(template)
 
     # -- what a sandbox holds, and states -----------------------------------------------
-
-    def _started(self, record: SandboxRecord, slot: Slot) -> None:
-        """A launch handed the sandbox its slot and runtime: its undo stack takes them
-        over (the slot once, should the same one come back)."""
-        entry = self.sandboxes.holds(record)
-        if entry is None:  # (never: a record being launched is not removed)
-            raise OrchestratorError(f"sandbox '{record.sandbox_id}' was removed while "
-                                    "starting")
-        entry.hold(slot, self._give_back)
-        entry.runs(self.runtime.destroy)
-
-    async def _give_back(self, slot: Slot) -> None:
-        try:
-            await self.slots.release(slot)
-        except Exception:
-            log.exception("release of slot %s failed", slot.index)
-        self.admission.wake()
-
-    async def _release(self, entry: Sandbox, destroy: bool = True) -> None:
-        """Give back what the sandbox holds: its runtime (destroyed, with ``destroy``
-        even if no launch handed one over), then its slot."""
-        if destroy:
-            entry.runs(self.runtime.destroy)
-        await entry.cleanup.run()
-        entry.let_go_of_slot()
-
-    async def _before_capture(self, sandbox_id: str) -> None:
-        for listener in self.on_capture:
-            try:
-                await listener(sandbox_id)
-            except Exception:  # a capture goes on without it
-                log.exception("before-capture step for %s failed", sandbox_id)
-
-    def _forget(self, record: SandboxRecord) -> None:
-        """Drop a record that holds nothing any more."""
-        record.state = SandboxState.KILLED
-        self.store.delete(record.sandbox_id)
-        entry = self.sandboxes.holds(record)
-        if entry is not None:
-            self.sandboxes.remove(entry)
-        self.admission.wake()
-
-    async def _teardown(self, record: SandboxRecord, started: bool) -> None:
-        """Stop a sandbox (if ``started``), free its slot and drop its record."""
-        entry = self.sandboxes.holds(record)
-        record.state = SandboxState.KILLED
-        if entry is not None:
-            await self._release(entry, destroy=started)
-        self._forget(record)
-        self.freezer.forget(record.sandbox_id)
-        self.cold_memory.forget(record.sandbox_id)
-        for listener in self.on_removed:
-            listener(record.sandbox_id)
 
     async def _resident_exited(self, entry: Sandbox, reason: str) -> None:
         """A resident paused sandbox's frozen runtime ended: it resumes from its
@@ -451,7 +288,7 @@ class ManagerCore:
                 return
             if resident.capture is not None:
                 resident.capture.cancel()
-            await self._release(entry)
+            await self.life.release(entry)
             if resident.captured:
                 log.warning("paused sandbox %s %s; it resumes from its capture",
                             sandbox_id, reason)
@@ -460,17 +297,7 @@ class ManagerCore:
             record.error = f"{reason} while paused, before its state was saved"
             record.snapshot_id = resident.previous_snapshot
             log.error("paused sandbox %s %s; it is now in state error", sandbox_id, record.error)
-            self._transition(record, SandboxState.ERROR)
-
-    def _transition(self, record: SandboxRecord, to: SandboxState) -> None:
-        if to not in TRANSITIONS[record.state]:
-            raise Conflict(f"sandbox '{record.sandbox_id}' cannot go from {record.state} to {to}")
-        record.state = to
-        self.store.put(record)
-        self.admission.wake()
-
-    def _lock(self, sandbox_id: str) -> asyncio.Lock:
-        return self.sandboxes.lock(sandbox_id)
+            self.life.transition(record, SandboxState.ERROR)
 
     async def _runtime_exited(self, sandbox_id: str, reason: str) -> None:
         """A running sandbox's runtime ended unasked: the record goes to ``error``
@@ -493,8 +320,7 @@ class ManagerCore:
                     record.state is not SandboxState.RUNNING:
                 return
             log.error("sandbox %s %s; it is now in state error", sandbox_id, reason)
-            self._transition(record, SandboxState.ERROR)
-            for listener in self.on_removed:  # e.g. the proxy drops its connections
-                listener(sandbox_id)
-            await self._release(entry)
+            self.life.transition(record, SandboxState.ERROR)
+            self.life.removed(sandbox_id)  # e.g. the proxy drops its connections
+            await self.life.release(entry)
             self.store.put(record)

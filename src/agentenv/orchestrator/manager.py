@@ -65,7 +65,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
         # The services with no part in the class tree: each gets what it uses.
         self.egress = EgressPolicies(self.sandboxes, self.store, self.launcher)
         self.user_snapshots = UserSnapshots(self.templates, self.snapshots, self.snapshot_gc)
-        self.runs = Runs(self.sandboxes, self.runbook, self.pause, self.kill, self._spawn)
+        self.runs = Runs(self.sandboxes, self.runbook, self.pause, self.kill, self.life.spawn)
         self.connections = Connections(self.sandboxes, self.config, self.resume,
                                        self.set_timeout)
         self.pressure = PressureRelief(self.config, self.sandboxes, self.runtime, self.envd,
@@ -146,7 +146,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
         self.admission.close()
         self.cold_memory.close()
         await self.pressure.close()
-        for task in list(self._tasks):
+        for task in list(self.life.tasks):
             task.cancel()
         if destroy:  # their runtimes go below: what is frozen is captured first
             await self._capture_residents_now()
@@ -174,7 +174,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
 
     @observed("create")
     async def create(self, req: CreateRequest) -> SandboxRecord:
-        ttl = self._check_timeout(req.timeout)
+        ttl = self.plans.timeout(req.timeout)
         check_create(req, self.limits)
         source = await self._source(req)
         if isinstance(source, Manifest):
@@ -194,11 +194,11 @@ class SandboxManager(Reconciling, Resetting, Forking):
             ticket.release()
         custom = req.custom_resources and not template.snapshot_id
         if member is not None:
-            return await self._as_task(record, self._hand_out(record, member, template))
+            return await self.life.as_task(record, self._hand_out(record, member, template))
         image = await pool.image(template) if pool and not custom else None
         work = (self._restore_or_boot(record, template, image) if image
                 else self._boot(record, template))
-        return await self._as_task(record, work)
+        return await self.life.as_task(record, work)
 
     def _new_create(self, req: CreateRequest, template: Template, ttl: int
                     ) -> tuple[SandboxRecord, PooledSandbox | None]:
@@ -210,7 +210,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
         record = new_record(
             sandbox_id=member.sandbox_id if member else "", node_id=self.config.node_id,
             template_id=template.template_id, alias=template.alias,
-            resources=self._resources(
+            resources=self.plans.resources(
                 (custom and req.cpu_count) or template.cpu_count or self.config.default_cpu_count,
                 (custom and req.memory_mb) or template.memory_mb
                 or self.config.default_memory_mb,
@@ -220,7 +220,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
             private_ports=not req.public_traffic, metadata=req.metadata,
             env_vars={**dict(template.envs), **req.env_vars}, **req.ingress(ttl),
             **req.stamps(), origin=f"template:{template.template_id}")
-        self._add(record)
+        self.life.add(record)
         return record, member
 
     async def _resolve(self, name: str, missing: str, cause: BaseException | None = None):
@@ -236,20 +236,20 @@ class SandboxManager(Reconciling, Resetting, Forking):
         """A sandbox the warm pool launched ahead of time becomes this record's: its
         egress policy and envd's token and env vars are set, nothing else."""
         t0 = time.perf_counter()
-        self._started(record, member.slot)
+        self.life.started(record, member.slot)
         record.booted_at = time.time()
         self.store.put(record)
         try:
             await self.launcher.apply_egress(record.sandbox_id, member.slot, record.network,
                                              record.internet)
-            init = self._envd_init(record, template, member.envd_token, new_boot=True)
+            init = self.plans.envd_init(record, template, member.envd_token, new_boot=True)
             await self.envd.init(member.slot.address, init.token, dict(init.env_vars),
                                  default_user=init.default_user,
                                  default_workdir=init.default_workdir,
                                  current_token=init.current_token, boot_id=init.boot_id,
                                  file_access=init.file_access)
             record.ready_at = time.time()
-            self._transition(record, SandboxState.RUNNING)
+            self.life.transition(record, SandboxState.RUNNING)
         except Exception as exc:
             log.warning("handing out pooled sandbox %s failed: %s", record.sandbox_id, exc)
             raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
@@ -264,7 +264,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
         assert self.boot_images is not None
         try:
             with self.boot_images.using(image):
-                await self._bring_up(record, self._plan(
+                await self.life.bring_up(record, self.plans.plan(
                     record, template, image=image.path, current_token=image.envd_token,
                     hostname_of=image.hostname_of or template.template_id, new_boot=True))
         except CapacityExceeded:
@@ -284,8 +284,8 @@ class SandboxManager(Reconciling, Resetting, Forking):
         if template.snapshot_id:  # its files and processes are only in its snapshot
             raise NotFound(f"snapshot of template '{template.template_id}' is not available")
         t0 = time.perf_counter()
-        await self._bring_up(record, self._plan(record, template, hostname_of=record.sandbox_id,
-                                                start_command=True, new_boot=True))
+        await self.life.bring_up(record, self.plans.plan(
+            record, template, hostname_of=record.sandbox_id, start_command=True, new_boot=True))
         log.info("created %s in %.0f ms (booted)", record.sandbox_id,
                  (time.perf_counter() - t0) * 1000)
         return record
@@ -304,7 +304,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
         create does. A bad request (count, timeout, an unknown template) fails the
         batch as a whole, before any sandbox."""
         check_batch_count(count)
-        self._check_timeout(req.timeout)
+        self.plans.timeout(req.timeout)
         check_create(req, self.limits)
         await self._source(req)
         creates = [asyncio.create_task(self.create(req)) for _ in range(count)]
@@ -357,7 +357,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
             entry.killing -= 1
 
     async def _kill(self, sandbox_id: str) -> None:
-        async with self._lock(sandbox_id):
+        async with self.life.lock(sandbox_id):
             entry = self.sandboxes.get(sandbox_id)
             record = entry.record
             if record.state is SandboxState.CREATING:
@@ -366,7 +366,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
                 await self._forget_paused(record)
                 return
             # (an ERROR sandbox's runtime is gone already)
-            await asyncio.shield(self._teardown(record, record.state is SandboxState.RUNNING))
+            await asyncio.shield(self.life.teardown(record, record.state is SandboxState.RUNNING))
             if record.snapshot_id:  # its last pause snapshot is of no further use
                 pending = entry.commits.get(record.snapshot_id)  # resumed before it landed
                 if pending is not None:

@@ -47,7 +47,7 @@ class Pausing(Captures):
         """Capture a running sandbox (stopped only for the capture; ``memory=False``:
         its files only, not stopped) and commit it."""
         snapshot_id = new_sandbox_id()
-        async with self._lock(sandbox_id):
+        async with self.life.lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}; only a running "
@@ -89,7 +89,7 @@ class Pausing(Captures):
         waits for it).
         """
         snapshot_id = new_sandbox_id()
-        async with self._lock(sandbox_id):
+        async with self.life.lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is already paused")
@@ -113,10 +113,9 @@ class Pausing(Captures):
             entry = self.sandboxes.get(sandbox_id)
             entry.let_go_of_slot()
             record.snapshot_id = snapshot_id
-            self._transition(record, SandboxState.PAUSED)
+            self.life.transition(record, SandboxState.PAUSED)
             self._free_in_background(entry)
-            for listener in self.on_removed:
-                listener(sandbox_id)
+            self.life.removed(sandbox_id)
             self._start_commit(entry, snapshot_id, staging, metadata, replaces=previous)
             return record
 
@@ -126,7 +125,7 @@ class Pausing(Captures):
         """Freeze the sandbox in place and mark it paused; its capture follows."""
         assert self._resident is not None
         sandbox_id = record.sandbox_id
-        await self._before_capture(sandbox_id)  # its capture follows the freeze
+        await self.life.before_capture(sandbox_id)  # its capture follows the freeze
         try:
             await self.runtime.pause(sandbox_id)
         except RuntimeFailure as exc:
@@ -135,10 +134,9 @@ class Pausing(Captures):
                          grace_s=self.config.resident_capture_delay_ms / 1000)
         record.snapshot_id = snapshot_id
         # Stored with its slot: a restart finds it frozen and captures it if need be.
-        self._transition(record, SandboxState.PAUSED)
+        self.life.transition(record, SandboxState.PAUSED)
         self._resident.add(sandbox_id, entry)
-        for listener in self.on_removed:
-            listener(sandbox_id)
+        self.life.removed(sandbox_id)
         self._start_resident_capture(record, entry)
         return record
 
@@ -154,7 +152,7 @@ class Pausing(Captures):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(entry.hurry.wait(), entry.grace_s)
             entry.grace_s = 0.0  # a retry captures at once
-        async with self._lock(sandbox_id):
+        async with self.life.lock(sandbox_id):
             if self._resident.get(sandbox_id) is not entry or entry.captured:
                 return
             try:
@@ -193,7 +191,7 @@ class Pausing(Captures):
     async def _evict(self, sandbox_id: str) -> bool:
         """Free a resident paused sandbox's memory and slot; its capture stays."""
         assert self._resident is not None
-        async with self._lock(sandbox_id):
+        async with self.life.lock(sandbox_id):
             entry = self._resident.get(sandbox_id)
             sandbox = self.sandboxes.find(sandbox_id)
             if entry is None or not entry.captured or sandbox is None:
@@ -280,7 +278,7 @@ class Pausing(Captures):
         if state is None or state.state != "running":
             log.error("pause of %s failed and the sandbox stopped (%s): it is lost",
                       record.sandbox_id, exc)
-            await asyncio.shield(self._teardown(record, True))
+            await asyncio.shield(self.life.teardown(record, True))
 
     # -- resume -------------------------------------------------------------------------
 
@@ -294,7 +292,7 @@ class Pausing(Captures):
         Admitted as a create is (admission.py), against the node's room and its
         owner's quotas, whoever asks (``connect``, resume on traffic): a 429 with
         Retry-After when none comes within the queue time."""
-        seconds = self._check_timeout(ttl)
+        seconds = self.plans.timeout(ttl)
         record = self.get(sandbox_id)
         if record.state is not SandboxState.PAUSED:
             raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
@@ -308,7 +306,7 @@ class Pausing(Captures):
 
     async def _resume_admitted(self, sandbox_id: str, seconds: int,
                                auto_pause: bool | None, memory: bool) -> SandboxRecord:
-        async with self._lock(sandbox_id):
+        async with self.life.lock(sandbox_id):
             record = self.get(sandbox_id)
             if record.state is not SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
@@ -319,7 +317,7 @@ class Pausing(Captures):
                                      "resuming from its disk state alone is not supported")
                 t0 = time.perf_counter()
                 await self._thaw(record, entry)
-                self._transition(record, SandboxState.RUNNING)
+                self.life.transition(record, SandboxState.RUNNING)
                 log.info("resumed %s in %.0f ms (thawed in place)", sandbox_id,
                          (time.perf_counter() - t0) * 1000)
                 return self._resumed(record, seconds, auto_pause)
@@ -338,7 +336,7 @@ class Pausing(Captures):
         sandbox_id = record.sandbox_id
         await self._settled(sandbox_id)
         if disk_pause.is_disk_capture(image):
-            plan = self._plan(record, self._bootable_template(record), files=image,
+            plan = self.plans.plan(record, self.plans.bootable_template(record), files=image,
                               hostname_of=record.sandbox_id, start_command=True,
                               purpose="resume", new_boot=True)
         elif not memory:
@@ -350,12 +348,12 @@ class Pausing(Captures):
             except TemplateNotFound as exc:
                 raise NotFound(f"template of the snapshot is gone: {exc}") from exc
             # envd keeps its token across a pause: no init.
-            plan = self._plan(record, template, image=image,
+            plan = self.plans.plan(record, template, image=image,
                               hostname_of=record.sandbox_id, init=False, purpose="resume")
         t0 = time.perf_counter()
         slot = await self.launcher.launch(plan)
-        self._started(record, slot)
-        self._transition(record, SandboxState.RUNNING)
+        self.life.started(record, slot)
+        self.life.transition(record, SandboxState.RUNNING)
         log.info("resumed %s in %.0f ms (%s)", sandbox_id, (time.perf_counter() - t0) * 1000,
                  "rebooted with its files" if plan.files else "restored")
         if kind == "staged":
@@ -393,14 +391,14 @@ class Pausing(Captures):
                 await asyncio.to_thread(self.snapshots.delete, snapshot_id)
                 self.snapshot_gc.request()  # its chunks, unless other snapshots use them
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
-        self._forget(record)
+        self.life.forget(record)
 
     # -- paused sandboxes changing node -------------------------------------------------
 
     async def _drop_copy(self, record: SandboxRecord) -> None:
-        async with self._lock(record.sandbox_id):
+        async with self.life.lock(record.sandbox_id):
             if self.sandboxes.holds(record) is not None:
-                await self._teardown(record, True)
+                await self.life.teardown(record, True)
 
     def disown(self, sandbox_id: str) -> bool:
         """Drop the record of a paused sandbox another node has taken over; its
@@ -426,7 +424,7 @@ class Pausing(Captures):
         if entry is not None and self._resident is not None:
             self._resident.pop(sandbox_id)
             self._free_in_background(sandbox)
-        self._forget(record)
+        self.life.forget(record)
         log.info("paused sandbox %s now lives on another node; record dropped", sandbox_id)
         return True
 
@@ -460,7 +458,7 @@ class Pausing(Captures):
             record = new_record(
                 sandbox_id=sandbox_id, state=SandboxState.PAUSED, node_id=self.config.node_id,
                 template_id=meta["template_id"], alias=meta.get("alias") or meta["template_id"],
-                resources=self._resources(meta.get("cpu_count"), meta.get("memory_mb"),
+                resources=self.plans.resources(meta.get("cpu_count"), meta.get("memory_mb"),
                                           meta.get("disk_size_mb")),
                 ttl=0, started_at=float(meta.get("started_at") or time.time()),
                 auto_pause=bool(meta.get("auto_pause", True)),
@@ -474,6 +472,6 @@ class Pausing(Captures):
                 resume_timeout=int(meta.get("resume_timeout") or 0),
                 mask_request_host=str(meta.get("mask_request_host") or ""),
                 origin=str(meta.get("origin") or ""))
-            self._add(record)
+            self.life.add(record)
             log.info("adopted paused sandbox %s from snapshot %s", sandbox_id, snapshot_id)
             return record

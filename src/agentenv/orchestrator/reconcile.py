@@ -75,7 +75,7 @@ class Reconciling(Pausing):
             record = entry.record
             held = self.slots.held(record.slot_index) if record.slot_index else None
             if held is not None:
-                entry.hold(held, self._give_back)
+                entry.hold(held, self.life.give_back)
                 if record.state is SandboxState.RUNNING or record.sandbox_id in frozen:
                     entry.runs(self.runtime.destroy)
                 if record.network:  # the rules are rebuilt from the record
@@ -130,7 +130,7 @@ class Reconciling(Pausing):
         except SnapshotNotFound:
             record.error = "lost: the node stopped before its pause was saved"
             log.error("reconcile: paused sandbox %s %s", record.sandbox_id, record.error)
-            self._transition(record, SandboxState.ERROR)
+            self.life.transition(record, SandboxState.ERROR)
         except SnapshotError:
             pass  # the repository cannot tell now: a resume will
 
