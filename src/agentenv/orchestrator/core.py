@@ -31,9 +31,7 @@ from .boot_images import BootImages
 from .cold_memory import ColdMemory
 from .collect import SnapshotCollector
 from .diffing import DiffGate
-from .disk_pause import TemplateListings
 from .envd_client import EnvdClient
-from .exits import ExitHandler
 from .idempotency import IdempotencyKeys
 from .idling import IdleFreezer
 from .launch import Launcher
@@ -47,9 +45,7 @@ from .models import (
     not_running,
 )
 from .plans import Plans
-from .resident import ResidentSet, default_budget_bytes
 from .runbook import RunBook
-from .sandbox import Sandbox
 from .specs import SpecFactory
 from .store import SandboxStore
 from .table import SandboxTable
@@ -76,7 +72,7 @@ class ManagerCore:
         self.specs = SpecFactory(config, runtime, self.limits)
         self.plans = Plans(config, templates, self.limits)
         self.launcher = Launcher(runtime, slots, self.envd, self.specs, self.ensure_rootfs,
-                                 config.egress_refresh_s, make_room=self.make_room,
+                                 config.egress_refresh_s,
                                  slot_wait_s=config.admission_queue_timeout_s)
         # Every sandbox of the node and what it holds (its slot, lock, background work).
         self.sandboxes = SandboxTable()
@@ -109,14 +105,6 @@ class ManagerCore:
                               self.admission.wake, self.freezer, self.cold_memory)
         self.on_removed = self.life.on_removed  # the proxy listens (lifecycle.py)
         self.on_capture = self.life.on_capture
-        # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
-        self._exits = ExitHandler(self._runtime_exited)
-        # What each template's rootfs holds (filesystem-only pauses compare with it).
-        self.template_listings = TemplateListings()
-        # Paused sandboxes still frozen in place (None: pauses always capture at once).
-        self._resident = (ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
-                                      config.resident_pause_idle_s)
-                          if config.resident_pause else None)
         # Templates' boot images and the warm pool (None: every create boots).
         self.boot_images = (BootImages(self, config.warm_pool_size)
                             if config.template_snapshots else None)
@@ -186,10 +174,6 @@ class ManagerCore:
         record.end_at = time.time() + seconds
         self.store.put(record)
         return record
-
-    async def make_room(self) -> bool:
-        """Free a slot something idle holds (pausing.py: a resident paused sandbox)."""
-        return False
 
     def _no_room(self, reserved: int, starting: bool = True) -> str | None:
         """Why one more sandbox does not fit now, with ``reserved`` creates admitted but
@@ -277,50 +261,3 @@ class ManagerCore:
         return self.plans.file_access(template)
 
     # -- what a sandbox holds, and states -----------------------------------------------
-
-    async def _resident_exited(self, entry: Sandbox, reason: str) -> None:
-        """A resident paused sandbox's frozen runtime ended: it resumes from its
-        capture if that was made; else its state is lost (error)."""
-        sandbox_id, record = entry.sandbox_id, entry.record
-        async with entry.lock:
-            resident = self._resident.pop(sandbox_id) if self._resident is not None else None
-            if resident is None or self.sandboxes.find(sandbox_id) is not entry:
-                return
-            if resident.capture is not None:
-                resident.capture.cancel()
-            await self.life.release(entry)
-            if resident.captured:
-                log.warning("paused sandbox %s %s; it resumes from its capture",
-                            sandbox_id, reason)
-                self.store.put(record)
-                return
-            record.error = f"{reason} while paused, before its state was saved"
-            record.snapshot_id = resident.previous_snapshot
-            log.error("paused sandbox %s %s; it is now in state error", sandbox_id, record.error)
-            self.life.transition(record, SandboxState.ERROR)
-
-    async def _runtime_exited(self, sandbox_id: str, reason: str) -> None:
-        """A running sandbox's runtime ended unasked: the record goes to ``error``
-        with the reason, and what the sandbox held is freed (exits.py)."""
-        entry = self.sandboxes.find(sandbox_id)
-        if entry is None and self.boot_images is not None:
-            await self.boot_images.member_exited(sandbox_id, reason)  # a pooled one
-            return
-        if entry is not None and entry.state is SandboxState.PAUSED:
-            await self._resident_exited(entry, reason)
-            return
-        if entry is None or entry.state is not SandboxState.RUNNING:
-            return  # being created (its start fails on its own), or gone
-        record = entry.record
-        # Calls to it fail fast from now on, even while a pause, snapshot or fork
-        # holding its lock finds out for itself.
-        record.error = reason
-        async with entry.lock:
-            if self.sandboxes.find(sandbox_id) is not entry or \
-                    record.state is not SandboxState.RUNNING:
-                return
-            log.error("sandbox %s %s; it is now in state error", sandbox_id, reason)
-            self.life.transition(record, SandboxState.ERROR)
-            self.life.removed(sandbox_id)  # e.g. the proxy drops its connections
-            await self.life.release(entry)
-            self.store.put(record)

@@ -57,6 +57,13 @@ class Lifecycle:
     def get(self, sandbox_id: str) -> SandboxRecord:
         return self.sandboxes.get(sandbox_id).record
 
+    def paused(self, sandbox_id: str) -> SandboxRecord:
+        """The record of a paused sandbox (a Conflict if it is not paused)."""
+        record = self.get(sandbox_id)
+        if record.state is not SandboxState.PAUSED:
+            raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
+        return record
+
     def lock(self, sandbox_id: str) -> asyncio.Lock:
         return self.sandboxes.lock(sandbox_id)
 

@@ -27,10 +27,12 @@ from ..snapshot import Manifest, SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
 from ..templates.registry import InvalidTemplateRef
 from .boot_images import BootImage, PooledSandbox
+from .captures import Captures
 from .comparing import Diffs
 from .connecting import Connections
 from .egress import EgressPolicies
 from .envd_client import EnvdClient
+from .exits import ExitHandler, RuntimeExits
 from .forking import Forking, as_they_come
 from .lineage import Lineage
 from .models import (
@@ -42,11 +44,14 @@ from .models import (
     SandboxRecord,
     SandboxState,
 )
+from .pausing import Pauses
 from .pressure import PressureRelief
 from .reconcile import Reconciling
 from .records import new_record
 from .requests import CreateRequest, check_batch_count, check_create
 from .resetting import Resetting
+from .resident import ResidentSet, default_budget_bytes
+from .resident_pauses import ResidentPauses
 from .runbook import Run
 from .runs import Runs
 from .snapshots import UserSnapshots, resolve_snapshot
@@ -63,6 +68,23 @@ class SandboxManager(Reconciling, Resetting, Forking):
                  envd: EnvdClient | None = None) -> None:
         super().__init__(config, runtime, slots, templates, store, snapshots, envd)
         # The services with no part in the class tree: each gets what it uses.
+        self.captures = Captures(self.sandboxes, snapshots, runtime, self.envd, self.specs,
+                                 self.plans, self.life)
+        # Paused sandboxes still frozen in place (None: pauses always capture at once).
+        self.residents = ResidentPauses(
+            config, ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
+                                config.resident_pause_idle_s),
+            self.sandboxes, store, runtime, self.life, self.captures) \
+            if config.resident_pause else None
+        if self.residents is not None:  # a launch finding no slot free evicts one
+            self.launcher.make_room = self.residents.make_room
+        self.pauses = Pauses(config, self.sandboxes, store, snapshots, self.snapshot_gc,
+                             templates, self.specs, runtime, self.admission, self.freezer,
+                             self.life, self.plans, self.captures, self.residents)
+        # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
+        self.exits = RuntimeExits(self.sandboxes, store, self.life, self.boot_images,
+                                  self.residents)
+        self._exits = ExitHandler(self.exits.exited)
         self.egress = EgressPolicies(self.sandboxes, self.store, self.launcher)
         self.user_snapshots = UserSnapshots(self.templates, self.snapshots, self.snapshot_gc)
         self.runs = Runs(self.sandboxes, self.runbook, self.pause, self.kill, self.life.spawn)
@@ -108,6 +130,29 @@ class SandboxManager(Reconciling, Resetting, Forking):
                    owner: str = "", may_restore: bool = True) -> dict:
         return await self.diffs.diff(before, after, text, owner, may_restore)
 
+    def pause_committed(self, record: SandboxRecord) -> bool:
+        return self.pauses.pause_committed(record)
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None,
+                       memory: bool = True) -> Manifest:
+        return await self.pauses.snapshot(sandbox_id, name, memory)
+
+    async def pause(self, sandbox_id: str, memory: bool = True) -> SandboxRecord:
+        return await self.pauses.pause(sandbox_id, memory)
+
+    async def resume(self, sandbox_id: str, ttl: int | None = None,
+                     auto_pause: bool | None = None, memory: bool = True) -> SandboxRecord:
+        return await self.pauses.resume(sandbox_id, ttl, auto_pause, memory)
+
+    async def evict(self, sandbox_id: str) -> SandboxRecord:
+        return await self.pauses.evict(sandbox_id)
+
+    def disown(self, sandbox_id: str) -> bool:
+        return self.pauses.disown(sandbox_id)
+
+    async def adopt_paused(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
+        return await self.pauses.adopt_paused(sandbox_id, snapshot_id)
+
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -149,7 +194,8 @@ class SandboxManager(Reconciling, Resetting, Forking):
         for task in list(self.life.tasks):
             task.cancel()
         if destroy:  # their runtimes go below: what is frozen is captured first
-            await self._capture_residents_now()
+            if self.residents is not None:
+                await self.residents.capture_all_now()
         await self._exits.close()
         await self.snapshot_gc.close()
         if self.boot_images is not None:
@@ -363,7 +409,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
             if record.state is SandboxState.CREATING:
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
             if record.state is SandboxState.PAUSED:
-                await self._forget_paused(record)
+                await self.pauses.forget_paused(record)
                 return
             # (an ERROR sandbox's runtime is gone already)
             await asyncio.shield(self.life.teardown(record, record.state is SandboxState.RUNNING))
@@ -417,10 +463,11 @@ class SandboxManager(Reconciling, Resetting, Forking):
             except Exception:
                 log.exception("runtime housekeeping failed")
             ticks += 1
-            await self._tend_residents()
+            if self.residents is not None:
+                await self.residents.tend()
             self.runs.tend()
             if ticks % COMMIT_RETRY_TICKS == 0:
-                self._retry_failed_commits()
+                self.captures.retry_failed_commits()
             if ticks % max(1, int(self.config.egress_refresh_s)) == 0:
                 await self.egress.refresh_domains()
             now = time.time()

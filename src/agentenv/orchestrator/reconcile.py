@@ -16,17 +16,22 @@ import logging
 import shutil
 
 from ..snapshot import SnapshotError, SnapshotNotFound
+from .captures import Captures
+from .core import ManagerCore
 from .envd_client import EnvdUnavailable
+from .exits import RuntimeExits
 from .models import SandboxRecord, SandboxState, new_sandbox_id
-from .pausing import Pausing
 from .resident import Resident
+from .resident_pauses import ResidentPauses
 from .sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
 
-class Reconciling(Pausing):
-    """Over pausing: a pause whose commit a crash interrupted is committed again."""
+class Reconciling(ManagerCore):
+    captures: Captures
+    residents: ResidentPauses | None
+    exits: RuntimeExits
 
     async def _reconcile(self) -> None:
         # What a killed predecessor left the runtime doing finishes first: a
@@ -55,7 +60,7 @@ class Reconciling(Pausing):
             elif record.state in (SandboxState.PAUSED, SandboxState.ERROR):
                 keep[record.sandbox_id] = record
                 if record.state is SandboxState.PAUSED and record.slot_index:
-                    if running and running.state == "paused" and self._resident is not None:
+                    if running and running.state == "paused" and self.residents is not None:
                         frozen.add(record.sandbox_id)
                     else:
                         thawed.add(record.sandbox_id)
@@ -90,15 +95,15 @@ class Reconciling(Pausing):
             elif record.state is SandboxState.PAUSED:
                 if record.sandbox_id in thawed:
                     await self._check_paused_state_kept(record)
-                self._recommit_if_staged(entry)
+                self.captures.recommit_if_staged(entry)
             elif record.state is SandboxState.RUNNING:  # resumed before its pause committed
-                self._recommit_if_staged(entry)
+                self.captures.recommit_if_staged(entry)
         await self._drop_unanswering()
 
     async def _readopt_frozen(self, sandbox: Sandbox) -> None:
         """A paused sandbox left frozen by the node before: resident again; captured
         now unless its capture was staged or committed before the restart."""
-        assert self._resident is not None
+        assert self.residents is not None
         record = sandbox.record
         snapshot_id = record.snapshot_id
         captured = self.snapshots.staging.pending(snapshot_id) is not None
@@ -114,11 +119,11 @@ class Reconciling(Pausing):
             entry.previous_snapshot = snapshot_id
             record.snapshot_id = new_sandbox_id()
             self.store.put(record)
-        self._resident.add(record.sandbox_id, entry)
-        self._recommit_if_staged(sandbox)
+        self.residents.books.add(record.sandbox_id, entry)
+        self.captures.recommit_if_staged(sandbox)
         if not captured:
             log.info("reconcile: capturing frozen paused sandbox %s", record.sandbox_id)
-            self._start_resident_capture(record, entry)
+            self.residents.start_capture(record, entry)
 
     async def _check_paused_state_kept(self, record: SandboxRecord) -> None:
         """A paused sandbox that was resident when the machine went down (its frozen
@@ -151,7 +156,7 @@ class Reconciling(Pausing):
         for record, ok in zip(running, await asyncio.gather(*map(answers, running)),
                               strict=True):
             if not ok:
-                await self._runtime_exited(record.sandbox_id, "ended while the node was "
+                await self.exits.exited(record.sandbox_id, "ended while the node was "
                                            "down: its envd did not answer at the restart")
 
     def _remove_stale_captures(self, keep: dict[str, SandboxRecord]) -> None:

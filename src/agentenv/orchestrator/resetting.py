@@ -41,6 +41,8 @@ from ..network import Slot, SlotError
 from ..snapshot import Manifest
 from ..templates import Template, TemplateNotFound
 from . import disk_pause
+from .captures import Captures
+from .core import ManagerCore
 from .envd_client import EnvdUnavailable, LayerRefused
 from .models import (
     MAX_RESETS,
@@ -52,7 +54,7 @@ from .models import (
     SandboxState,
     not_running,
 )
-from .pausing import Pausing
+from .pausing import Pauses
 from .sandbox import RUNTIME
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,9 @@ log = logging.getLogger(__name__)
 RESET_MODES = ("memory", "filesystem")
 
 
-class Resetting(Pausing):
+class Resetting(ManagerCore):
+    captures: Captures
+    pauses: Pauses
     @observed("reset")
     async def reset(self, sandbox_id: str, snapshot: str | None = None,
                     ttl: int | None = None, mode: str = "memory",
@@ -93,7 +97,7 @@ class Resetting(Pausing):
             if record.state is SandboxState.PAUSED:
                 # Frozen in memory: out first (once its capture is made), so that the
                 # reset restores into a fresh slot and a failure leaves it paused.
-                await self.evict(sandbox_id)
+                await self.pauses.evict(sandbox_id)
             image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
             # A client hanging up must not stop a reset half-way: it runs as its own task.
             task = self.life.spawn(self._reset_locked(sandbox_id, manifest, image, seconds,
@@ -228,7 +232,7 @@ class Resetting(Pausing):
             t0 = time.perf_counter()
             destroyed_ms = 0.0
             if paused:
-                await self._settled(sandbox_id)
+                await self.captures.settled(sandbox_id)
                 # On failure the launch has undone itself: the sandbox stays paused.
                 slot = await self.launcher.launch(plan)
                 self.life.started(record, slot)
