@@ -1,4 +1,5 @@
-"""New sandboxes from a captured state: fork children, and creates from a snapshot.
+"""New sandboxes from a captured state (the service ``Forks``): fork children, and
+creates from a snapshot.
 
 A fork stops its source only while its state is captured; each child is then
 restored from that capture into a slot of its own, with its own ID and envd token,
@@ -12,27 +13,33 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+from ..config import Config
 from ..metrics import LIFECYCLE
-from ..snapshot import Manifest, SnapshotError
-from ..templates import Template, TemplateNotFound
+from ..network import SlotPool
+from ..runtime import Runtime
+from ..snapshot import Manifest, SnapshotError, SnapshotStore
+from ..templates import Template
 from . import disk_pause
-from .admission import Ticket, TooManyRequests
-from .core import ManagerCore
-from .envd_client import EnvdUnavailable
+from .admission import Admission, Ticket, TooManyRequests
+from .envd_client import EnvdClient, EnvdUnavailable
+from .idling import IdleFreezer
+from .lifecycle import Lifecycle
 from .lineage import fork_origin
 from .models import (
     Conflict,
-    NotFound,
     OrchestratorError,
     SandboxRecord,
     SandboxState,
     new_sandbox_id,
 )
+from .plans import Plans
 from .records import Resources, new_record
 from .requests import CreateRequest, check_fork_count
+from .runbook import RunBook
+from .specs import SpecFactory
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,24 @@ async def as_they_come(starts: list[asyncio.Task[SandboxRecord]], failed: str
             yield OrchestratorError(f"{failed}: {exc}")
 
 
-class Forking(ManagerCore):
+class Forks:
+    def __init__(self, config: Config, runtime: Runtime, slots: SlotPool, envd: EnvdClient,
+                 snapshots: SnapshotStore, specs: SpecFactory, admission: Admission,
+                 freezer: IdleFreezer, runbook: RunBook, life: Lifecycle, plans: Plans,
+                 admit: Callable[[CreateRequest], Awaitable[Ticket]]) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.slots = slots
+        self.envd = envd
+        self.snapshots = snapshots
+        self.specs = specs
+        self.admission = admission
+        self.freezer = freezer
+        self.runbook = runbook
+        self.life = life
+        self.plans = plans
+        self._admit = admit  # a create's turn for room (ManagerCore._admit)
+
     async def fork(self, sandbox_id: str, count: int, ttl: int | None = None,
                    owner: str | None = None) -> list[SandboxRecord | OrchestratorError]:
         """Branch a running sandbox into ``count`` children that continue its exact state.
@@ -79,7 +103,7 @@ class Forking(ManagerCore):
         """
         check_fork_count(count)
         seconds = self.plans.timeout(ttl)
-        owner = self.get(sandbox_id).owner if owner is None else owner
+        owner = self.life.get(sandbox_id).owner if owner is None else owner
         tickets, refused = await self._admit_children(owner, count)
         image = self.config.run_dir / "images" / f"fork-{new_sandbox_id()}"
         started = time.perf_counter()
@@ -126,7 +150,7 @@ class Forking(ManagerCore):
 
     async def _capture_for_fork(self, sandbox_id: str, image: Path) -> SandboxRecord:
         async with self.life.lock(sandbox_id):
-            source = self.get(sandbox_id)
+            source = self.life.get(sandbox_id)
             if source.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {source.state}; only a running "
                                "sandbox can be forked")
@@ -175,7 +199,7 @@ class Forking(ManagerCore):
         self.life.add(record)
         return record
 
-    async def _create_from_snapshot(self, req: CreateRequest, manifest: Manifest, ttl: int,
+    async def create_from_snapshot(self, req: CreateRequest, manifest: Manifest, ttl: int,
                                     template: Template | None = None) -> SandboxRecord:
         """A sandbox restored from a snapshot; ``template`` when that snapshot is a
         built template's (the sandbox is then of that template, with its env vars)."""
@@ -227,10 +251,7 @@ class Forking(ManagerCore):
             return await self.life.bring_up(record, self.plans.plan(
                 record, template or self.plans.bootable_template(record), files=image,
                 hostname_of=record.sandbox_id, start_command=True, new_boot=True))
-        try:
-            template = template or self.templates.get(record.template_id)
-        except TemplateNotFound as exc:
-            raise NotFound(f"template of the snapshot is gone: {exc}") from exc
+        template = template or self.plans.template_of(record, "template of the snapshot is gone")
         return await self.life.bring_up(record, self.plans.plan(
             record, template, image=image, hostname_of=hostname_of, current_token=source_token,
             new_boot=new_boot))

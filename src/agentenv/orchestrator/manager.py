@@ -33,7 +33,7 @@ from .connecting import Connections
 from .egress import EgressPolicies
 from .envd_client import EnvdClient
 from .exits import ExitHandler, RuntimeExits
-from .forking import Forking, as_they_come
+from .forking import Forks, as_they_come
 from .lineage import Lineage
 from .models import (
     BadRequest,
@@ -62,7 +62,7 @@ COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
-class SandboxManager(Reconciling, Resetting, Forking):
+class SandboxManager(Reconciling, Resetting):
     def __init__(self, config: Config, runtime: Runtime, slots: SlotPool,
                  templates: TemplateRegistry, store: SandboxStore, snapshots: SnapshotStore,
                  envd: EnvdClient | None = None) -> None:
@@ -81,6 +81,9 @@ class SandboxManager(Reconciling, Resetting, Forking):
         self.pauses = Pauses(config, self.sandboxes, store, snapshots, self.snapshot_gc,
                              templates, self.specs, runtime, self.admission, self.freezer,
                              self.life, self.plans, self.captures, self.residents)
+        self.forks = Forks(config, runtime, slots, self.envd, snapshots, self.specs,
+                           self.admission, self.freezer, self.runbook, self.life, self.plans,
+                           self._admit)
         # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
         self.exits = RuntimeExits(self.sandboxes, store, self.life, self.boot_images,
                                   self.residents)
@@ -153,6 +156,14 @@ class SandboxManager(Reconciling, Resetting, Forking):
     async def adopt_paused(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
         return await self.pauses.adopt_paused(sandbox_id, snapshot_id)
 
+    async def fork(self, sandbox_id: str, count: int, ttl: int | None = None,
+                   owner: str | None = None) -> list[SandboxRecord | OrchestratorError]:
+        return await self.forks.fork(sandbox_id, count, ttl, owner)
+
+    def fork_each(self, sandbox_id: str, count: int, ttl: int | None = None,
+                  owner: str | None = None) -> AsyncIterator[SandboxRecord | OrchestratorError]:
+        return self.forks.fork_each(sandbox_id, count, ttl, owner)
+
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -224,7 +235,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
         check_create(req, self.limits)
         source = await self._source(req)
         if isinstance(source, Manifest):
-            return await self._create_from_snapshot(req, source, ttl)
+            return await self.forks.create_from_snapshot(req, source, ttl)
         template = source
         pool = self.boot_images
         if template.snapshot_id and not (pool and pool.pool_size > 0):
@@ -232,7 +243,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
             # below hands out pooled sandboxes restored from it).
             manifest = await self._resolve(template.snapshot_id, f"snapshot of template "
                                            f"'{req.template}' is gone")
-            return await self._create_from_snapshot(req, manifest, ttl, template)
+            return await self.forks.create_from_snapshot(req, manifest, ttl, template)
         ticket = await self._admit(req)
         try:
             record, member = self._new_create(req, template, ttl)
