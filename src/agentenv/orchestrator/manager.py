@@ -49,7 +49,7 @@ from .pressure import PressureRelief
 from .reconcile import Reconciling
 from .records import new_record
 from .requests import CreateRequest, check_batch_count, check_create
-from .resetting import Resetting
+from .resetting import Resets
 from .resident import ResidentSet, default_budget_bytes
 from .resident_pauses import ResidentPauses
 from .runbook import Run
@@ -62,7 +62,7 @@ COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
-class SandboxManager(Reconciling, Resetting):
+class SandboxManager(Reconciling):
     def __init__(self, config: Config, runtime: Runtime, slots: SlotPool,
                  templates: TemplateRegistry, store: SandboxStore, snapshots: SnapshotStore,
                  envd: EnvdClient | None = None) -> None:
@@ -84,6 +84,9 @@ class SandboxManager(Reconciling, Resetting):
         self.forks = Forks(config, runtime, slots, self.envd, snapshots, self.specs,
                            self.admission, self.freezer, self.runbook, self.life, self.plans,
                            self._admit)
+        self.resets = Resets(config, self.sandboxes, store, snapshots, runtime, slots,
+                             self.envd, self.specs, self.admission, self.life, self.plans,
+                             self.captures, self.pauses)
         # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
         self.exits = RuntimeExits(self.sandboxes, store, self.life, self.boot_images,
                                   self.residents)
@@ -163,6 +166,10 @@ class SandboxManager(Reconciling, Resetting):
     def fork_each(self, sandbox_id: str, count: int, ttl: int | None = None,
                   owner: str | None = None) -> AsyncIterator[SandboxRecord | OrchestratorError]:
         return self.forks.fork_each(sandbox_id, count, ttl, owner)
+
+    async def reset(self, sandbox_id: str, snapshot: str | None = None, ttl: int | None = None,
+                    mode: str = "memory") -> tuple[SandboxRecord, Manifest, str]:
+        return await self.resets.reset(sandbox_id, snapshot, ttl, mode)
 
     # -- start / stop -------------------------------------------------------------------
 

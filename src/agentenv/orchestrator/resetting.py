@@ -1,4 +1,5 @@
-"""Reset in place: a sandbox back to a snapshot's exact state under the same identity.
+"""Reset in place (the service ``Resets``): a sandbox back to a snapshot's exact
+state under the same identity.
 
 An agentenv extension (E2B has no reset), for RL loops that return an environment to
 its start state many times. A reset keeps the sandbox's record: its ID, envd access
@@ -36,35 +37,57 @@ import logging
 import time
 from pathlib import Path
 
+from ..config import Config
 from ..metrics import observed
-from ..network import Slot, SlotError
-from ..snapshot import Manifest
-from ..templates import Template, TemplateNotFound
+from ..network import Slot, SlotError, SlotPool
+from ..runtime import Runtime
+from ..snapshot import Manifest, SnapshotStore
+from ..templates import Template
 from . import disk_pause
+from .admission import Admission
 from .captures import Captures
-from .core import ManagerCore
-from .envd_client import EnvdUnavailable, LayerRefused
+from .envd_client import EnvdClient, EnvdUnavailable, LayerRefused
+from .lifecycle import Lifecycle
 from .models import (
     MAX_RESETS,
     BadRequest,
     Conflict,
-    NotFound,
     OrchestratorError,
     SandboxRecord,
     SandboxState,
     not_running,
 )
 from .pausing import Pauses
+from .plans import Plans
 from .sandbox import RUNTIME
+from .specs import SpecFactory
+from .store import SandboxStore
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 
 RESET_MODES = ("memory", "filesystem")
 
 
-class Resetting(ManagerCore):
-    captures: Captures
-    pauses: Pauses
+class Resets:
+    def __init__(self, config: Config, sandboxes: SandboxTable, store: SandboxStore,
+                 snapshots: SnapshotStore, runtime: Runtime, slots: SlotPool,
+                 envd: EnvdClient, specs: SpecFactory, admission: Admission, life: Lifecycle,
+                 plans: Plans, captures: Captures, pauses: Pauses) -> None:
+        self.config = config
+        self.sandboxes = sandboxes
+        self.store = store
+        self.snapshots = snapshots
+        self.runtime = runtime
+        self.slots = slots
+        self.envd = envd
+        self.specs = specs
+        self.admission = admission
+        self.life = life
+        self.plans = plans
+        self.captures = captures
+        self.pauses = pauses
+
     @observed("reset")
     async def reset(self, sandbox_id: str, snapshot: str | None = None,
                     ttl: int | None = None, mode: str = "memory",
@@ -78,7 +101,7 @@ class Resetting(ManagerCore):
         if mode not in RESET_MODES:
             raise BadRequest(f"mode must be one of {', '.join(RESET_MODES)}")
         seconds = None if ttl is None else self.plans.timeout(ttl)
-        record = self.get(sandbox_id)
+        record = self.life.get(sandbox_id)
         manifest = await (self._resolve_snapshot(snapshot) if snapshot
                           else self._last_snapshot(record))
         self._check_resettable(record, manifest)
@@ -115,7 +138,7 @@ class Resetting(ManagerCore):
         """The files layer of ``manifest`` reset by envd, no restore; None when the
         sandbox has no such layer (or envd cannot say): then the reset is a full one."""
         async with self.life.lock(sandbox_id):
-            record = self.get(sandbox_id)
+            record = self.life.get(sandbox_id)
             if record.state is not SandboxState.RUNNING or record.error or \
                     not record.slot_address:
                 return None
@@ -200,15 +223,12 @@ class Resetting(ManagerCore):
     def _reset_template(self, record: SandboxRecord, files: bool) -> Template:
         if files:  # a boot: the template must be bootable
             return self.plans.bootable_template(record)
-        try:
-            return self.templates.get(record.template_id)
-        except TemplateNotFound as exc:
-            raise NotFound(f"template of the sandbox is gone: {exc}") from exc
+        return self.plans.template_of(record)
 
     async def _reset_locked(self, sandbox_id: str, manifest: Manifest, image: Path,
                             seconds: int | None, files_layer: bool = False) -> SandboxRecord:
         async with self.life.lock(sandbox_id):
-            record = self.get(sandbox_id)
+            record = self.life.get(sandbox_id)
             paused = record.state is SandboxState.PAUSED
             if record.state is SandboxState.CREATING:
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
@@ -234,7 +254,7 @@ class Resetting(ManagerCore):
             if paused:
                 await self.captures.settled(sandbox_id)
                 # On failure the launch has undone itself: the sandbox stays paused.
-                slot = await self.launcher.launch(plan)
+                slot = await self.life.launcher.launch(plan)
                 self.life.started(record, slot)
                 self.life.transition(record, SandboxState.RUNNING)
             else:
@@ -245,7 +265,7 @@ class Resetting(ManagerCore):
                     # Connections to the old processes are dead: the proxy drops them.
                     self.life.removed(sandbox_id)
                     # The same slot back (a new one only if it somehow held none).
-                    self.life.started(record, await self.launcher.launch(plan))
+                    self.life.started(record, await self.life.launcher.launch(plan))
                 except BaseException as exc:
                     await asyncio.shield(self._reset_failed(record, manifest, exc))
                     if isinstance(exc, Exception):
@@ -283,10 +303,8 @@ class Resetting(ManagerCore):
                             exc: BaseException) -> None:
         """A running sandbox whose reset failed after its runtime went: ``error``, with
         the reason, holding nothing (the launch destroyed what it had started)."""
-        record.error = f"ended: its reset to snapshot {manifest.snapshot_id} failed ({exc})"
-        log.error("sandbox %s %s; it is now in state error", record.sandbox_id, record.error)
-        self.life.transition(record, SandboxState.ERROR)
-        self.life.removed(record.sandbox_id)
+        self.life.ended_in_error(
+            record, f"ended: its reset to snapshot {manifest.snapshot_id} failed ({exc})")
         entry = self.sandboxes.holds(record)
         if entry is not None:
             await self.life.release(entry)
