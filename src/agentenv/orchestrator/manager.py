@@ -16,12 +16,11 @@ import fcntl
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 
 from ..config import Config
 from ..metrics import observed
-from ..network import EgressPolicy, SlotError, SlotPool
+from ..network import EgressPolicy, SlotPool
 from ..runtime import Runtime
 from ..snapshot import Manifest, SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
@@ -30,10 +29,12 @@ from .boot_images import BootImage, PooledSandbox
 from .captures import Captures
 from .comparing import Diffs
 from .connecting import Connections
+from .core import ManagerCore
 from .egress import EgressPolicies
 from .envd_client import EnvdClient
 from .exits import ExitHandler, RuntimeExits
 from .forking import Forks, as_they_come
+from .housekeeping import Housekeeping
 from .lineage import Lineage
 from .models import (
     BadRequest,
@@ -46,7 +47,7 @@ from .models import (
 )
 from .pausing import Pauses
 from .pressure import PressureRelief
-from .reconcile import Reconciling
+from .reconcile import Reconciler
 from .records import new_record
 from .requests import CreateRequest, check_batch_count, check_create
 from .resetting import Resets
@@ -58,11 +59,9 @@ from .snapshots import UserSnapshots, resolve_snapshot
 from .store import SandboxStore
 
 log = logging.getLogger(__name__)
-COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
-QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
-class SandboxManager(Reconciling):
+class SandboxManager(ManagerCore):
     def __init__(self, config: Config, runtime: Runtime, slots: SlotPool,
                  templates: TemplateRegistry, store: SandboxStore, snapshots: SnapshotStore,
                  envd: EnvdClient | None = None) -> None:
@@ -91,6 +90,9 @@ class SandboxManager(Reconciling):
         self.exits = RuntimeExits(self.sandboxes, store, self.life, self.boot_images,
                                   self.residents)
         self._exits = ExitHandler(self.exits.exited)
+        self.reconciler = Reconciler(config, self.sandboxes, store, snapshots, runtime, slots,
+                                     self.envd, self.life, self.captures, self.residents,
+                                     self.exits.exited)
         self.egress = EgressPolicies(self.sandboxes, self.store, self.launcher)
         self.user_snapshots = UserSnapshots(self.templates, self.snapshots, self.snapshot_gc)
         self.runs = Runs(self.sandboxes, self.runbook, self.pause, self.kill, self.life.spawn)
@@ -98,6 +100,9 @@ class SandboxManager(Reconciling):
                                        self.set_timeout)
         self.pressure = PressureRelief(self.config, self.sandboxes, self.runtime, self.envd,
                                        self.freezer, self.cold_memory, self.pause, self.evict)
+        self.housekeeping = Housekeeping(config, runtime, slots, self.sandboxes, self.freezer,
+                                         self.cold_memory, self.pressure, self.captures,
+                                         self.residents, self.runs, self.egress, self.kill)
         self.diffs = Diffs(self.sandboxes, self.envd, self.diff_gate,
                            self.config.run_dir / "diffs", self._resolve, self.create,
                            self.kill, self.endpoint)
@@ -177,12 +182,11 @@ class SandboxManager(Reconciling):
         self._hold_home()
         await self.specs.prepare()
         self.runtime.on_exit = self._exits
-        await self._reconcile()
+        await self.reconciler.reconcile()
         # Mounts a crash left are removed, except those adopted sandboxes run on.
         await asyncio.to_thread(self.image_cache.start, {
             e.record.template_id for e in self.sandboxes.in_state(SandboxState.RUNNING)})
-        self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
-        self._quick_task = asyncio.create_task(self._quick_loop(), name="quick")
+        self.housekeeping.start()
 
     def _hold_home(self) -> None:
         """One node process per home: a second one would reconcile the first one's
@@ -200,12 +204,7 @@ class SandboxManager(Reconciling):
 
     async def close(self, destroy: bool = True) -> None:
         """Stop background work; with ``destroy``, kill every sandbox and free every slot."""
-        for name in ("_ttl_task", "_quick_task"):
-            task = getattr(self, name, None)
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self.housekeeping.close()
         self.admission.close()
         self.cold_memory.close()
         await self.pressure.close()
@@ -437,72 +436,3 @@ class SandboxManager(Reconciling):
                     await asyncio.gather(pending, return_exceptions=True)
                 with contextlib.suppress(SnapshotError):
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
-
-    async def _quick_loop(self) -> None:
-        """Idle freezing and the memory-pressure watch, apart from the TTL loop: its
-        pauses and runsc calls take seconds under load, while a sweep over hundreds
-        of sandboxes thaws them, or growing ones fill the host, far faster."""
-        while True:
-            await asyncio.sleep(QUICK_TICK_S)
-            try:
-                await self._freeze_idle()
-            except Exception:
-                log.exception("idle freezing failed")
-            self.cold_memory.tend()
-            self.pressure.tend()
-
-    async def _freeze_idle(self) -> None:
-        """Freeze the sandboxes idle for a window, but for those holding an outbound
-        connection open: waiting on a remote answer costs no CPU, and a frozen
-        sandbox would never see the answer arrive."""
-        due = self.freezer.due()
-        if not due:
-            return
-        try:  # one read of the host's table answers for all of them
-            held = await self.slots.egress_by_address()
-        except SlotError as exc:  # not known: frozen as if they held none
-            log.debug("idle freezing: %s", exc)
-            held = Counter()
-        for sandbox_id in due:
-            entry = self.sandboxes.find(sandbox_id)
-            slot = entry.slot if entry is not None else None
-            if slot is not None and held[slot.address]:
-                self.freezer.working(sandbox_id)
-                continue
-            if self.freezer.freeze(sandbox_id):
-                self.cold_memory.frozen(sandbox_id)
-
-    async def _ttl_loop(self) -> None:
-        ticks = 0
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                await self.runtime.housekeeping()
-            except Exception:
-                log.exception("runtime housekeeping failed")
-            ticks += 1
-            if self.residents is not None:
-                await self.residents.tend()
-            self.runs.tend()
-            if ticks % COMMIT_RETRY_TICKS == 0:
-                self.captures.retry_failed_commits()
-            if ticks % max(1, int(self.config.egress_refresh_s)) == 0:
-                await self.egress.refresh_domains()
-            now = time.time()
-            for record in [e.record for e in self.sandboxes]:
-                if record.state is SandboxState.RUNNING and record.expired(now):
-                    log.info("sandbox %s reached its timeout: %s", record.sandbox_id,
-                             "pausing" if record.auto_pause else "killing")
-                    await self._expire(record)
-                elif record.state is SandboxState.ERROR and record.expired(now):
-                    with contextlib.suppress(NotFound, Conflict):
-                        await self.kill(record.sandbox_id)
-
-    async def _expire(self, record: SandboxRecord) -> None:
-        """Pause (or kill) an expired sandbox; a pause that fails kills it."""
-        if record.auto_pause:
-            await self.runs.pause_else_kill(record.sandbox_id, memory=record.auto_pause_memory,
-                                       why="its timeout")
-            return
-        with contextlib.suppress(NotFound, Conflict):
-            await self.kill(record.sandbox_id)

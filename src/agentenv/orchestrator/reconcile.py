@@ -1,4 +1,5 @@
-"""After a restart (a crash included): adopt the sandboxes that survived, remove the rest.
+"""After a restart (a crash included), the service ``Reconciler``: adopt the sandboxes
+that survived, remove the rest.
 
 Running sandboxes whose runtime still runs and whose envd answers are adopted with
 their slots; paused ones and ones in ``error`` keep their records (a pause whose
@@ -14,26 +15,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from collections.abc import Awaitable, Callable
 
-from ..snapshot import SnapshotError, SnapshotNotFound
+from ..config import Config
+from ..network import SlotPool
+from ..runtime import Runtime
+from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
 from .captures import Captures
-from .core import ManagerCore
-from .envd_client import EnvdUnavailable
-from .exits import RuntimeExits
+from .envd_client import EnvdClient, EnvdUnavailable
+from .lifecycle import Lifecycle
 from .models import SandboxRecord, SandboxState, new_sandbox_id
 from .resident import Resident
 from .resident_pauses import ResidentPauses
 from .sandbox import Sandbox
+from .store import SandboxStore
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 
 
-class Reconciling(ManagerCore):
-    captures: Captures
-    residents: ResidentPauses | None
-    exits: RuntimeExits
+class Reconciler:
+    def __init__(self, config: Config, sandboxes: SandboxTable, store: SandboxStore,
+                 snapshots: SnapshotStore, runtime: Runtime, slots: SlotPool,
+                 envd: EnvdClient, life: Lifecycle, captures: Captures,
+                 residents: ResidentPauses | None,
+                 exited: Callable[[str, str], Awaitable[None]]) -> None:
+        self.config = config
+        self.sandboxes = sandboxes
+        self.store = store
+        self.snapshots = snapshots
+        self.runtime = runtime
+        self.slots = slots
+        self.envd = envd
+        self.life = life
+        self.captures = captures
+        self.residents = residents
+        self._exited = exited  # a running sandbox found dead (RuntimeExits.exited)
 
-    async def _reconcile(self) -> None:
+    async def reconcile(self) -> None:
         # What a killed predecessor left the runtime doing finishes first: a
         # half-done pause capture stops its sandbox when it completes.
         await self.runtime.settle(120)
@@ -85,7 +104,7 @@ class Reconciling(ManagerCore):
                     entry.runs(self.runtime.destroy)
                 if record.network:  # the rules are rebuilt from the record
                     try:
-                        await self.launcher.apply_egress(record.sandbox_id, held,
+                        await self.life.launcher.apply_egress(record.sandbox_id, held,
                                                          record.network, record.internet)
                     except Exception:
                         log.exception("reconcile: egress policy of %s", record.sandbox_id)
@@ -156,7 +175,7 @@ class Reconciling(ManagerCore):
         for record, ok in zip(running, await asyncio.gather(*map(answers, running)),
                               strict=True):
             if not ok:
-                await self.exits.exited(record.sandbox_id, "ended while the node was "
+                await self._exited(record.sandbox_id, "ended while the node was "
                                            "down: its envd did not answer at the restart")
 
     def _remove_stale_captures(self, keep: dict[str, SandboxRecord]) -> None:
