@@ -1,11 +1,12 @@
-"""The sandbox manager of one node: create, kill, timeouts, start and stop.
+"""The sandbox manager of one node: create, kill, start and stop.
 
 States move creating -> running -> (paused <-> running) -> killed, or running ->
-error when a sandbox's runtime dies; every move is checked against ``TRANSITIONS``.
-The jobs that change a sandbox under its lock live in their own modules over the
-shared core (pausing, resetting, forking, reconcile); the others are services built
-here with what they use (connecting, egress, runs, pressure, snapshots, comparing).
-``SandboxManager`` is the one object the API calls.
+error when a sandbox's runtime dies; every move is checked against ``TRANSITIONS``
+(lifecycle.py). ``SandboxManager`` is the one object the API calls. Over the node's
+collaborators (core.py) it builds the services, each a plain object given what it
+uses (captures, resident pauses, pauses, forks, resets, runtime exits, reconcile,
+egress, user snapshots, runs, connections, pressure, housekeeping, diffs), and keeps
+the API's calls into them as one-line delegations.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class SandboxManager(ManagerCore):
                  templates: TemplateRegistry, store: SandboxStore, snapshots: SnapshotStore,
                  envd: EnvdClient | None = None) -> None:
         super().__init__(config, runtime, slots, templates, store, snapshots, envd)
-        # The services with no part in the class tree: each gets what it uses.
+        # The services: each gets what it uses.
         self.captures = Captures(self.sandboxes, snapshots, runtime, self.envd, self.specs,
                                  self.plans, self.life)
         # Paused sandboxes still frozen in place (None: pauses always capture at once).
@@ -95,11 +96,13 @@ class SandboxManager(ManagerCore):
                                      self.exits.exited)
         self.egress = EgressPolicies(self.sandboxes, self.store, self.launcher)
         self.user_snapshots = UserSnapshots(self.templates, self.snapshots, self.snapshot_gc)
-        self.runs = Runs(self.sandboxes, self.runbook, self.pause, self.kill, self.life.spawn)
-        self.connections = Connections(self.sandboxes, self.config, self.resume,
+        self.runs = Runs(self.sandboxes, self.runbook, self.pauses.pause, self.kill,
+                         self.life.spawn)
+        self.connections = Connections(self.sandboxes, self.config, self.pauses.resume,
                                        self.set_timeout)
         self.pressure = PressureRelief(self.config, self.sandboxes, self.runtime, self.envd,
-                                       self.freezer, self.cold_memory, self.pause, self.evict)
+                                       self.freezer, self.cold_memory, self.pauses.pause,
+                                       self.pauses.evict)
         self.housekeeping = Housekeeping(config, runtime, slots, self.sandboxes, self.freezer,
                                          self.cold_memory, self.pressure, self.captures,
                                          self.residents, self.runs, self.egress, self.kill)
