@@ -16,30 +16,27 @@ import contextlib
 import fcntl
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 
 from ..config import Config
 from ..metrics import observed
 from ..network import EgressPolicy, SlotPool
 from ..runtime import Runtime
-from ..snapshot import Manifest, SnapshotError, SnapshotNotFound, SnapshotStore
-from ..templates import Template, TemplateNotFound, TemplateRegistry
-from ..templates.registry import InvalidTemplateRef
-from .boot_images import BootImage, PooledSandbox
+from ..snapshot import Manifest, SnapshotError, SnapshotStore
+from ..templates import Template, TemplateRegistry
 from .captures import Captures
 from .comparing import Diffs
 from .connecting import Connections
 from .core import ManagerCore
+from .creating import Creates
 from .egress import EgressPolicies
 from .envd_client import EnvdClient
 from .exits import ExitHandler, RuntimeExits
-from .forking import Forks, as_they_come
+from .forking import Forks
 from .housekeeping import Housekeeping
 from .lineage import Lineage
 from .models import (
     BadRequest,
-    CapacityExceeded,
     Conflict,
     NotFound,
     OrchestratorError,
@@ -49,14 +46,13 @@ from .models import (
 from .pausing import Pauses
 from .pressure import PressureRelief
 from .reconcile import Reconciler
-from .records import new_record
-from .requests import CreateRequest, check_batch_count, check_create
+from .requests import CreateRequest
 from .resetting import Resets
 from .resident import ResidentSet, default_budget_bytes
 from .resident_pauses import ResidentPauses
 from .runbook import Run
 from .runs import Runs
-from .snapshots import UserSnapshots, resolve_snapshot
+from .snapshots import UserSnapshots
 from .store import SandboxStore
 
 log = logging.getLogger(__name__)
@@ -84,6 +80,10 @@ class SandboxManager(ManagerCore):
         self.forks = Forks(config, runtime, slots, self.envd, snapshots, self.specs,
                            self.admission, self.freezer, self.runbook, self.life, self.plans,
                            self._admit)
+        self.user_snapshots = UserSnapshots(self.templates, self.snapshots, self.snapshot_gc)
+        self.creates = Creates(config, templates, store, self.envd, self.limits,
+                               self.boot_images, self.life, self.plans, self._admit,
+                               self.user_snapshots.resolve, self.forks.create_from_snapshot)
         self.resets = Resets(config, self.sandboxes, store, snapshots, runtime, slots,
                              self.envd, self.specs, self.admission, self.life, self.plans,
                              self.captures, self.pauses)
@@ -95,7 +95,6 @@ class SandboxManager(ManagerCore):
                                      self.envd, self.life, self.captures, self.residents,
                                      self.exits.exited)
         self.egress = EgressPolicies(self.sandboxes, self.store, self.launcher)
-        self.user_snapshots = UserSnapshots(self.templates, self.snapshots, self.snapshot_gc)
         self.runs = Runs(self.sandboxes, self.runbook, self.pauses.pause, self.kill,
                          self.life.spawn)
         self.connections = Connections(self.sandboxes, self.config, self.pauses.resume,
@@ -107,7 +106,7 @@ class SandboxManager(ManagerCore):
                                          self.cold_memory, self.pressure, self.captures,
                                          self.residents, self.runs, self.egress, self.kill)
         self.diffs = Diffs(self.sandboxes, self.envd, self.diff_gate,
-                           self.config.run_dir / "diffs", self._resolve, self.create,
+                           self.config.run_dir / "diffs", self.user_snapshots.resolve, self.create,
                            self.kill, self.endpoint)
 
     def _short_for_idle(self) -> bool:
@@ -179,6 +178,13 @@ class SandboxManager(ManagerCore):
                     mode: str = "memory") -> tuple[SandboxRecord, Manifest, str]:
         return await self.resets.reset(sandbox_id, snapshot, ttl, mode)
 
+    async def create(self, req: CreateRequest) -> SandboxRecord:
+        return await self.creates.create(req)
+
+    def create_each(self, req: CreateRequest, count: int
+                    ) -> AsyncIterator[SandboxRecord | OrchestratorError]:
+        return self.creates.create_each(req, count)
+
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -238,144 +244,11 @@ class SandboxManager(ManagerCore):
 
     # -- create -------------------------------------------------------------------------
 
-    @observed("create")
-    async def create(self, req: CreateRequest) -> SandboxRecord:
-        ttl = self.plans.timeout(req.timeout)
-        check_create(req, self.limits)
-        source = await self._source(req)
-        if isinstance(source, Manifest):
-            return await self.forks.create_from_snapshot(req, source, ttl)
-        template = source
-        pool = self.boot_images
-        if template.snapshot_id and not (pool and pool.pool_size > 0):
-            # A built template: restore its snapshot (with a warm pool, the path
-            # below hands out pooled sandboxes restored from it).
-            manifest = await self._resolve(template.snapshot_id, f"snapshot of template "
-                                           f"'{req.template}' is gone")
-            return await self.forks.create_from_snapshot(req, manifest, ttl, template)
-        ticket = await self._admit(req)
-        try:
-            record, member = self._new_create(req, template, ttl)
-        finally:
-            ticket.release()
-        custom = req.custom_resources and not template.snapshot_id
-        if member is not None:
-            return await self.life.as_task(record, self._hand_out(record, member, template))
-        image = await pool.image(template) if pool and not custom else None
-        work = (self._restore_or_boot(record, template, image) if image
-                else self._boot(record, template))
-        return await self.life.as_task(record, work)
-
-    def _new_create(self, req: CreateRequest, template: Template, ttl: int
-                    ) -> tuple[SandboxRecord, PooledSandbox | None]:
-        """The record of an admitted create (a warm-pool member's, if one is there)."""
-        pool = self.boot_images
-        # A built template's resources are its snapshot's: only a boot takes others.
-        custom = req.custom_resources and not template.snapshot_id
-        member = pool.take(template) if pool and not custom else None
-        record = new_record(
-            sandbox_id=member.sandbox_id if member else "", node_id=self.config.node_id,
-            template_id=template.template_id, alias=template.alias,
-            resources=self.plans.resources(
-                (custom and req.cpu_count) or template.cpu_count or self.config.default_cpu_count,
-                (custom and req.memory_mb) or template.memory_mb
-                or self.config.default_memory_mb,
-                template.disk_size_mb or self.config.default_disk_mb),
-            ttl=ttl, auto_pause=req.auto_pause, auto_pause_memory=req.auto_pause_memory,
-            internet=req.internet, network=req.network.to_json() if req.network else {},
-            private_ports=not req.public_traffic, metadata=req.metadata,
-            env_vars={**dict(template.envs), **req.env_vars}, **req.ingress(ttl),
-            **req.stamps(), origin=f"template:{template.template_id}")
-        self.life.add(record)
-        return record, member
-
-    async def _resolve(self, name: str, missing: str, cause: BaseException | None = None):
-        try:
-            return await asyncio.to_thread(resolve_snapshot, self.snapshots, name)
-        except SnapshotNotFound as exc:
-            raise NotFound(missing) from (cause or exc)
-        except SnapshotError as exc:
-            raise OrchestratorError(f"snapshot repository: {exc}") from exc
-
-    async def _hand_out(self, record: SandboxRecord, member: PooledSandbox,
-                        template: Template) -> SandboxRecord:
-        """A sandbox the warm pool launched ahead of time becomes this record's: its
-        egress policy and envd's token and env vars are set, nothing else."""
-        t0 = time.perf_counter()
-        self.life.started(record, member.slot)
-        record.booted_at = time.time()
-        self.store.put(record)
-        try:
-            await self.launcher.apply_egress(record.sandbox_id, member.slot, record.network,
-                                             record.internet)
-            init = self.plans.envd_init(record, template, member.envd_token, new_boot=True)
-            await self.envd.init(member.slot.address, init.token, dict(init.env_vars),
-                                 default_user=init.default_user,
-                                 default_workdir=init.default_workdir,
-                                 current_token=init.current_token, boot_id=init.boot_id,
-                                 file_access=init.file_access)
-            record.ready_at = time.time()
-            self.life.transition(record, SandboxState.RUNNING)
-        except Exception as exc:
-            log.warning("handing out pooled sandbox %s failed: %s", record.sandbox_id, exc)
-            raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
-        log.info("created %s in %.0f ms (from the warm pool)", record.sandbox_id,
-                 (time.perf_counter() - t0) * 1000)
-        return record
-
-    async def _restore_or_boot(self, record: SandboxRecord, template: Template,
-                               image: BootImage) -> SandboxRecord:
-        """Restore the template's boot image; should that fail, boot as if there were none."""
-        t0 = time.perf_counter()
-        assert self.boot_images is not None
-        try:
-            with self.boot_images.using(image):
-                await self.life.bring_up(record, self.plans.plan(
-                    record, template, image=image.path, current_token=image.envd_token,
-                    hostname_of=image.hostname_of or template.template_id, new_boot=True))
-        except CapacityExceeded:
-            raise
-        except OrchestratorError as exc:
-            if template.snapshot_id:  # a built template has nothing to boot
-                raise
-            log.warning("template %s: restoring its boot image failed (%s); booting instead",
-                        template.template_id, exc)
-            self.boot_images.forget(template, image)
-            return await self._boot(record, template)
-        log.info("created %s in %.0f ms (from the template image)", record.sandbox_id,
-                 (time.perf_counter() - t0) * 1000)
-        return record
-
-    async def _boot(self, record: SandboxRecord, template: Template) -> SandboxRecord:
-        if template.snapshot_id:  # its files and processes are only in its snapshot
-            raise NotFound(f"snapshot of template '{template.template_id}' is not available")
-        t0 = time.perf_counter()
-        await self.life.bring_up(record, self.plans.plan(
-            record, template, hostname_of=record.sandbox_id, start_command=True, new_boot=True))
-        log.info("created %s in %.0f ms (booted)", record.sandbox_id,
-                 (time.perf_counter() - t0) * 1000)
-        return record
-
     async def run_start_command(self, template: Template, address: str, token: str) -> None:
         """The template's start command and ready check (template builds run them too)."""
         await self.launcher.run_start_command(template, address, token)
 
     # -- kill and timeouts --------------------------------------------------------------
-
-    async def create_each(self, req: CreateRequest, count: int
-                          ) -> AsyncIterator[SandboxRecord | OrchestratorError]:
-        """``count`` sandboxes of one create, each handed over as it comes up (a record,
-        or the error that stopped it). They start at once from the same image (the
-        template's boot image, or the snapshot), each taking its turn for room as a
-        create does. A bad request (count, timeout, an unknown template) fails the
-        batch as a whole, before any sandbox."""
-        check_batch_count(count)
-        self.plans.timeout(req.timeout)
-        check_create(req, self.limits)
-        await self._source(req)
-        creates = [asyncio.create_task(self.create(req)) for _ in range(count)]
-        async for result in as_they_come(creates, "sandbox failed to start"):
-            yield result
 
     async def lineage(self, snapshot_id: str | None = None) -> dict:
         """Where snapshots and sandboxes came from (lineage.py): one snapshot's
@@ -388,28 +261,14 @@ class SandboxManager(ManagerCore):
         graph = await asyncio.to_thread(Lineage, manifests, records)
         if snapshot_id is None:
             return {"roots": [graph.tree(k) for k in graph.roots()]}
-        manifest = await self._resolve(snapshot_id, f"snapshot '{snapshot_id}' not found")
+        manifest = await self.user_snapshots.resolve(snapshot_id,
+                                                     f"snapshot '{snapshot_id}' not found")
         key = f"snapshot:{manifest.snapshot_id}"
         if key not in graph.nodes:
             raise BadRequest(f"'{snapshot_id}' is a {manifest.metadata.get('kind')} capture, "
                              "not a snapshot of a sandbox")
         return {"snapshotID": manifest.snapshot_id, "ancestors": graph.ancestors(key),
                 "tree": graph.tree(key)}
-
-    async def _source(self, req: CreateRequest) -> Template | Manifest:
-        """What a create starts from: a template, or a snapshot (ID, name or tag)."""
-        try:
-            return self.templates.get(req.template)
-        except TemplateNotFound as exc:
-            try:
-                return await self._resolve(req.template, f"template or snapshot "
-                                           f"'{req.template}' not found", exc)
-            except NotFound:
-                if isinstance(exc, InvalidTemplateRef):
-                    raise BadRequest(str(exc)) from exc
-                if ":" in req.template:  # say which tag is missing
-                    raise NotFound(str(exc)) from exc
-                raise
 
     @observed("delete")
     async def kill(self, sandbox_id: str) -> None:
