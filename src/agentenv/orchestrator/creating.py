@@ -53,7 +53,7 @@ class Creates:
         self.boot_images = boot_images
         self.life = life
         self.plans = plans
-        self._admit = admit  # a create's turn for room (ManagerCore._admit)
+        self._admit = admit  # a create's turn for room (Room.admit)
         self._resolve_snapshot = resolve_snapshot  # (name, missing, cause): UserSnapshots
         self._from_snapshot = from_snapshot  # (req, manifest, ttl, template): Forks
 

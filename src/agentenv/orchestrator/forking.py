@@ -72,7 +72,7 @@ class Forks:
         self.runbook = runbook
         self.life = life
         self.plans = plans
-        self._admit = admit  # a create's turn for room (ManagerCore._admit)
+        self._admit = admit  # a create's turn for room (Room.admit)
 
     async def fork(self, sandbox_id: str, count: int, ttl: int | None = None,
                    owner: str | None = None) -> list[SandboxRecord | OrchestratorError]:
