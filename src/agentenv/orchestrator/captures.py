@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime import Runtime, RuntimeFailure
@@ -30,18 +31,17 @@ from .table import SandboxTable
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class Captures:
-    def __init__(self, sandboxes: SandboxTable, snapshots: SnapshotStore, runtime: Runtime,
-                 envd: EnvdClient, specs: SpecFactory, plans: Plans, life: Lifecycle) -> None:
-        self.sandboxes = sandboxes
-        self.snapshots = snapshots
-        self.runtime = runtime
-        self.envd = envd
-        self.specs = specs
-        self.plans = plans
-        self.life = life
-        # What each template's rootfs holds (filesystem-only pauses compare with it).
-        self.template_listings = TemplateListings()
+    sandboxes: SandboxTable
+    snapshots: SnapshotStore
+    runtime: Runtime
+    envd: EnvdClient
+    specs: SpecFactory
+    plans: Plans
+    life: Lifecycle
+    # What each template's rootfs holds (filesystem-only pauses compare with it).
+    template_listings: TemplateListings = field(default_factory=TemplateListings, init=False)
 
     def metadata(self, record: SandboxRecord, kind: str) -> dict:
         return {

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from ..config import Config
 from ..metrics import observed
@@ -38,24 +39,19 @@ from .store import SandboxStore
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class Creates:
-    def __init__(self, config: Config, templates: TemplateRegistry, store: SandboxStore,
-                 envd: EnvdClient, limits: ResourceLimits, boot_images: BootImages | None,
-                 life: Lifecycle, plans: Plans,
-                 admit: Callable[[CreateRequest], Awaitable[Ticket]],
-                 resolve_snapshot: Callable[..., Awaitable[Manifest]],
-                 from_snapshot: Callable[..., Awaitable[SandboxRecord]]) -> None:
-        self.config = config
-        self.templates = templates
-        self.store = store
-        self.envd = envd
-        self.limits = limits
-        self.boot_images = boot_images
-        self.life = life
-        self.plans = plans
-        self._admit = admit  # a create's turn for room (Room.admit)
-        self._resolve_snapshot = resolve_snapshot  # (name, missing, cause): UserSnapshots
-        self._from_snapshot = from_snapshot  # (req, manifest, ttl, template): Forks
+    config: Config
+    templates: TemplateRegistry
+    store: SandboxStore
+    envd: EnvdClient
+    limits: ResourceLimits
+    boot_images: BootImages | None
+    life: Lifecycle
+    plans: Plans
+    admit: Callable[[CreateRequest], Awaitable[Ticket]]  # a create's turn for room (Room.admit)
+    resolve_snapshot: Callable[..., Awaitable[Manifest]]  # (name, missing, cause): UserSnapshots
+    from_snapshot: Callable[..., Awaitable[SandboxRecord]]  # (req, manifest, ttl, template): Forks
 
     @observed("create")
     async def create(self, req: CreateRequest) -> SandboxRecord:
@@ -63,16 +59,16 @@ class Creates:
         check_create(req, self.limits)
         source = await self._source(req)
         if isinstance(source, Manifest):
-            return await self._from_snapshot(req, source, ttl)
+            return await self.from_snapshot(req, source, ttl)
         template = source
         pool = self.boot_images
         if template.snapshot_id and not (pool and pool.pool_size > 0):
             # A built template: restore its snapshot (with a warm pool, the path
             # below hands out pooled sandboxes restored from it).
-            manifest = await self._resolve_snapshot(
+            manifest = await self.resolve_snapshot(
                 template.snapshot_id, f"snapshot of template '{req.template}' is gone")
-            return await self._from_snapshot(req, manifest, ttl, template)
-        ticket = await self._admit(req)
+            return await self.from_snapshot(req, manifest, ttl, template)
+        ticket = await self.admit(req)
         try:
             record, member = self._new_create(req, template, ttl)
         finally:
@@ -188,7 +184,7 @@ class Creates:
             return self.templates.get(req.template)
         except TemplateNotFound as exc:
             try:
-                return await self._resolve_snapshot(req.template, f"template or snapshot "
+                return await self.resolve_snapshot(req.template, f"template or snapshot "
                                            f"'{req.template}' not found", exc)
             except NotFound:
                 if isinstance(exc, InvalidTemplateRef):

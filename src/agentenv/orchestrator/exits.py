@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from .boot_images import BootImages
@@ -46,14 +47,13 @@ class ExitHandler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+@dataclass(eq=False, repr=False)
 class RuntimeExits:
-    def __init__(self, sandboxes: SandboxTable, store: SandboxStore, life: Lifecycle,
-                 boot_images: BootImages | None, residents: ResidentPauses | None) -> None:
-        self.sandboxes = sandboxes
-        self.store = store
-        self.life = life
-        self.boot_images = boot_images
-        self.residents = residents
+    sandboxes: SandboxTable
+    store: SandboxStore
+    life: Lifecycle
+    boot_images: BootImages | None
+    residents: ResidentPauses | None
 
     async def exited(self, sandbox_id: str, reason: str) -> None:
         """A running sandbox's runtime ended unasked: the record goes to ``error``

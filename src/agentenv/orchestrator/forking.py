@@ -14,6 +14,7 @@ import logging
 import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
@@ -56,23 +57,20 @@ async def as_they_come(starts: list[asyncio.Task[SandboxRecord]], failed: str
             yield OrchestratorError(f"{failed}: {exc}")
 
 
+@dataclass(eq=False, repr=False)
 class Forks:
-    def __init__(self, config: Config, runtime: Runtime, slots: SlotPool, envd: EnvdClient,
-                 snapshots: SnapshotStore, specs: SpecFactory, admission: Admission,
-                 freezer: IdleFreezer, runbook: RunBook, life: Lifecycle, plans: Plans,
-                 admit: Callable[[CreateRequest], Awaitable[Ticket]]) -> None:
-        self.config = config
-        self.runtime = runtime
-        self.slots = slots
-        self.envd = envd
-        self.snapshots = snapshots
-        self.specs = specs
-        self.admission = admission
-        self.freezer = freezer
-        self.runbook = runbook
-        self.life = life
-        self.plans = plans
-        self._admit = admit  # a create's turn for room (Room.admit)
+    config: Config
+    runtime: Runtime
+    slots: SlotPool
+    envd: EnvdClient
+    snapshots: SnapshotStore
+    specs: SpecFactory
+    admission: Admission
+    freezer: IdleFreezer
+    runbook: RunBook
+    life: Lifecycle
+    plans: Plans
+    admit: Callable[[CreateRequest], Awaitable[Ticket]]  # a create's turn for room (Room.admit)
 
     async def fork(self, sandbox_id: str, count: int, ttl: int | None = None,
                    owner: str | None = None) -> list[SandboxRecord | OrchestratorError]:
@@ -210,7 +208,7 @@ class Forks:
             image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
         except SnapshotError as exc:
             raise OrchestratorError(f"snapshot repository: {exc}") from exc
-        ticket = await self._admit(req)
+        ticket = await self.admit(req)
         try:
             record = self._snapshot_record(req, meta, ttl, template, manifest.snapshot_id)
         finally:

@@ -11,6 +11,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from ..config import Config
 from ..network import SlotError, SlotPool
@@ -30,25 +31,21 @@ COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
+@dataclass(eq=False, repr=False)
 class Housekeeping:
-    def __init__(self, config: Config, runtime: Runtime, slots: SlotPool,
-                 sandboxes: SandboxTable, freezer: IdleFreezer, cold_memory: ColdMemory,
-                 pressure: PressureRelief, captures: Captures,
-                 residents: ResidentPauses | None, runs: Runs, egress: EgressPolicies,
-                 kill: Callable[[str], Awaitable[None]]) -> None:
-        self.config = config
-        self.runtime = runtime
-        self.slots = slots
-        self.sandboxes = sandboxes
-        self.freezer = freezer
-        self.cold_memory = cold_memory
-        self.pressure = pressure
-        self.captures = captures
-        self.residents = residents
-        self.runs = runs
-        self.egress = egress
-        self.kill = kill
-        self._tasks: list[asyncio.Task] = []
+    config: Config
+    runtime: Runtime
+    slots: SlotPool
+    sandboxes: SandboxTable
+    freezer: IdleFreezer
+    cold_memory: ColdMemory
+    pressure: PressureRelief
+    captures: Captures
+    residents: ResidentPauses | None
+    runs: Runs
+    egress: EgressPolicies
+    kill: Callable[[str], Awaitable[None]]
+    _tasks: list[asyncio.Task] = field(default_factory=list, init=False)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._ttl_loop(), name="ttl"),

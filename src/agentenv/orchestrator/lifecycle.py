@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..network import Slot, SlotPool
@@ -32,27 +33,26 @@ from .table import SandboxTable
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class Lifecycle:
-    def __init__(self, sandboxes: SandboxTable, store: SandboxStore, runtime: Runtime,
-                 slots: SlotPool, launcher: Launcher, wake: Callable[[], None],
-                 freezer: IdleFreezer, cold_memory: ColdMemory) -> None:
-        self.sandboxes = sandboxes
-        self.store = store
-        self.runtime = runtime
-        self.slots = slots
-        self.launcher = launcher
-        self._wake = wake  # room may have come free (admission.py)
-        self.freezer = freezer
-        self.cold_memory = cold_memory
-        # Creates, fork children and other work under way: each a task of its own,
-        # cancelled when the node stops.
-        self.tasks: set[asyncio.Task] = set()
-        # Called with a sandbox ID once it is gone (the proxy drops its connections).
-        self.on_removed: list[Callable[[str], None]] = []
-        # Awaited with a sandbox ID before its running state is captured (snapshot,
-        # pause, fork): the proxy closes its idle connections to it, which a copy
-        # restored elsewhere would hold half-open (see SandboxProxy.release_idle).
-        self.on_capture: list[Callable[[str], Awaitable[None]]] = []
+    sandboxes: SandboxTable
+    store: SandboxStore
+    runtime: Runtime
+    slots: SlotPool
+    launcher: Launcher
+    wake: Callable[[], None]  # room may have come free (admission.py)
+    freezer: IdleFreezer
+    cold_memory: ColdMemory
+    # Creates, fork children and other work under way: each a task of its own,
+    # cancelled when the node stops.
+    tasks: set[asyncio.Task] = field(default_factory=set, init=False)
+    # Called with a sandbox ID once it is gone (the proxy drops its connections).
+    on_removed: list[Callable[[str], None]] = field(default_factory=list, init=False)
+    # Awaited with a sandbox ID before its running state is captured (snapshot,
+    # pause, fork): the proxy closes its idle connections to it, which a copy
+    # restored elsewhere would hold half-open (see SandboxProxy.release_idle).
+    on_capture: list[Callable[[str], Awaitable[None]]] = field(default_factory=list,
+                                                               init=False)
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         return self.sandboxes.get(sandbox_id).record
@@ -88,7 +88,7 @@ class Lifecycle:
             await self.slots.release(slot)
         except Exception:
             log.exception("release of slot %s failed", slot.index)
-        self._wake()
+        self.wake()
 
     async def release(self, entry: Sandbox, destroy: bool = True) -> None:
         """Give back what the sandbox holds: its runtime (destroyed, with ``destroy``
@@ -117,7 +117,7 @@ class Lifecycle:
         entry = self.sandboxes.holds(record)
         if entry is not None:
             self.sandboxes.remove(entry)
-        self._wake()
+        self.wake()
 
     async def teardown(self, record: SandboxRecord, started: bool) -> None:
         """Stop a sandbox (if ``started``), free its slot and drop its record."""
@@ -135,7 +135,7 @@ class Lifecycle:
             raise Conflict(f"sandbox '{record.sandbox_id}' cannot go from {record.state} to {to}")
         record.state = to
         self.store.put(record)
-        self._wake()
+        self.wake()
 
     def ended_in_error(self, record: SandboxRecord, reason: str) -> None:
         """A running sandbox is in ``error`` with ``reason`` (its runtime is gone or

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
@@ -48,27 +49,23 @@ from .table import SandboxTable
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class Pauses:
-    def __init__(self, config: Config, sandboxes: SandboxTable, store: SandboxStore,
-                 snapshots: SnapshotStore, snapshot_gc: SnapshotCollector,
-                 templates: TemplateRegistry, specs: SpecFactory, runtime: Runtime,
-                 admission: Admission, freezer: IdleFreezer, life: Lifecycle, plans: Plans,
-                 captures: Captures, residents: ResidentPauses | None) -> None:
-        self.config = config
-        self.sandboxes = sandboxes
-        self.store = store
-        self.snapshots = snapshots
-        self.snapshot_gc = snapshot_gc
-        self.templates = templates
-        self.specs = specs
-        self.runtime = runtime
-        self.admission = admission
-        self.freezer = freezer
-        self.life = life
-        self.plans = plans
-        self.captures = captures
-        # Resident pauses (None: a pause always captures at once).
-        self.residents = residents
+    config: Config
+    sandboxes: SandboxTable
+    store: SandboxStore
+    snapshots: SnapshotStore
+    snapshot_gc: SnapshotCollector
+    templates: TemplateRegistry
+    specs: SpecFactory
+    runtime: Runtime
+    admission: Admission
+    freezer: IdleFreezer
+    life: Lifecycle
+    plans: Plans
+    captures: Captures
+    # Resident pauses (None: a pause always captures at once).
+    residents: ResidentPauses | None
 
     def pause_committed(self, record: SandboxRecord) -> bool:
         """Whether a paused sandbox's snapshot is in the repository (not only staged here)."""
@@ -152,7 +149,7 @@ class Pauses:
             self.snapshots.staging.hold_for_commit(snapshot_id, metadata)
             previous = record.snapshot_id
             # The state is saved: freeing the stopped runtime and its slot need not
-            # hold up the answer. Whatever reuses the ID waits for it (_settled).
+            # hold up the answer. Whatever reuses the ID waits for it (Captures.settled).
             entry = self.sandboxes.get(sandbox_id)
             entry.let_go_of_slot()
             record.snapshot_id = snapshot_id

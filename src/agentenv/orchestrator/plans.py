@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,11 @@ from .records import Resources
 from .requests import check_timeout
 
 
+@dataclass(eq=False, repr=False)
 class Plans:
-    def __init__(self, config: Config, templates: TemplateRegistry,
-                 limits: ResourceLimits) -> None:
-        self.config = config
-        self.templates = templates
-        self.limits = limits
+    config: Config
+    templates: TemplateRegistry
+    limits: ResourceLimits
 
     def timeout(self, timeout: int | None) -> int:
         return check_timeout(timeout, self.config.default_timeout, self.config.max_timeout)

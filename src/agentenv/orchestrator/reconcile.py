@@ -16,6 +16,7 @@ import asyncio
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from ..config import Config
 from ..network import SlotPool
@@ -34,23 +35,20 @@ from .table import SandboxTable
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class Reconciler:
-    def __init__(self, config: Config, sandboxes: SandboxTable, store: SandboxStore,
-                 snapshots: SnapshotStore, runtime: Runtime, slots: SlotPool,
-                 envd: EnvdClient, life: Lifecycle, captures: Captures,
-                 residents: ResidentPauses | None,
-                 exited: Callable[[str, str], Awaitable[None]]) -> None:
-        self.config = config
-        self.sandboxes = sandboxes
-        self.store = store
-        self.snapshots = snapshots
-        self.runtime = runtime
-        self.slots = slots
-        self.envd = envd
-        self.life = life
-        self.captures = captures
-        self.residents = residents
-        self._exited = exited  # a running sandbox found dead (RuntimeExits.exited)
+    config: Config
+    sandboxes: SandboxTable
+    store: SandboxStore
+    snapshots: SnapshotStore
+    runtime: Runtime
+    slots: SlotPool
+    envd: EnvdClient
+    life: Lifecycle
+    captures: Captures
+    residents: ResidentPauses | None
+    # A running sandbox found dead (RuntimeExits.exited).
+    exited: Callable[[str, str], Awaitable[None]]
 
     async def reconcile(self) -> None:
         # What a killed predecessor left the runtime doing finishes first: a
@@ -175,7 +173,7 @@ class Reconciler:
         for record, ok in zip(running, await asyncio.gather(*map(answers, running)),
                               strict=True):
             if not ok:
-                await self._exited(record.sandbox_id, "ended while the node was "
+                await self.exited(record.sandbox_id, "ended while the node was "
                                            "down: its envd did not answer at the restart")
 
     def _remove_stale_captures(self, keep: dict[str, SandboxRecord]) -> None:

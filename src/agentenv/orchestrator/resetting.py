@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config
@@ -69,24 +70,21 @@ log = logging.getLogger(__name__)
 RESET_MODES = ("memory", "filesystem")
 
 
+@dataclass(eq=False, repr=False)
 class Resets:
-    def __init__(self, config: Config, sandboxes: SandboxTable, store: SandboxStore,
-                 snapshots: SnapshotStore, runtime: Runtime, slots: SlotPool,
-                 envd: EnvdClient, specs: SpecFactory, admission: Admission, life: Lifecycle,
-                 plans: Plans, captures: Captures, pauses: Pauses) -> None:
-        self.config = config
-        self.sandboxes = sandboxes
-        self.store = store
-        self.snapshots = snapshots
-        self.runtime = runtime
-        self.slots = slots
-        self.envd = envd
-        self.specs = specs
-        self.admission = admission
-        self.life = life
-        self.plans = plans
-        self.captures = captures
-        self.pauses = pauses
+    config: Config
+    sandboxes: SandboxTable
+    store: SandboxStore
+    snapshots: SnapshotStore
+    runtime: Runtime
+    slots: SlotPool
+    envd: EnvdClient
+    specs: SpecFactory
+    admission: Admission
+    life: Lifecycle
+    plans: Plans
+    captures: Captures
+    pauses: Pauses
 
     @observed("reset")
     async def reset(self, sandbox_id: str, snapshot: str | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 
 from ..config import Config
 from ..metrics import EVICTIONS
@@ -27,17 +28,15 @@ from .table import SandboxTable
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False, repr=False)
 class ResidentPauses:
-    def __init__(self, config: Config, books: ResidentSet, sandboxes: SandboxTable,
-                 store: SandboxStore, runtime: Runtime, life: Lifecycle,
-                 captures: Captures) -> None:
-        self.config = config
-        self.books = books
-        self.sandboxes = sandboxes
-        self.store = store
-        self.runtime = runtime
-        self.life = life
-        self.captures = captures
+    config: Config
+    books: ResidentSet
+    sandboxes: SandboxTable
+    store: SandboxStore
+    runtime: Runtime
+    life: Lifecycle
+    captures: Captures
 
     def get(self, sandbox_id: str) -> Resident | None:
         return self.books.get(sandbox_id)

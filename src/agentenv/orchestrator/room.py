@@ -6,6 +6,7 @@ that run still goes on once admitted."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from ..config import Config
 from .admission import Admission, Quota, Ticket
@@ -16,18 +17,22 @@ from .runbook import RunBook
 from .table import SandboxTable
 
 
+@dataclass(eq=False, repr=False)
 class Room:
-    def __init__(self, config: Config, sandboxes: SandboxTable, runbook: RunBook) -> None:
-        self.config = config
-        self.sandboxes = sandboxes
-        self.runbook = runbook
-        # Set once built (the boot images take the manager that holds this room).
-        self.boot_images: BootImages | None = None
-        configured = config.admission_max_starting
+    config: Config
+    sandboxes: SandboxTable
+    runbook: RunBook
+
+    # Set once built (the boot images take the manager that holds this room).
+    boot_images: BootImages | None = None
+
+    def __post_init__(self) -> None:
+        configured = self.config.admission_max_starting
         self._max_starting = configured if configured else max(4, 2 * (os.cpu_count() or 1))
         # Creates beyond the node's room wait here, fair across API keys (admission.py).
         self.admission = Admission(
-            timeout_s=config.admission_queue_timeout_s, max_waiting=config.admission_queue_max,
+            timeout_s=self.config.admission_queue_timeout_s,
+            max_waiting=self.config.admission_queue_max,
             no_room=self.no_room, owned=self.owned, quotas=self.quota)
 
     def no_room(self, reserved: int, starting: bool = True) -> str | None:
