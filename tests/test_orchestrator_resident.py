@@ -25,7 +25,7 @@ async def resident_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 async def _captured(mgr: SandboxManager, sandbox_id: str) -> None:
-    entry = mgr._resident.get(sandbox_id)
+    entry = mgr.residents.get(sandbox_id) if mgr.residents is not None else None
     if entry is not None and entry.capture is not None:
         await entry.capture
     await asyncio.gather(*mgr.sandboxes.commits())
@@ -130,9 +130,9 @@ async def test_resident_pauses_are_evicted_when_idle_or_their_slot_is_needed(
     assert ("restore", a.sandbox_id) in node.runtime.calls and a.state is SandboxState.RUNNING
     await mgr.kill(d.sandbox_id)
 
-    assert mgr._resident is not None
-    mgr._resident.idle_s = 0
-    await mgr._tend_residents()
+    assert mgr.residents is not None
+    mgr.residents.books.idle_s = 0
+    await mgr.residents.tend()
     assert b.slot_index == 0 and b.sandbox_id not in node.runtime.sandboxes
     await mgr.kill(b.sandbox_id)
     await mgr.kill(a.sandbox_id)
@@ -172,7 +172,8 @@ async def test_a_restart_captures_what_it_finds_frozen(resident_node: Node) -> N
     node.runtime.faults.delay("checkpoint", 5)
     await mgr.pause(sid)
     # The node dies before the capture: the frozen runtime and the record remain.
-    entry = mgr._resident.get(sid)
+    assert mgr.residents is not None
+    entry = mgr.residents.get(sid)
     assert entry is not None and entry.capture is not None
     entry.capture.cancel()
     node.runtime.faults.delays.clear()

@@ -340,7 +340,7 @@ async def test_a_sandbox_being_killed_has_no_endpoint_from_the_start(node: Node)
     record = await mgr.create(CreateRequest("base"))
     sid = record.sandbox_id
     assert node.envd.inits[record.slot_address]["file_access"] == "root"
-    async with mgr._lock(sid):  # what a pause or snapshot in progress holds
+    async with mgr.life.lock(sid):  # what a pause or snapshot in progress holds
         kill = asyncio.create_task(mgr.kill(sid))
         hidden = False
         for _ in range(100):  # the loop's turns until the kill has started

@@ -1,5 +1,6 @@
 """Captures of a sandbox's state, and the commits of pause captures to the repository.
 
+``Captures`` is the service the pausing, resident and reconciling services share.
 A capture is written into the node's staging area (the runtime's checkpoint, or a
 filesystem-only capture through envd, see disk_pause); a pause's capture is held
 there as pending until its commit goes through (in the background; a restart
@@ -12,20 +13,37 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime import RuntimeFailure
-from ..snapshot import SnapshotError, SnapshotNotFound, StorageFull
+from ..runtime import Runtime, RuntimeFailure
+from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore, StorageFull
 from . import disk_pause
-from .core import ManagerCore
+from .disk_pause import TemplateListings
+from .envd_client import EnvdClient
+from .lifecycle import Lifecycle
 from .models import NotFound, OrchestratorError, SandboxRecord, SandboxState
+from .plans import Plans
 from .sandbox import Sandbox
+from .specs import SpecFactory
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 
 
-class Captures(ManagerCore):
-    def _snapshot_metadata(self, record: SandboxRecord, kind: str) -> dict:
+@dataclass(eq=False, repr=False)
+class Captures:
+    sandboxes: SandboxTable
+    snapshots: SnapshotStore
+    runtime: Runtime
+    envd: EnvdClient
+    specs: SpecFactory
+    plans: Plans
+    life: Lifecycle
+    # What each template's rootfs holds (filesystem-only pauses compare with it).
+    template_listings: TemplateListings = field(default_factory=TemplateListings, init=False)
+
+    def metadata(self, record: SandboxRecord, kind: str) -> dict:
         return {
             "kind": kind,
             "template_id": record.template_id,
@@ -58,11 +76,10 @@ class Captures(ManagerCore):
             "created_at": time.time(),
         }
 
-
-    async def _capture(self, sandbox_id: str, snapshot_id: str, leave_running: bool) -> Path:
+    async def capture(self, sandbox_id: str, snapshot_id: str, leave_running: bool) -> Path:
         """Checkpoint into a fresh staging dir; on failure nothing stays staged."""
         await self._check_staging_room(sandbox_id)
-        await self._before_capture(sandbox_id)
+        await self.life.before_capture(sandbox_id)
         try:
             staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
         except SnapshotError as exc:
@@ -91,10 +108,9 @@ class Captures(ManagerCore):
                 f"({self.snapshots.staging_dir}): the capture needs about {need >> 20} MiB, "
                 f"{free >> 20} MiB are free")
 
-
-    async def _capture_files(self, record: SandboxRecord, snapshot_id: str) -> Path:
+    async def capture_files(self, record: SandboxRecord, snapshot_id: str) -> Path:
         """A filesystem-only capture of a running sandbox (which runs on if it fails)."""
-        template = self._bootable_template(record)
+        template = self.plans.bootable_template(record)
         try:
             staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
         except SnapshotError as exc:
@@ -103,7 +119,7 @@ class Captures(ManagerCore):
         try:
             size = await disk_pause.capture(
                 self.envd, record.slot_address, record.envd_token, template.rootfs,
-                self._template_listings, staging, record.disk_size_mb << 20)
+                self.template_listings, staging, record.disk_size_mb << 20)
         except BaseException:
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
             raise
@@ -112,23 +128,22 @@ class Captures(ManagerCore):
                  (time.perf_counter() - t0) * 1000)
         return staging
 
-    def _free_in_background(self, entry: Sandbox) -> asyncio.Task:
+    def free_in_background(self, entry: Sandbox) -> asyncio.Task:
         """A paused sandbox's stopped runtime destroyed and its slot handed back, in the
         background: it counts as holding no slot from now on."""
         entry.let_go_of_slot()
         entry.runs(self.runtime.destroy)
         return entry.release_in_background()
 
-    async def _settled(self, sandbox_id: str) -> None:
+    async def settled(self, sandbox_id: str) -> None:
         """Wait until a paused sandbox's old runtime is gone (its ID can be reused)."""
         entry = self.sandboxes.find(sandbox_id)
         if entry is not None:
             await entry.settled()
 
-
     # -- commits of pauses --------------------------------------------------------------
 
-    def _start_commit(self, entry: Sandbox, snapshot_id: str, staging: Path, metadata: dict,
+    def start_commit(self, entry: Sandbox, snapshot_id: str, staging: Path, metadata: dict,
                       replaces: str = "") -> None:
         async def run() -> None:
             try:
@@ -148,7 +163,7 @@ class Captures(ManagerCore):
 
         entry.commits[snapshot_id] = asyncio.create_task(run())
 
-    def _recommit_if_staged(self, entry: Sandbox) -> None:
+    def recommit_if_staged(self, entry: Sandbox) -> None:
         """After a restart: a pause whose commit did not finish is committed again."""
         record = entry.record
         if not record.snapshot_id:  # never paused
@@ -157,29 +172,18 @@ class Captures(ManagerCore):
         if metadata is not None:
             log.info("resuming the commit of pause snapshot %s", record.snapshot_id)
             # It replaces the sandbox's pause before it, as its first commit would have.
-            self._start_commit(entry, record.snapshot_id,
+            self.start_commit(entry, record.snapshot_id,
                                self.snapshots.staging.path(record.snapshot_id), metadata,
                                replaces=str(metadata.get("parent_snapshot_id") or ""))
 
-    def _retry_failed_commits(self) -> None:
+    def retry_failed_commits(self) -> None:
         """Paused sandboxes (and running ones resumed before it went through) whose
         pause capture is only staged get its commit again."""
         for entry in self.sandboxes.in_state(SandboxState.PAUSED, SandboxState.RUNNING):
             if entry.record.snapshot_id not in entry.commits:
-                self._recommit_if_staged(entry)
+                self.recommit_if_staged(entry)
 
-    def pause_committed(self, record: SandboxRecord) -> bool:
-        """Whether a paused sandbox's snapshot is in the repository (not only staged here)."""
-        sid = record.snapshot_id
-        resident = self._resident.get(record.sandbox_id) if self._resident is not None else None
-        if resident is not None and not resident.captured:
-            return False  # frozen, its capture not made yet
-        entry = self.sandboxes.holds(record)
-        return bool(sid) and (entry is None or sid not in entry.commits) and \
-            not self.snapshots.staging.is_pending(sid)
-
-
-    async def _pause_image(self, record: SandboxRecord) -> tuple[Path, str]:
+    async def pause_image(self, record: SandboxRecord) -> tuple[Path, str]:
         """Where a paused sandbox's state is on this node, and what it is: "" the
         committed snapshot's cache; "staged" the capture still staged here (its commit
         has not gone through: repository down; discarded once restored); "linked" hard

@@ -6,14 +6,26 @@ killer took the sandbox, or its engine crashed). The sandbox then goes to
 runtime's leftovers, its network slot, the proxy's pooled connections) is freed
 at once, so calls to it fail fast with the reason instead of hanging. The
 record stays, listed under ``state=error``, until the user deletes it or its
-timeout passes. (The state change itself is ``ManagerCore._runtime_exited``.)
+timeout passes. ``RuntimeExits`` says what an exit means for whom it was: a
+running sandbox, a resident paused one, a warm-pool member.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
+
+from .boot_images import BootImages
+from .lifecycle import Lifecycle
+from .models import SandboxState
+from .resident_pauses import ResidentPauses
+from .store import SandboxStore
+from .table import SandboxTable
+
+log = logging.getLogger(__name__)
 
 
 class ExitHandler:
@@ -33,3 +45,37 @@ class ExitHandler:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@dataclass(eq=False, repr=False)
+class RuntimeExits:
+    sandboxes: SandboxTable
+    store: SandboxStore
+    life: Lifecycle
+    boot_images: BootImages | None
+    residents: ResidentPauses | None
+
+    async def exited(self, sandbox_id: str, reason: str) -> None:
+        """A running sandbox's runtime ended unasked: the record goes to ``error``
+        with the reason, and what the sandbox held is freed."""
+        entry = self.sandboxes.find(sandbox_id)
+        if entry is None and self.boot_images is not None:
+            await self.boot_images.member_exited(sandbox_id, reason)  # a pooled one
+            return
+        if entry is not None and entry.state is SandboxState.PAUSED:
+            if self.residents is not None:
+                await self.residents.exited(entry, reason)
+            return
+        if entry is None or entry.state is not SandboxState.RUNNING:
+            return  # being created (its start fails on its own), or gone
+        record = entry.record
+        # Calls to it fail fast from now on, even while a pause, snapshot or fork
+        # holding its lock finds out for itself.
+        record.error = reason
+        async with entry.lock:
+            if self.sandboxes.find(sandbox_id) is not entry or \
+                    record.state is not SandboxState.RUNNING:
+                return
+            self.life.ended_in_error(record, reason)  # the proxy drops its connections
+            await self.life.release(entry)
+            self.store.put(record)

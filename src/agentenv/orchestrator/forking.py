@@ -1,4 +1,5 @@
-"""New sandboxes from a captured state: fork children, and creates from a snapshot.
+"""New sandboxes from a captured state (the service ``Forks``): fork children, and
+creates from a snapshot.
 
 A fork stops its source only while its state is captured; each child is then
 restored from that capture into a slot of its own, with its own ID and envd token,
@@ -12,27 +13,34 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import Config
 from ..metrics import LIFECYCLE
-from ..snapshot import Manifest, SnapshotError
-from ..templates import Template, TemplateNotFound
+from ..network import SlotPool
+from ..runtime import Runtime
+from ..snapshot import Manifest, SnapshotError, SnapshotStore
+from ..templates import Template
 from . import disk_pause
-from .admission import Ticket, TooManyRequests
-from .core import ManagerCore
-from .envd_client import EnvdUnavailable
+from .admission import Admission, Ticket, TooManyRequests
+from .envd_client import EnvdClient, EnvdUnavailable
+from .idling import IdleFreezer
+from .lifecycle import Lifecycle
 from .lineage import fork_origin
 from .models import (
     Conflict,
-    NotFound,
     OrchestratorError,
     SandboxRecord,
     SandboxState,
     new_sandbox_id,
 )
+from .plans import Plans
 from .records import Resources, new_record
 from .requests import CreateRequest, check_fork_count
+from .runbook import RunBook
+from .specs import SpecFactory
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +57,21 @@ async def as_they_come(starts: list[asyncio.Task[SandboxRecord]], failed: str
             yield OrchestratorError(f"{failed}: {exc}")
 
 
-class Forking(ManagerCore):
+@dataclass(eq=False, repr=False)
+class Forks:
+    config: Config
+    runtime: Runtime
+    slots: SlotPool
+    envd: EnvdClient
+    snapshots: SnapshotStore
+    specs: SpecFactory
+    admission: Admission
+    freezer: IdleFreezer
+    runbook: RunBook
+    life: Lifecycle
+    plans: Plans
+    admit: Callable[[CreateRequest], Awaitable[Ticket]]  # a create's turn for room (Room.admit)
+
     async def fork(self, sandbox_id: str, count: int, ttl: int | None = None,
                    owner: str | None = None) -> list[SandboxRecord | OrchestratorError]:
         """Branch a running sandbox into ``count`` children that continue its exact state.
@@ -78,8 +100,8 @@ class Forking(ManagerCore):
         it finds none), the others go only if there is room now, else are 429 results.
         """
         check_fork_count(count)
-        seconds = self._check_timeout(ttl)
-        owner = self.get(sandbox_id).owner if owner is None else owner
+        seconds = self.plans.timeout(ttl)
+        owner = self.life.get(sandbox_id).owner if owner is None else owner
         tickets, refused = await self._admit_children(owner, count)
         image = self.config.run_dir / "images" / f"fork-{new_sandbox_id()}"
         started = time.perf_counter()
@@ -97,9 +119,7 @@ class Forking(ManagerCore):
                     for t in tickets]
         for error in refused:
             yield error
-        cleanup = asyncio.create_task(self._remove_when_done(children, image, started))
-        self._tasks.add(cleanup)
-        cleanup.add_done_callback(self._tasks.discard)
+        cleanup = self.life.spawn(self._remove_when_done(children, image, started))
         async for result in as_they_come(children, "child failed to start"):
             yield result
         await asyncio.shield(cleanup)  # every child is up: the capture is gone on return
@@ -127,13 +147,13 @@ class Forking(ManagerCore):
             await self.envd.wait_ready(source.slot_address)
 
     async def _capture_for_fork(self, sandbox_id: str, image: Path) -> SandboxRecord:
-        async with self._lock(sandbox_id):
-            source = self.get(sandbox_id)
+        async with self.life.lock(sandbox_id):
+            source = self.life.get(sandbox_id)
             if source.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {source.state}; only a running "
                                "sandbox can be forked")
             await self._wake_envd(source)
-            await self._before_capture(sandbox_id)
+            await self.life.before_capture(sandbox_id)
             t0 = time.perf_counter()
             await self.runtime.checkpoint(sandbox_id, image, leave_running=True)
             paused_ms = (time.perf_counter() - t0) * 1000
@@ -158,7 +178,7 @@ class Forking(ManagerCore):
             record = self._child_record(source, ttl, owner)
         finally:
             ticket.release()
-        return await self._as_task(record, self._restore_new(
+        return await self.life.as_task(record, self._restore_new(
             record, image, source_token=source.envd_token, hostname_of=source.sandbox_id))
 
     def _child_record(self, source: SandboxRecord, ttl: int, owner: str) -> SandboxRecord:
@@ -174,10 +194,10 @@ class Forking(ManagerCore):
             # Children belong to their source's run while it goes on (they end with it).
             run_id=source.run_id if self.runbook.joinable(source.run_id) else "",
             origin=fork_origin(source))
-        self._add(record)
+        self.life.add(record)
         return record
 
-    async def _create_from_snapshot(self, req: CreateRequest, manifest: Manifest, ttl: int,
+    async def create_from_snapshot(self, req: CreateRequest, manifest: Manifest, ttl: int,
                                     template: Template | None = None) -> SandboxRecord:
         """A sandbox restored from a snapshot; ``template`` when that snapshot is a
         built template's (the sandbox is then of that template, with its env vars)."""
@@ -188,12 +208,12 @@ class Forking(ManagerCore):
             image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
         except SnapshotError as exc:
             raise OrchestratorError(f"snapshot repository: {exc}") from exc
-        ticket = await self._admit(req)
+        ticket = await self.admit(req)
         try:
             record = self._snapshot_record(req, meta, ttl, template, manifest.snapshot_id)
         finally:
             ticket.release()
-        return await self._as_task(record, self._restore_new(
+        return await self.life.as_task(record, self._restore_new(
             record, image, source_token=meta["envd_token"],
             hostname_of=meta.get("source_sandbox_id", record.sandbox_id), new_boot=True,
             template=template))
@@ -204,7 +224,7 @@ class Forking(ManagerCore):
             node_id=self.config.node_id,
             template_id=template.template_id if template else meta["template_id"],
             alias=template.alias if template else meta.get("alias") or meta["template_id"],
-            resources=self._resources(meta.get("cpu_count"), meta.get("memory_mb"),
+            resources=self.plans.resources(meta.get("cpu_count"), meta.get("memory_mb"),
                                       meta.get("disk_size_mb")),
             ttl=ttl, auto_pause=req.auto_pause, auto_pause_memory=req.auto_pause_memory,
             internet=req.internet, network=req.network.to_json() if req.network else {},
@@ -216,7 +236,7 @@ class Forking(ManagerCore):
             # A built template's snapshot is the template's own: its sandboxes are of it.
             origin=f"template:{template.template_id}" if template
             else f"snapshot:{snapshot_id}")
-        self._add(record)
+        self.life.add(record)
         return record
 
     async def _restore_new(self, record: SandboxRecord, image: Path, source_token: str,
@@ -226,13 +246,10 @@ class Forking(ManagerCore):
         create (``new_boot``) gets a boot ID of its own, a fork child keeps its source's.
         ``template``: the build the capture is of (a tag may name an older one)."""
         if disk_pause.is_disk_capture(image):  # files only: a boot, then the files
-            return await self._bring_up(record, self._plan(
-                record, template or self._bootable_template(record), files=image,
+            return await self.life.bring_up(record, self.plans.plan(
+                record, template or self.plans.bootable_template(record), files=image,
                 hostname_of=record.sandbox_id, start_command=True, new_boot=True))
-        try:
-            template = template or self.templates.get(record.template_id)
-        except TemplateNotFound as exc:
-            raise NotFound(f"template of the snapshot is gone: {exc}") from exc
-        return await self._bring_up(record, self._plan(
+        template = template or self.plans.template_of(record, "template of the snapshot is gone")
+        return await self.life.bring_up(record, self.plans.plan(
             record, template, image=image, hostname_of=hostname_of, current_token=source_token,
             new_boot=new_boot))

@@ -27,12 +27,33 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..images import ImageService
+from ..config import Config
+from ..images import DEFAULT_MOUNTPOINTS, ImageService, LayerStore, LazyLayers
 from ..metrics import EVICTIONS
 from ..snapshot import SnapshotStore
+from ..templates import TemplateRegistry
+from .specs import BUNDLE_MOUNT
 
 log = logging.getLogger(__name__)
 GRACE_S = 300.0
+
+
+def node_images(config: Config, templates: TemplateRegistry, snapshots: SnapshotStore,
+                in_use: Callable[[], set[str]]) -> ImageService:
+    """The node's pulled OCI images: their layers, and the rootfs mounts of image
+    templates (``in_use``: the templates whose rootfs must stay mounted)."""
+    lazy = LazyLayers(config.images_cache_dir / "lazy", snapshots.repo,
+                      config.snapshot_repository(), gzip_checkpoints=config.image_gzip_index,
+                      prefetch=config.image_prefetch,
+                      registry_timeout_s=config.image_registry_timeout_s) \
+        if config.image_loading == "lazy" else None
+    return ImageService(
+        LayerStore(config.images_cache_dir, config.cache_budget(),
+                   mountpoints=(*DEFAULT_MOUNTPOINTS, BUNDLE_MOUNT)), templates,
+        config.secrets_dir, in_use=in_use,
+        pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
+        local_sources_dir=config.image_imports_dir,
+        lazy=lazy)
 
 
 class LocalCache:

@@ -1,81 +1,284 @@
-"""The sandbox manager of one node: create, kill, timeouts, start and stop.
+"""The sandbox manager of one node: create, kill, start and stop.
 
 States move creating -> running -> (paused <-> running) -> killed, or running ->
-error when a sandbox's runtime dies; every move is checked against ``TRANSITIONS``.
-The jobs that change a sandbox under its lock live in their own modules over the
-shared core (pausing, resetting, forking, reconcile); the others are services built
-here with what they use (connecting, egress, runs, pressure, snapshots, comparing).
-``SandboxManager`` is the one object the API calls.
+error when a sandbox's runtime dies; every move is checked against ``TRANSITIONS``
+(lifecycle.py). ``SandboxManager`` is the one object the API calls, a plain class:
+it builds the node's collaborators (runtime, slots, stores, admission, the idle
+freezer, caches) and the services, each a plain object given what it uses (creates,
+captures, resident pauses, pauses, forks, resets, runtime exits, reconcile, egress,
+user snapshots, runs, connections, pressure, housekeeping, diffs); it answers the
+lookups and keeps kill, start and stop, and the API's calls into the services as
+one-line delegations.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import fcntl
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 
 from ..config import Config
+from ..images import ImageError
 from ..metrics import observed
-from ..network import EgressPolicy, SlotError, SlotPool
+from ..network import EgressPolicy, SlotPool
+from ..resources import host_cpus
 from ..runtime import Runtime
-from ..snapshot import Manifest, SnapshotError, SnapshotNotFound, SnapshotStore
+from ..snapshot import Manifest, SnapshotError, SnapshotStore
 from ..templates import Template, TemplateNotFound, TemplateRegistry
-from ..templates.registry import InvalidTemplateRef
-from .boot_images import BootImage, PooledSandbox
+from .boot_images import BootImages
+from .captures import Captures
+from .cold_memory import ColdMemory
+from .collect import SnapshotCollector
 from .comparing import Diffs
 from .connecting import Connections
+from .creating import Creates
+from .diffing import DiffGate
 from .egress import EgressPolicies
 from .envd_client import EnvdClient
-from .forking import Forking, as_they_come
+from .exits import ExitHandler, RuntimeExits
+from .forking import Forks
+from .housekeeping import Housekeeping
+from .idempotency import IdempotencyKeys
+from .idling import IdleFreezer
+from .launch import Launcher
+from .lifecycle import Lifecycle
 from .lineage import Lineage
+from .local_cache import LocalCache, node_images
 from .models import (
     BadRequest,
-    CapacityExceeded,
     Conflict,
     NotFound,
     OrchestratorError,
     SandboxRecord,
     SandboxState,
+    not_running,
 )
+from .pausing import Pauses
+from .plans import Plans
 from .pressure import PressureRelief
-from .reconcile import Reconciling
-from .records import new_record
-from .requests import CreateRequest, check_batch_count, check_create
-from .resetting import Resetting
-from .runbook import Run
+from .reconcile import Reconciler
+from .requests import CreateRequest
+from .resetting import Resets
+from .resident import ResidentSet, default_budget_bytes
+from .resident_pauses import ResidentPauses
+from .room import Room
+from .runbook import Run, RunBook
 from .runs import Runs
-from .snapshots import UserSnapshots, resolve_snapshot
+from .snapshots import UserSnapshots
+from .specs import SpecFactory
 from .store import SandboxStore
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
-COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
-QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
 
 
-class SandboxManager(Reconciling, Resetting, Forking):
+class SandboxManager:
     def __init__(self, config: Config, runtime: Runtime, slots: SlotPool,
                  templates: TemplateRegistry, store: SandboxStore, snapshots: SnapshotStore,
                  envd: EnvdClient | None = None) -> None:
-        super().__init__(config, runtime, slots, templates, store, snapshots, envd)
-        # The services with no part in the class tree: each gets what it uses.
-        self.egress = EgressPolicies(self.sandboxes, self.store, self.launcher)
+        self.config = config
+        self.runtime = runtime
+        self.slots = slots
+        self.templates = templates
+        self.store = store
+        self.snapshots = snapshots
+        # Chunks of deleted snapshots are collected in the background after a delete.
+        self.snapshot_gc = SnapshotCollector(snapshots)
+        self.envd = envd or EnvdClient()
+        # Resource bounds: requests beyond are refused, values from disk clamped.
+        self.limits = config.resource_limits
+        templates.limits = self.limits
+        self.specs = SpecFactory(config, runtime, self.limits)
+        self.plans = Plans(config, templates, self.limits)
+        self.launcher = Launcher(runtime, slots, self.envd, self.specs, self.ensure_rootfs,
+                                 config.egress_refresh_s,
+                                 slot_wait_s=config.admission_queue_timeout_s)
+        # Every sandbox of the node and what it holds (its slot, lock, background work).
+        self.sandboxes = SandboxTable()
+        # Runs own sandboxes: their leases, persisted beside the records (runs.py).
+        self.runbook = RunBook(store.path)
+        # Creates beyond the node's room wait, fair across API keys (room.py, admission.py).
+        self.room = Room(config, self.sandboxes, self.runbook)
+        self.admission = self.room.admission
+        # Diffs in flight, per key and in all (diffing.py: each may restore snapshots).
+        self.diff_gate = DiffGate()
+        # Answers of creates sent with an Idempotency-Key (idempotency.py).
+        self.idempotency = IdempotencyKeys(store.path, config.idempotency_ttl_s,
+                                           config.idempotency_max_keys)
+        # Idle running sandboxes frozen in place, thawed by the next request (idling.py).
+        self.freezer = IdleFreezer(runtime, config.idle_freeze_s, config.idle_freeze_cpu_pct,
+                                   lambda: self.sandboxes.records, self.sandboxes.held,
+                                   crowd=config.idle_freeze_crowd or 16 * host_cpus(),
+                                   # envd's dormancy first (a second to exec the stub)
+                                   early_s=config.envd_dormant_after_s + 1
+                                   if config.envd_dormant_after_s else 0)
+        self.envd.awake_at = self.freezer.awake_at
+        # Frozen sandboxes' memory moved to the host's compressed swap (cold_memory.py).
+        self.cold_memory = ColdMemory(runtime, config.cold_memory_after_s, self._running_ids,
+                                      lambda: self.pressure.short_for_idle(),
+                                      self.sandboxes.held)
+        # The state changes of sandboxes, and the work done apart from callers.
+        self.life = Lifecycle(self.sandboxes, store, runtime, slots, self.launcher,
+                              self.admission.wake, self.freezer, self.cold_memory)
+        self.on_removed = self.life.on_removed  # the proxy listens (lifecycle.py)
+        self.on_capture = self.life.on_capture
+        # Templates' boot images and the warm pool (None: every create boots).
+        self.boot_images = (BootImages(self, config.warm_pool_size)
+                            if config.template_snapshots else None)
+        self.room.boot_images = self.boot_images
+        if self.boot_images is not None:
+            self.boot_images.on_freed = self.admission.wake
+        # Pulled OCI images: their layers, and the rootfs mounts of image templates.
+        self.image_cache = node_images(config, templates, snapshots, self._templates_in_use)
+        # One budget for the node-local cache: image layers and materialized snapshots.
+        self.local_cache = LocalCache(config.cache_budget(), self.image_cache, snapshots,
+                                      pinned_snapshots=self._pinned_snapshots,
+                                      grace_s=config.cache_snapshot_grace_s)
+        # The services: each gets what it uses.
+        self.captures = Captures(self.sandboxes, snapshots, runtime, self.envd, self.specs,
+                                 self.plans, self.life)
+        # Paused sandboxes still frozen in place (None: pauses always capture at once).
+        self.residents = ResidentPauses(
+            config, ResidentSet((config.resident_pause_mb << 20) or default_budget_bytes(),
+                                config.resident_pause_idle_s),
+            self.sandboxes, store, runtime, self.life, self.captures) \
+            if config.resident_pause else None
+        if self.residents is not None:  # a launch finding no slot free evicts one
+            self.launcher.make_room = self.residents.make_room
+        self.pauses = Pauses(config, self.sandboxes, store, snapshots, self.snapshot_gc,
+                             templates, self.specs, runtime, self.admission, self.freezer,
+                             self.life, self.plans, self.captures, self.residents)
+        self.forks = Forks(config, runtime, slots, self.envd, snapshots, self.specs,
+                           self.admission, self.freezer, self.runbook, self.life, self.plans,
+                           self.room.admit)
         self.user_snapshots = UserSnapshots(self.templates, self.snapshots, self.snapshot_gc)
-        self.runs = Runs(self.sandboxes, self.runbook, self.pause, self.kill, self._spawn)
-        self.connections = Connections(self.sandboxes, self.config, self.resume,
+        self.creates = Creates(config, templates, store, self.envd, self.limits,
+                               self.boot_images, self.life, self.plans, self.room.admit,
+                               self.user_snapshots.resolve, self.forks.create_from_snapshot)
+        self.resets = Resets(config, self.sandboxes, store, snapshots, runtime, slots,
+                             self.envd, self.specs, self.admission, self.life, self.plans,
+                             self.captures, self.pauses)
+        # Sandboxes whose runtime ends unasked go to ERROR (exits.py).
+        self.exits = RuntimeExits(self.sandboxes, store, self.life, self.boot_images,
+                                  self.residents)
+        self._exits = ExitHandler(self.exits.exited)
+        self.reconciler = Reconciler(config, self.sandboxes, store, snapshots, runtime, slots,
+                                     self.envd, self.life, self.captures, self.residents,
+                                     self.exits.exited)
+        self.egress = EgressPolicies(self.sandboxes, self.store, self.launcher)
+        self.runs = Runs(self.sandboxes, self.runbook, self.pauses.pause, self.kill,
+                         self.life.spawn)
+        self.connections = Connections(self.sandboxes, self.config, self.pauses.resume,
                                        self.set_timeout)
         self.pressure = PressureRelief(self.config, self.sandboxes, self.runtime, self.envd,
-                                       self.freezer, self.cold_memory, self.pause, self.evict)
+                                       self.freezer, self.cold_memory, self.pauses.pause,
+                                       self.pauses.evict)
+        self.housekeeping = Housekeeping(config, runtime, slots, self.sandboxes, self.freezer,
+                                         self.cold_memory, self.pressure, self.captures,
+                                         self.residents, self.runs, self.egress, self.kill)
         self.diffs = Diffs(self.sandboxes, self.envd, self.diff_gate,
-                           self.config.run_dir / "diffs", self._resolve, self.create,
+                           self.config.run_dir / "diffs", self.user_snapshots.resolve, self.create,
                            self.kill, self.endpoint)
 
-    def _short_for_idle(self) -> bool:
-        return self.pressure.short_for_idle()
+    # -- queries ------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        return self.sandboxes.get(sandbox_id).record
+
+    def list(self) -> builtins.list[SandboxRecord]:
+        return [e.record for e in self.sandboxes if e.state is not SandboxState.KILLED]
+
+    def creates_waiting(self) -> int:
+        """Creates queued for room (admission.py)."""
+        return self.admission.waiting
+
+    def active_count(self) -> int:
+        """Sandboxes holding node resources (paused ones hold none)."""
+        return len(self.sandboxes.in_state(SandboxState.CREATING, SandboxState.RUNNING))
+
+    def endpoint(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        """Where the node reaches ``port`` inside a running sandbox (thawed: whoever
+        asks is about to talk to it; requests that last use ``awake``)."""
+        entry = self.sandboxes.get(sandbox_id)
+        record = entry.record
+        # From the moment a kill starts the sandbox has no endpoint, so the proxy
+        # answers E2B's 502 "was not found" (the SDK's /health probe after a cut
+        # stream then says the sandbox was killed), not "not running" or a hang.
+        if entry.killing or record.state is SandboxState.KILLED:
+            raise NotFound(f"sandbox '{sandbox_id}' is being killed")
+        if record.state is not SandboxState.RUNNING or record.error:
+            raise not_running(record)
+        self.freezer.touch(sandbox_id)
+        return record.slot_address, port
+
+    def frozen(self, sandbox_id: str) -> bool:
+        """Whether the running sandbox is frozen idle now (asking does not thaw it)."""
+        return self.freezer.enabled and self.runtime.is_frozen(sandbox_id)
+
+    def envd_dormant(self, sandbox_id: str) -> bool:
+        """Whether the running sandbox's envd is dormant now (asking does not wake it)."""
+        return self.runtime.envd_dormant(sandbox_id)
+
+    def awake(self, sandbox_id: str) -> contextlib.AbstractContextManager[None]:
+        """Kept thawed while a request to the sandbox is in flight (the proxy)."""
+        return self.freezer.awake(sandbox_id)
+
+    def _running_ids(self) -> builtins.list[str]:
+        return [e.sandbox_id for e in self.sandboxes.in_state(SandboxState.RUNNING)]
+
+    async def set_timeout(self, sandbox_id: str, ttl: int | None) -> SandboxRecord:
+        """The sandbox now ends ``ttl`` seconds from now (the default when None)."""
+        seconds = self.plans.timeout(ttl)
+        record = self.get(sandbox_id)
+        record.end_at = time.time() + seconds
+        self.store.put(record)
+        return record
+
+    # -- templates' root filesystems ----------------------------------------------------
+
+    async def ensure_rootfs(self, template: Template) -> None:
+        """An image template's layers fetched (if evicted) and mounted. Held for as long
+        as a sandbox of the template runs or is being started (``_templates_in_use``)."""
+        if template.image is None:
+            return
+        try:
+            await asyncio.to_thread(self.image_cache.ensure, template)
+        except ImageError as exc:
+            err = OrchestratorError(f"rootfs of template '{template.template_id}': {exc}")
+            err.status = 502 if exc.status in (401, 404, 502) else exc.status
+            raise err from exc
+
+    def _pinned_snapshots(self) -> set[str]:
+        """The snapshots of pinned (built) templates: never evicted from the cache."""
+        out = set()
+        for name in self.image_cache.pinned:
+            with contextlib.suppress(TemplateNotFound):
+                if snapshot_id := self.templates.get(name).snapshot_id:
+                    out.add(snapshot_id)
+        return out
+
+    def _templates_in_use(self) -> set[str]:
+        """Templates whose rootfs must stay: sandboxes starting, running or being resumed,
+        pooled ones and boot images being built. Called from worker threads."""
+        used = set()
+        for e in self.sandboxes:
+            if e.state in (SandboxState.CREATING, SandboxState.RUNNING) or e.held():
+                used.add(e.record.template_id)
+        if self.boot_images is not None:
+            used |= self.boot_images.templates_in_use()
+        return used
+
+    # -- launching a record -------------------------------------------------------------
+
+    def file_access(self, template: Template) -> str:
+        return self.plans.file_access(template)
+
+    # -- what a sandbox holds, and states -----------------------------------------------
 
     # -- what the API calls of the services ---------------------------------------------
 
@@ -91,7 +294,7 @@ class SandboxManager(Reconciling, Resetting, Forking):
     def create_run(self, name: object, lease_s: object, on_expiry: object) -> Run:
         return self.runs.create(name, lease_s, on_expiry)
 
-    def run_members(self, run_id: str) -> list[SandboxRecord]:
+    def run_members(self, run_id: str) -> builtins.list[SandboxRecord]:
         return self.runs.members(run_id)
 
     async def end_run(self, run_id: str) -> None:
@@ -108,18 +311,59 @@ class SandboxManager(Reconciling, Resetting, Forking):
                    owner: str = "", may_restore: bool = True) -> dict:
         return await self.diffs.diff(before, after, text, owner, may_restore)
 
+    def pause_committed(self, record: SandboxRecord) -> bool:
+        return self.pauses.pause_committed(record)
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None,
+                       memory: bool = True) -> Manifest:
+        return await self.pauses.snapshot(sandbox_id, name, memory)
+
+    async def pause(self, sandbox_id: str, memory: bool = True) -> SandboxRecord:
+        return await self.pauses.pause(sandbox_id, memory)
+
+    async def resume(self, sandbox_id: str, ttl: int | None = None,
+                     auto_pause: bool | None = None, memory: bool = True) -> SandboxRecord:
+        return await self.pauses.resume(sandbox_id, ttl, auto_pause, memory)
+
+    async def evict(self, sandbox_id: str) -> SandboxRecord:
+        return await self.pauses.evict(sandbox_id)
+
+    def disown(self, sandbox_id: str) -> bool:
+        return self.pauses.disown(sandbox_id)
+
+    async def adopt_paused(self, sandbox_id: str, snapshot_id: str) -> SandboxRecord:
+        return await self.pauses.adopt_paused(sandbox_id, snapshot_id)
+
+    async def fork(self, sandbox_id: str, count: int, ttl: int | None = None,
+                   owner: str | None = None) -> builtins.list[SandboxRecord | OrchestratorError]:
+        return await self.forks.fork(sandbox_id, count, ttl, owner)
+
+    def fork_each(self, sandbox_id: str, count: int, ttl: int | None = None,
+                  owner: str | None = None) -> AsyncIterator[SandboxRecord | OrchestratorError]:
+        return self.forks.fork_each(sandbox_id, count, ttl, owner)
+
+    async def reset(self, sandbox_id: str, snapshot: str | None = None, ttl: int | None = None,
+                    mode: str = "memory") -> tuple[SandboxRecord, Manifest, str]:
+        return await self.resets.reset(sandbox_id, snapshot, ttl, mode)
+
+    async def create(self, req: CreateRequest) -> SandboxRecord:
+        return await self.creates.create(req)
+
+    def create_each(self, req: CreateRequest, count: int
+                    ) -> AsyncIterator[SandboxRecord | OrchestratorError]:
+        return self.creates.create_each(req, count)
+
     # -- start / stop -------------------------------------------------------------------
 
     async def start(self) -> None:
         self._hold_home()
         await self.specs.prepare()
         self.runtime.on_exit = self._exits
-        await self._reconcile()
+        await self.reconciler.reconcile()
         # Mounts a crash left are removed, except those adopted sandboxes run on.
         await asyncio.to_thread(self.image_cache.start, {
             e.record.template_id for e in self.sandboxes.in_state(SandboxState.RUNNING)})
-        self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
-        self._quick_task = asyncio.create_task(self._quick_loop(), name="quick")
+        self.housekeeping.start()
 
     def _hold_home(self) -> None:
         """One node process per home: a second one would reconcile the first one's
@@ -137,19 +381,15 @@ class SandboxManager(Reconciling, Resetting, Forking):
 
     async def close(self, destroy: bool = True) -> None:
         """Stop background work; with ``destroy``, kill every sandbox and free every slot."""
-        for name in ("_ttl_task", "_quick_task"):
-            task = getattr(self, name, None)
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self.housekeeping.close()
         self.admission.close()
         self.cold_memory.close()
         await self.pressure.close()
-        for task in list(self._tasks):
+        for task in list(self.life.tasks):
             task.cancel()
         if destroy:  # their runtimes go below: what is frozen is captured first
-            await self._capture_residents_now()
+            if self.residents is not None:
+                await self.residents.capture_all_now()
         await self._exits.close()
         await self.snapshot_gc.close()
         if self.boot_images is not None:
@@ -172,144 +412,11 @@ class SandboxManager(Reconciling, Resetting, Forking):
 
     # -- create -------------------------------------------------------------------------
 
-    @observed("create")
-    async def create(self, req: CreateRequest) -> SandboxRecord:
-        ttl = self._check_timeout(req.timeout)
-        check_create(req, self.limits)
-        source = await self._source(req)
-        if isinstance(source, Manifest):
-            return await self._create_from_snapshot(req, source, ttl)
-        template = source
-        pool = self.boot_images
-        if template.snapshot_id and not (pool and pool.pool_size > 0):
-            # A built template: restore its snapshot (with a warm pool, the path
-            # below hands out pooled sandboxes restored from it).
-            manifest = await self._resolve(template.snapshot_id, f"snapshot of template "
-                                           f"'{req.template}' is gone")
-            return await self._create_from_snapshot(req, manifest, ttl, template)
-        ticket = await self._admit(req)
-        try:
-            record, member = self._new_create(req, template, ttl)
-        finally:
-            ticket.release()
-        custom = req.custom_resources and not template.snapshot_id
-        if member is not None:
-            return await self._as_task(record, self._hand_out(record, member, template))
-        image = await pool.image(template) if pool and not custom else None
-        work = (self._restore_or_boot(record, template, image) if image
-                else self._boot(record, template))
-        return await self._as_task(record, work)
-
-    def _new_create(self, req: CreateRequest, template: Template, ttl: int
-                    ) -> tuple[SandboxRecord, PooledSandbox | None]:
-        """The record of an admitted create (a warm-pool member's, if one is there)."""
-        pool = self.boot_images
-        # A built template's resources are its snapshot's: only a boot takes others.
-        custom = req.custom_resources and not template.snapshot_id
-        member = pool.take(template) if pool and not custom else None
-        record = new_record(
-            sandbox_id=member.sandbox_id if member else "", node_id=self.config.node_id,
-            template_id=template.template_id, alias=template.alias,
-            resources=self._resources(
-                (custom and req.cpu_count) or template.cpu_count or self.config.default_cpu_count,
-                (custom and req.memory_mb) or template.memory_mb
-                or self.config.default_memory_mb,
-                template.disk_size_mb or self.config.default_disk_mb),
-            ttl=ttl, auto_pause=req.auto_pause, auto_pause_memory=req.auto_pause_memory,
-            internet=req.internet, network=req.network.to_json() if req.network else {},
-            private_ports=not req.public_traffic, metadata=req.metadata,
-            env_vars={**dict(template.envs), **req.env_vars}, **req.ingress(ttl),
-            **req.stamps(), origin=f"template:{template.template_id}")
-        self._add(record)
-        return record, member
-
-    async def _resolve(self, name: str, missing: str, cause: BaseException | None = None):
-        try:
-            return await asyncio.to_thread(resolve_snapshot, self.snapshots, name)
-        except SnapshotNotFound as exc:
-            raise NotFound(missing) from (cause or exc)
-        except SnapshotError as exc:
-            raise OrchestratorError(f"snapshot repository: {exc}") from exc
-
-    async def _hand_out(self, record: SandboxRecord, member: PooledSandbox,
-                        template: Template) -> SandboxRecord:
-        """A sandbox the warm pool launched ahead of time becomes this record's: its
-        egress policy and envd's token and env vars are set, nothing else."""
-        t0 = time.perf_counter()
-        self._started(record, member.slot)
-        record.booted_at = time.time()
-        self.store.put(record)
-        try:
-            await self.launcher.apply_egress(record.sandbox_id, member.slot, record.network,
-                                             record.internet)
-            init = self._envd_init(record, template, member.envd_token, new_boot=True)
-            await self.envd.init(member.slot.address, init.token, dict(init.env_vars),
-                                 default_user=init.default_user,
-                                 default_workdir=init.default_workdir,
-                                 current_token=init.current_token, boot_id=init.boot_id,
-                                 file_access=init.file_access)
-            record.ready_at = time.time()
-            self._transition(record, SandboxState.RUNNING)
-        except Exception as exc:
-            log.warning("handing out pooled sandbox %s failed: %s", record.sandbox_id, exc)
-            raise OrchestratorError(f"sandbox failed to start: {exc}") from exc
-        log.info("created %s in %.0f ms (from the warm pool)", record.sandbox_id,
-                 (time.perf_counter() - t0) * 1000)
-        return record
-
-    async def _restore_or_boot(self, record: SandboxRecord, template: Template,
-                               image: BootImage) -> SandboxRecord:
-        """Restore the template's boot image; should that fail, boot as if there were none."""
-        t0 = time.perf_counter()
-        assert self.boot_images is not None
-        try:
-            with self.boot_images.using(image):
-                await self._bring_up(record, self._plan(
-                    record, template, image=image.path, current_token=image.envd_token,
-                    hostname_of=image.hostname_of or template.template_id, new_boot=True))
-        except CapacityExceeded:
-            raise
-        except OrchestratorError as exc:
-            if template.snapshot_id:  # a built template has nothing to boot
-                raise
-            log.warning("template %s: restoring its boot image failed (%s); booting instead",
-                        template.template_id, exc)
-            self.boot_images.forget(template, image)
-            return await self._boot(record, template)
-        log.info("created %s in %.0f ms (from the template image)", record.sandbox_id,
-                 (time.perf_counter() - t0) * 1000)
-        return record
-
-    async def _boot(self, record: SandboxRecord, template: Template) -> SandboxRecord:
-        if template.snapshot_id:  # its files and processes are only in its snapshot
-            raise NotFound(f"snapshot of template '{template.template_id}' is not available")
-        t0 = time.perf_counter()
-        await self._bring_up(record, self._plan(record, template, hostname_of=record.sandbox_id,
-                                                start_command=True, new_boot=True))
-        log.info("created %s in %.0f ms (booted)", record.sandbox_id,
-                 (time.perf_counter() - t0) * 1000)
-        return record
-
     async def run_start_command(self, template: Template, address: str, token: str) -> None:
         """The template's start command and ready check (template builds run them too)."""
         await self.launcher.run_start_command(template, address, token)
 
     # -- kill and timeouts --------------------------------------------------------------
-
-    async def create_each(self, req: CreateRequest, count: int
-                          ) -> AsyncIterator[SandboxRecord | OrchestratorError]:
-        """``count`` sandboxes of one create, each handed over as it comes up (a record,
-        or the error that stopped it). They start at once from the same image (the
-        template's boot image, or the snapshot), each taking its turn for room as a
-        create does. A bad request (count, timeout, an unknown template) fails the
-        batch as a whole, before any sandbox."""
-        check_batch_count(count)
-        self._check_timeout(req.timeout)
-        check_create(req, self.limits)
-        await self._source(req)
-        creates = [asyncio.create_task(self.create(req)) for _ in range(count)]
-        async for result in as_they_come(creates, "sandbox failed to start"):
-            yield result
 
     async def lineage(self, snapshot_id: str | None = None) -> dict:
         """Where snapshots and sandboxes came from (lineage.py): one snapshot's
@@ -322,28 +429,14 @@ class SandboxManager(Reconciling, Resetting, Forking):
         graph = await asyncio.to_thread(Lineage, manifests, records)
         if snapshot_id is None:
             return {"roots": [graph.tree(k) for k in graph.roots()]}
-        manifest = await self._resolve(snapshot_id, f"snapshot '{snapshot_id}' not found")
+        manifest = await self.user_snapshots.resolve(snapshot_id,
+                                                     f"snapshot '{snapshot_id}' not found")
         key = f"snapshot:{manifest.snapshot_id}"
         if key not in graph.nodes:
             raise BadRequest(f"'{snapshot_id}' is a {manifest.metadata.get('kind')} capture, "
                              "not a snapshot of a sandbox")
         return {"snapshotID": manifest.snapshot_id, "ancestors": graph.ancestors(key),
                 "tree": graph.tree(key)}
-
-    async def _source(self, req: CreateRequest) -> Template | Manifest:
-        """What a create starts from: a template, or a snapshot (ID, name or tag)."""
-        try:
-            return self.templates.get(req.template)
-        except TemplateNotFound as exc:
-            try:
-                return await self._resolve(req.template, f"template or snapshot "
-                                           f"'{req.template}' not found", exc)
-            except NotFound:
-                if isinstance(exc, InvalidTemplateRef):
-                    raise BadRequest(str(exc)) from exc
-                if ":" in req.template:  # say which tag is missing
-                    raise NotFound(str(exc)) from exc
-                raise
 
     @observed("delete")
     async def kill(self, sandbox_id: str) -> None:
@@ -357,87 +450,19 @@ class SandboxManager(Reconciling, Resetting, Forking):
             entry.killing -= 1
 
     async def _kill(self, sandbox_id: str) -> None:
-        async with self._lock(sandbox_id):
+        async with self.life.lock(sandbox_id):
             entry = self.sandboxes.get(sandbox_id)
             record = entry.record
             if record.state is SandboxState.CREATING:
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
             if record.state is SandboxState.PAUSED:
-                await self._forget_paused(record)
+                await self.pauses.forget_paused(record)
                 return
             # (an ERROR sandbox's runtime is gone already)
-            await asyncio.shield(self._teardown(record, record.state is SandboxState.RUNNING))
+            await asyncio.shield(self.life.teardown(record, record.state is SandboxState.RUNNING))
             if record.snapshot_id:  # its last pause snapshot is of no further use
                 pending = entry.commits.get(record.snapshot_id)  # resumed before it landed
                 if pending is not None:
                     await asyncio.gather(pending, return_exceptions=True)
                 with contextlib.suppress(SnapshotError):
                     await asyncio.to_thread(self.snapshots.delete, record.snapshot_id)
-
-    async def _quick_loop(self) -> None:
-        """Idle freezing and the memory-pressure watch, apart from the TTL loop: its
-        pauses and runsc calls take seconds under load, while a sweep over hundreds
-        of sandboxes thaws them, or growing ones fill the host, far faster."""
-        while True:
-            await asyncio.sleep(QUICK_TICK_S)
-            try:
-                await self._freeze_idle()
-            except Exception:
-                log.exception("idle freezing failed")
-            self.cold_memory.tend()
-            self.pressure.tend()
-
-    async def _freeze_idle(self) -> None:
-        """Freeze the sandboxes idle for a window, but for those holding an outbound
-        connection open: waiting on a remote answer costs no CPU, and a frozen
-        sandbox would never see the answer arrive."""
-        due = self.freezer.due()
-        if not due:
-            return
-        try:  # one read of the host's table answers for all of them
-            held = await self.slots.egress_by_address()
-        except SlotError as exc:  # not known: frozen as if they held none
-            log.debug("idle freezing: %s", exc)
-            held = Counter()
-        for sandbox_id in due:
-            entry = self.sandboxes.find(sandbox_id)
-            slot = entry.slot if entry is not None else None
-            if slot is not None and held[slot.address]:
-                self.freezer.working(sandbox_id)
-                continue
-            if self.freezer.freeze(sandbox_id):
-                self.cold_memory.frozen(sandbox_id)
-
-    async def _ttl_loop(self) -> None:
-        ticks = 0
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                await self.runtime.housekeeping()
-            except Exception:
-                log.exception("runtime housekeeping failed")
-            ticks += 1
-            await self._tend_residents()
-            self.runs.tend()
-            if ticks % COMMIT_RETRY_TICKS == 0:
-                self._retry_failed_commits()
-            if ticks % max(1, int(self.config.egress_refresh_s)) == 0:
-                await self.egress.refresh_domains()
-            now = time.time()
-            for record in [e.record for e in self.sandboxes]:
-                if record.state is SandboxState.RUNNING and record.expired(now):
-                    log.info("sandbox %s reached its timeout: %s", record.sandbox_id,
-                             "pausing" if record.auto_pause else "killing")
-                    await self._expire(record)
-                elif record.state is SandboxState.ERROR and record.expired(now):
-                    with contextlib.suppress(NotFound, Conflict):
-                        await self.kill(record.sandbox_id)
-
-    async def _expire(self, record: SandboxRecord) -> None:
-        """Pause (or kill) an expired sandbox; a pause that fails kills it."""
-        if record.auto_pause:
-            await self.runs.pause_else_kill(record.sandbox_id, memory=record.auto_pause_memory,
-                                       why="its timeout")
-            return
-        with contextlib.suppress(NotFound, Conflict):
-            await self.kill(record.sandbox_id)

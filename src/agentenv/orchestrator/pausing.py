@@ -1,10 +1,11 @@
-"""Snapshots, pause and resume.
+"""Snapshots, pause and resume: the service ``Pauses``.
 
 A pause captures the sandbox's full state (memory, processes, files), frees what it
 held on the node, and answers once the capture is staged locally; the commit to the
 repository goes on in the background (a resume waits for it, or restores from the
 staged capture while the repository is down; a restart commits it again). A paused
 sandbox whose node is gone can be adopted by another node from its committed pause.
+With resident pauses a memory pause is a freeze first (resident_pauses.py).
 """
 
 from __future__ import annotations
@@ -14,14 +15,20 @@ import contextlib
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..metrics import EVICTIONS, observed
-from ..runtime import RuntimeFailure
-from ..snapshot import Manifest, SnapshotError, SnapshotNotFound
-from ..templates import TemplateNotFound
+from ..config import Config
+from ..metrics import observed
+from ..runtime import Runtime
+from ..snapshot import Manifest, SnapshotError, SnapshotNotFound, SnapshotStore
+from ..templates import TemplateRegistry
 from . import disk_pause
+from .admission import Admission
 from .captures import Captures
+from .collect import SnapshotCollector
+from .idling import IdleFreezer
+from .lifecycle import Lifecycle
 from .models import (
     BadRequest,
     Conflict,
@@ -32,13 +39,45 @@ from .models import (
     new_sandbox_id,
     not_running,
 )
+from .plans import Plans
 from .records import new_record
-from .resident import Resident
+from .resident_pauses import ResidentPauses
+from .specs import SpecFactory
+from .store import SandboxStore
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 
 
-class Pausing(Captures):
+@dataclass(eq=False, repr=False)
+class Pauses:
+    config: Config
+    sandboxes: SandboxTable
+    store: SandboxStore
+    snapshots: SnapshotStore
+    snapshot_gc: SnapshotCollector
+    templates: TemplateRegistry
+    specs: SpecFactory
+    runtime: Runtime
+    admission: Admission
+    freezer: IdleFreezer
+    life: Lifecycle
+    plans: Plans
+    captures: Captures
+    # Resident pauses (None: a pause always captures at once).
+    residents: ResidentPauses | None
+
+    def pause_committed(self, record: SandboxRecord) -> bool:
+        """Whether a paused sandbox's snapshot is in the repository (not only staged here)."""
+        sid = record.snapshot_id
+        resident = self.residents.get(record.sandbox_id) if self.residents is not None else None
+        if resident is not None and not resident.captured:
+            return False  # frozen, its capture not made yet
+        entry = self.sandboxes.holds(record)
+        return bool(sid) and (entry is None or sid not in entry.commits) and \
+            not self.snapshots.staging.is_pending(sid)
+
+
     # -- snapshot -----------------------------------------------------------------------
 
     @observed("snapshot")
@@ -47,17 +86,17 @@ class Pausing(Captures):
         """Capture a running sandbox (stopped only for the capture; ``memory=False``:
         its files only, not stopped) and commit it."""
         snapshot_id = new_sandbox_id()
-        async with self._lock(sandbox_id):
-            record = self.get(sandbox_id)
+        async with self.life.lock(sandbox_id):
+            record = self.life.get(sandbox_id)
             if record.state is not SandboxState.RUNNING:
                 raise Conflict(f"sandbox '{sandbox_id}' is {record.state}; only a running "
                                "sandbox can be snapshotted")
             t0 = time.perf_counter()
             if memory:
-                staging = await self._capture(sandbox_id, snapshot_id, leave_running=True)
+                staging = await self.captures.capture(sandbox_id, snapshot_id, leave_running=True)
             else:
-                staging = await self._capture_files(record, snapshot_id)
-        metadata = {**self._snapshot_metadata(record, "snapshot"), "memory": memory}
+                staging = await self.captures.capture_files(record, snapshot_id)
+        metadata = {**self.captures.metadata(record, "snapshot"), "memory": memory}
         t1 = time.perf_counter()
         try:
             manifest = await asyncio.to_thread(
@@ -89,189 +128,38 @@ class Pausing(Captures):
         waits for it).
         """
         snapshot_id = new_sandbox_id()
-        async with self._lock(sandbox_id):
-            record = self.get(sandbox_id)
+        async with self.life.lock(sandbox_id):
+            record = self.life.get(sandbox_id)
             if record.state is SandboxState.PAUSED:
                 raise Conflict(f"sandbox '{sandbox_id}' is already paused")
             if record.state is not SandboxState.RUNNING:
                 raise not_running(record)
-            if memory and self._resident is not None:
-                return await self._freeze(record, snapshot_id)
+            if memory and self.residents is not None:
+                return await self.residents.freeze(record, snapshot_id)
             if memory:
                 try:
-                    staging = await self._capture(sandbox_id, snapshot_id, leave_running=False)
+                    staging = await self.captures.capture(sandbox_id, snapshot_id,
+                                                          leave_running=False)
                 except BaseException as exc:
                     await self._after_failed_pause(record, exc)
                     raise
             else:
-                staging = await self._capture_files(record, snapshot_id)
-            metadata = {**self._snapshot_metadata(record, "pause"), "memory": memory}
+                staging = await self.captures.capture_files(record, snapshot_id)
+            metadata = {**self.captures.metadata(record, "pause"), "memory": memory}
             self.snapshots.staging.hold_for_commit(snapshot_id, metadata)
             previous = record.snapshot_id
             # The state is saved: freeing the stopped runtime and its slot need not
-            # hold up the answer. Whatever reuses the ID waits for it (_settled).
+            # hold up the answer. Whatever reuses the ID waits for it (Captures.settled).
             entry = self.sandboxes.get(sandbox_id)
             entry.let_go_of_slot()
             record.snapshot_id = snapshot_id
-            self._transition(record, SandboxState.PAUSED)
-            self._free_in_background(entry)
-            for listener in self.on_removed:
-                listener(sandbox_id)
-            self._start_commit(entry, snapshot_id, staging, metadata, replaces=previous)
+            self.life.transition(record, SandboxState.PAUSED)
+            self.captures.free_in_background(entry)
+            self.life.removed(sandbox_id)
+            self.captures.start_commit(entry, snapshot_id, staging, metadata, replaces=previous)
             return record
 
     # -- resident pauses (two tiers: a freeze now, the capture after) --------------------
-
-    async def _freeze(self, record: SandboxRecord, snapshot_id: str) -> SandboxRecord:
-        """Freeze the sandbox in place and mark it paused; its capture follows."""
-        assert self._resident is not None
-        sandbox_id = record.sandbox_id
-        await self._before_capture(sandbox_id)  # its capture follows the freeze
-        try:
-            await self.runtime.pause(sandbox_id)
-        except RuntimeFailure as exc:
-            raise OrchestratorError(f"sandbox failed to pause: {exc}") from exc
-        entry = Resident(previous_snapshot=record.snapshot_id,
-                         grace_s=self.config.resident_capture_delay_ms / 1000)
-        record.snapshot_id = snapshot_id
-        # Stored with its slot: a restart finds it frozen and captures it if need be.
-        self._transition(record, SandboxState.PAUSED)
-        self._resident.add(sandbox_id, entry)
-        for listener in self.on_removed:
-            listener(sandbox_id)
-        self._start_resident_capture(record, entry)
-        return record
-
-    def _start_resident_capture(self, record: SandboxRecord, entry: Resident) -> None:
-        entry.capture = asyncio.create_task(self._capture_resident(record, entry))
-
-    async def _capture_resident(self, record: SandboxRecord, entry: Resident) -> None:
-        """The durable capture of a frozen sandbox (it stays frozen), then its commit.
-        A resume or kill that takes the lock first cancels it."""
-        sandbox_id, snapshot_id = record.sandbox_id, record.snapshot_id
-        assert self._resident is not None
-        if entry.grace_s > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(entry.hurry.wait(), entry.grace_s)
-            entry.grace_s = 0.0  # a retry captures at once
-        async with self._lock(sandbox_id):
-            if self._resident.get(sandbox_id) is not entry or entry.captured:
-                return
-            try:
-                staging = await self._capture(sandbox_id, snapshot_id, leave_running=True)
-            except Exception as exc:
-                # It stays frozen and resident (never evicted uncaptured); retried.
-                log.error("capture of paused sandbox %s failed: %s; retried", sandbox_id, exc)
-                return
-            finally:
-                entry.capture = None
-            metadata = {**self._snapshot_metadata(record, "pause"), "memory": True,
-                        "parent_snapshot_id": entry.previous_snapshot or None}
-            self.snapshots.staging.hold_for_commit(snapshot_id, metadata)
-            entry.captured = True
-            sandbox = self.sandboxes.holds(record)
-            if sandbox is not None:
-                self._start_commit(sandbox, snapshot_id, staging, metadata,
-                                   replaces=entry.previous_snapshot)
-
-    async def _thaw(self, record: SandboxRecord, entry: Resident) -> None:
-        """Resume a resident sandbox in place; on failure it stays paused as it was."""
-        assert self._resident is not None
-        if entry.capture is not None:
-            entry.capture.cancel()  # it waits for the lock this holds: never began
-            entry.capture = None
-        try:
-            await self.runtime.resume(record.sandbox_id)
-        except RuntimeFailure as exc:
-            if not entry.captured:
-                self._start_resident_capture(record, entry)
-            raise OrchestratorError(f"sandbox failed to resume: {exc}") from exc
-        if not entry.captured:  # the capture never happened: the last one stands
-            record.snapshot_id = entry.previous_snapshot
-        self._resident.pop(record.sandbox_id)
-
-    async def _evict(self, sandbox_id: str) -> bool:
-        """Free a resident paused sandbox's memory and slot; its capture stays."""
-        assert self._resident is not None
-        async with self._lock(sandbox_id):
-            entry = self._resident.get(sandbox_id)
-            sandbox = self.sandboxes.find(sandbox_id)
-            if entry is None or not entry.captured or sandbox is None:
-                return False
-            self._resident.pop(sandbox_id)
-            sandbox.let_go_of_slot()
-            self.store.put(sandbox.record)
-            task = self._free_in_background(sandbox)
-        log.info("paused sandbox %s evicted from memory (its capture is kept)", sandbox_id)
-        EVICTIONS.labels("resident_pause").inc()
-        await asyncio.shield(task)
-        return True
-
-    async def evict(self, sandbox_id: str) -> SandboxRecord:
-        """A paused sandbox's memory and slot freed now (once its capture is made); a
-        later resume restores it. Idempotent; a running sandbox is a Conflict."""
-        record = self.get(sandbox_id)
-        if record.state is not SandboxState.PAUSED:
-            raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
-        entry = self._resident.get(sandbox_id) if self._resident is not None else None
-        if entry is None:
-            return record
-        entry.hurry.set()
-        if entry.capture is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(entry.capture)
-        if not entry.captured and self._resident is not None and sandbox_id in self._resident:
-            raise OrchestratorError(f"sandbox '{sandbox_id}' is paused in memory but its "
-                                    "capture failed (retried); it cannot be evicted yet")
-        await self._evict(sandbox_id)
-        return record
-
-    async def _capture_residents_now(self) -> None:
-        """Capture every resident paused sandbox not captured yet (a stopping node
-        destroys their runtimes); each capture's commit is started as usual."""
-        if self._resident is None:
-            return
-        pending: list[asyncio.Task] = []
-        for sandbox_id, entry in list(self._resident.entries.items()):
-            record = self.sandboxes.records.get(sandbox_id)
-            if record is None or entry.captured:
-                continue
-            entry.hurry.set()
-            if entry.capture is None:
-                self._start_resident_capture(record, entry)
-            if entry.capture is not None:
-                pending.append(entry.capture)
-        if pending:
-            log.info("capturing %d paused sandboxes before the node stops", len(pending))
-            await asyncio.gather(*pending, return_exceptions=True)
-
-    async def make_room(self) -> bool:
-        """A launch found no slot free: evict the least recently paused resident."""
-        if self._resident is None:
-            return False
-        victim = self._resident.oldest_captured()
-        if victim is not None:
-            return await self._evict(victim)
-        victim = self._resident.oldest()  # its capture is pending: hurried, then evicted
-        if victim is None:
-            return False
-        try:
-            await self.evict(victim)
-        except OrchestratorError as exc:
-            log.warning("could not evict paused sandbox %s for room: %s", victim, exc)
-            return False
-        return victim not in self._resident
-
-    async def _tend_residents(self) -> None:
-        """Each tick: retry failed captures; evict the idle and what exceeds the budget."""
-        if self._resident is None:
-            return
-        for sandbox_id, entry in list(self._resident.entries.items()):
-            record = self.sandboxes.records.get(sandbox_id)
-            if record is not None and not entry.captured and entry.capture is None:
-                self._start_resident_capture(record, entry)
-        for sandbox_id in self._resident.to_evict(self.runtime.capture_size):
-            await self._evict(sandbox_id)
 
     async def _after_failed_pause(self, record: SandboxRecord, exc: BaseException) -> None:
         """A failed capture may have stopped the sandbox: then nothing can be saved
@@ -280,7 +168,14 @@ class Pausing(Captures):
         if state is None or state.state != "running":
             log.error("pause of %s failed and the sandbox stopped (%s): it is lost",
                       record.sandbox_id, exc)
-            await asyncio.shield(self._teardown(record, True))
+            await asyncio.shield(self.life.teardown(record, True))
+
+    async def evict(self, sandbox_id: str) -> SandboxRecord:
+        """A paused sandbox's memory and slot freed now (once its capture is made); a
+        later resume restores it. Idempotent; a running sandbox is a Conflict."""
+        if self.residents is not None:
+            return await self.residents.evict(sandbox_id)
+        return self.life.paused(sandbox_id)
 
     # -- resume -------------------------------------------------------------------------
 
@@ -294,12 +189,10 @@ class Pausing(Captures):
         Admitted as a create is (admission.py), against the node's room and its
         owner's quotas, whoever asks (``connect``, resume on traffic): a 429 with
         Retry-After when none comes within the queue time."""
-        seconds = self._check_timeout(ttl)
-        record = self.get(sandbox_id)
-        if record.state is not SandboxState.PAUSED:
-            raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
+        seconds = self.plans.timeout(ttl)
+        record = self.life.paused(sandbox_id)
         # A thaw in place boots nothing: it does not wait for the starting limit.
-        thaw = self._resident is not None and self._resident.get(sandbox_id) is not None
+        thaw = self.residents is not None and self.residents.get(sandbox_id) is not None
         ticket = await self.admission.admit(record.owner, starting=not thaw)
         try:
             return await self._resume_admitted(sandbox_id, seconds, auto_pause, memory)
@@ -308,22 +201,20 @@ class Pausing(Captures):
 
     async def _resume_admitted(self, sandbox_id: str, seconds: int,
                                auto_pause: bool | None, memory: bool) -> SandboxRecord:
-        async with self._lock(sandbox_id):
-            record = self.get(sandbox_id)
-            if record.state is not SandboxState.PAUSED:
-                raise Conflict(f"sandbox '{sandbox_id}' is {record.state}, not paused")
-            entry = self._resident.get(sandbox_id) if self._resident is not None else None
-            if entry is not None:
+        async with self.life.lock(sandbox_id):
+            record = self.life.paused(sandbox_id)
+            entry = self.residents.get(sandbox_id) if self.residents is not None else None
+            if entry is not None and self.residents is not None:
                 if not memory:
                     raise BadRequest(f"sandbox '{sandbox_id}' was paused with its memory: "
                                      "resuming from its disk state alone is not supported")
                 t0 = time.perf_counter()
-                await self._thaw(record, entry)
-                self._transition(record, SandboxState.RUNNING)
+                await self.residents.thaw(record, entry)
+                self.life.transition(record, SandboxState.RUNNING)
                 log.info("resumed %s in %.0f ms (thawed in place)", sandbox_id,
                          (time.perf_counter() - t0) * 1000)
                 return self._resumed(record, seconds, auto_pause)
-            image, kind = await self._pause_image(record)
+            image, kind = await self.captures.pause_image(record)
             try:
                 return await self._restore_paused(record, image, kind, memory, seconds,
                                                   auto_pause)
@@ -336,26 +227,23 @@ class Pausing(Captures):
                               ) -> SandboxRecord:
         """The resume of a paused sandbox no longer in memory, from ``image``."""
         sandbox_id = record.sandbox_id
-        await self._settled(sandbox_id)
+        await self.captures.settled(sandbox_id)
         if disk_pause.is_disk_capture(image):
-            plan = self._plan(record, self._bootable_template(record), files=image,
+            plan = self.plans.plan(record, self.plans.bootable_template(record), files=image,
                               hostname_of=record.sandbox_id, start_command=True,
                               purpose="resume", new_boot=True)
         elif not memory:
             raise BadRequest(f"sandbox '{sandbox_id}' was paused with its memory: "
                              "resuming from its disk state alone is not supported")
         else:
-            try:
-                template = self.templates.get(record.template_id)
-            except TemplateNotFound as exc:
-                raise NotFound(f"template of the snapshot is gone: {exc}") from exc
+            template = self.plans.template_of(record, "template of the snapshot is gone")
             # envd keeps its token across a pause: no init.
-            plan = self._plan(record, template, image=image,
+            plan = self.plans.plan(record, template, image=image,
                               hostname_of=record.sandbox_id, init=False, purpose="resume")
         t0 = time.perf_counter()
-        slot = await self.launcher.launch(plan)
-        self._started(record, slot)
-        self._transition(record, SandboxState.RUNNING)
+        slot = await self.life.launcher.launch(plan)
+        self.life.started(record, slot)
+        self.life.transition(record, SandboxState.RUNNING)
         log.info("resumed %s in %.0f ms (%s)", sandbox_id, (time.perf_counter() - t0) * 1000,
                  "rebooted with its files" if plan.files else "restored")
         if kind == "staged":
@@ -371,10 +259,10 @@ class Pausing(Captures):
         self.freezer.touch(record.sandbox_id)  # active now (memory pressure picks the idle)
         return record
 
-    async def _forget_paused(self, record: SandboxRecord) -> None:
+    async def forget_paused(self, record: SandboxRecord) -> None:
         """Kill a paused sandbox: its snapshot (committed or staged) goes too, and a
         resident one's frozen runtime and slot."""
-        entry = self._resident.pop(record.sandbox_id) if self._resident is not None else None
+        entry = self.residents.pop(record.sandbox_id) if self.residents is not None else None
         sandbox = self.sandboxes.holds(record)
         doomed = [record.snapshot_id]
         if entry is not None:
@@ -383,8 +271,8 @@ class Pausing(Captures):
             if not entry.captured and entry.previous_snapshot:
                 doomed.append(entry.previous_snapshot)  # no commit will replace it
             if sandbox is not None:
-                await asyncio.shield(self._free_in_background(sandbox))
-        await self._settled(record.sandbox_id)
+                await asyncio.shield(self.captures.free_in_background(sandbox))
+        await self.captures.settled(record.sandbox_id)
         commits = sandbox.commits if sandbox is not None else {}
         pending = [t for t in map(commits.get, doomed) if t is not None]
         await asyncio.gather(*pending, return_exceptions=True)
@@ -393,14 +281,14 @@ class Pausing(Captures):
                 await asyncio.to_thread(self.snapshots.delete, snapshot_id)
                 self.snapshot_gc.request()  # its chunks, unless other snapshots use them
             await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
-        self._forget(record)
+        self.life.forget(record)
 
     # -- paused sandboxes changing node -------------------------------------------------
 
     async def _drop_copy(self, record: SandboxRecord) -> None:
-        async with self._lock(record.sandbox_id):
+        async with self.life.lock(record.sandbox_id):
             if self.sandboxes.holds(record) is not None:
-                await self._teardown(record, True)
+                await self.life.teardown(record, True)
 
     def disown(self, sandbox_id: str) -> bool:
         """Drop the record of a paused sandbox another node has taken over; its
@@ -417,16 +305,16 @@ class Pausing(Captures):
                         "destroying this copy", sandbox_id)
             sandbox.releasing = asyncio.create_task(self._drop_copy(sandbox.record))
             return True
-        entry = self._resident.get(sandbox_id) if self._resident is not None else None
+        entry = self.residents.get(sandbox_id) if self.residents is not None else None
         if sandbox is None or record is None or record.state is not SandboxState.PAUSED \
                 or sandbox.held() or sandbox.releasing_now() \
                 or (entry is not None and not entry.captured) \
                 or not self.pause_committed(record):
             return False
-        if entry is not None and self._resident is not None:
-            self._resident.pop(sandbox_id)
-            self._free_in_background(sandbox)
-        self._forget(record)
+        if entry is not None and self.residents is not None:
+            self.residents.pop(sandbox_id)
+            self.captures.free_in_background(sandbox)
+        self.life.forget(record)
         log.info("paused sandbox %s now lives on another node; record dropped", sandbox_id)
         return True
 
@@ -460,7 +348,7 @@ class Pausing(Captures):
             record = new_record(
                 sandbox_id=sandbox_id, state=SandboxState.PAUSED, node_id=self.config.node_id,
                 template_id=meta["template_id"], alias=meta.get("alias") or meta["template_id"],
-                resources=self._resources(meta.get("cpu_count"), meta.get("memory_mb"),
+                resources=self.plans.resources(meta.get("cpu_count"), meta.get("memory_mb"),
                                           meta.get("disk_size_mb")),
                 ttl=0, started_at=float(meta.get("started_at") or time.time()),
                 auto_pause=bool(meta.get("auto_pause", True)),
@@ -474,6 +362,6 @@ class Pausing(Captures):
                 resume_timeout=int(meta.get("resume_timeout") or 0),
                 mask_request_host=str(meta.get("mask_request_host") or ""),
                 origin=str(meta.get("origin") or ""))
-            self._add(record)
+            self.life.add(record)
             log.info("adopted paused sandbox %s from snapshot %s", sandbox_id, snapshot_id)
             return record

@@ -1,4 +1,5 @@
-"""After a restart (a crash included): adopt the sandboxes that survived, remove the rest.
+"""After a restart (a crash included), the service ``Reconciler``: adopt the sandboxes
+that survived, remove the rest.
 
 Running sandboxes whose runtime still runs and whose envd answers are adopted with
 their slots; paused ones and ones in ``error`` keep their records (a pause whose
@@ -14,21 +15,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from ..snapshot import SnapshotError, SnapshotNotFound
-from .envd_client import EnvdUnavailable
+from ..config import Config
+from ..network import SlotPool
+from ..runtime import Runtime
+from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore
+from .captures import Captures
+from .envd_client import EnvdClient, EnvdUnavailable
+from .lifecycle import Lifecycle
 from .models import SandboxRecord, SandboxState, new_sandbox_id
-from .pausing import Pausing
 from .resident import Resident
+from .resident_pauses import ResidentPauses
 from .sandbox import Sandbox
+from .store import SandboxStore
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 
 
-class Reconciling(Pausing):
-    """Over pausing: a pause whose commit a crash interrupted is committed again."""
+@dataclass(eq=False, repr=False)
+class Reconciler:
+    config: Config
+    sandboxes: SandboxTable
+    store: SandboxStore
+    snapshots: SnapshotStore
+    runtime: Runtime
+    slots: SlotPool
+    envd: EnvdClient
+    life: Lifecycle
+    captures: Captures
+    residents: ResidentPauses | None
+    # A running sandbox found dead (RuntimeExits.exited).
+    exited: Callable[[str, str], Awaitable[None]]
 
-    async def _reconcile(self) -> None:
+    async def reconcile(self) -> None:
         # What a killed predecessor left the runtime doing finishes first: a
         # half-done pause capture stops its sandbox when it completes.
         await self.runtime.settle(120)
@@ -55,7 +77,7 @@ class Reconciling(Pausing):
             elif record.state in (SandboxState.PAUSED, SandboxState.ERROR):
                 keep[record.sandbox_id] = record
                 if record.state is SandboxState.PAUSED and record.slot_index:
-                    if running and running.state == "paused" and self._resident is not None:
+                    if running and running.state == "paused" and self.residents is not None:
                         frozen.add(record.sandbox_id)
                     else:
                         thawed.add(record.sandbox_id)
@@ -75,12 +97,12 @@ class Reconciling(Pausing):
             record = entry.record
             held = self.slots.held(record.slot_index) if record.slot_index else None
             if held is not None:
-                entry.hold(held, self._give_back)
+                entry.hold(held, self.life.give_back)
                 if record.state is SandboxState.RUNNING or record.sandbox_id in frozen:
                     entry.runs(self.runtime.destroy)
                 if record.network:  # the rules are rebuilt from the record
                     try:
-                        await self.launcher.apply_egress(record.sandbox_id, held,
+                        await self.life.launcher.apply_egress(record.sandbox_id, held,
                                                          record.network, record.internet)
                     except Exception:
                         log.exception("reconcile: egress policy of %s", record.sandbox_id)
@@ -90,15 +112,15 @@ class Reconciling(Pausing):
             elif record.state is SandboxState.PAUSED:
                 if record.sandbox_id in thawed:
                     await self._check_paused_state_kept(record)
-                self._recommit_if_staged(entry)
+                self.captures.recommit_if_staged(entry)
             elif record.state is SandboxState.RUNNING:  # resumed before its pause committed
-                self._recommit_if_staged(entry)
+                self.captures.recommit_if_staged(entry)
         await self._drop_unanswering()
 
     async def _readopt_frozen(self, sandbox: Sandbox) -> None:
         """A paused sandbox left frozen by the node before: resident again; captured
         now unless its capture was staged or committed before the restart."""
-        assert self._resident is not None
+        assert self.residents is not None
         record = sandbox.record
         snapshot_id = record.snapshot_id
         captured = self.snapshots.staging.pending(snapshot_id) is not None
@@ -114,11 +136,11 @@ class Reconciling(Pausing):
             entry.previous_snapshot = snapshot_id
             record.snapshot_id = new_sandbox_id()
             self.store.put(record)
-        self._resident.add(record.sandbox_id, entry)
-        self._recommit_if_staged(sandbox)
+        self.residents.books.add(record.sandbox_id, entry)
+        self.captures.recommit_if_staged(sandbox)
         if not captured:
             log.info("reconcile: capturing frozen paused sandbox %s", record.sandbox_id)
-            self._start_resident_capture(record, entry)
+            self.residents.start_capture(record, entry)
 
     async def _check_paused_state_kept(self, record: SandboxRecord) -> None:
         """A paused sandbox that was resident when the machine went down (its frozen
@@ -130,7 +152,7 @@ class Reconciling(Pausing):
         except SnapshotNotFound:
             record.error = "lost: the node stopped before its pause was saved"
             log.error("reconcile: paused sandbox %s %s", record.sandbox_id, record.error)
-            self._transition(record, SandboxState.ERROR)
+            self.life.transition(record, SandboxState.ERROR)
         except SnapshotError:
             pass  # the repository cannot tell now: a resume will
 
@@ -151,7 +173,7 @@ class Reconciling(Pausing):
         for record, ok in zip(running, await asyncio.gather(*map(answers, running)),
                               strict=True):
             if not ok:
-                await self._runtime_exited(record.sandbox_id, "ended while the node was "
+                await self.exited(record.sandbox_id, "ended while the node was "
                                            "down: its envd did not answer at the restart")
 
     def _remove_stale_captures(self, keep: dict[str, SandboxRecord]) -> None:

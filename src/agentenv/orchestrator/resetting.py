@@ -1,4 +1,5 @@
-"""Reset in place: a sandbox back to a snapshot's exact state under the same identity.
+"""Reset in place (the service ``Resets``): a sandbox back to a snapshot's exact
+state under the same identity.
 
 An agentenv extension (E2B has no reset), for RL loops that return an environment to
 its start state many times. A reset keeps the sandbox's record: its ID, envd access
@@ -34,33 +35,57 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import Config
 from ..metrics import observed
-from ..network import Slot, SlotError
-from ..snapshot import Manifest
-from ..templates import Template, TemplateNotFound
+from ..network import Slot, SlotError, SlotPool
+from ..runtime import Runtime
+from ..snapshot import Manifest, SnapshotStore
+from ..templates import Template
 from . import disk_pause
-from .envd_client import EnvdUnavailable, LayerRefused
+from .admission import Admission
+from .captures import Captures
+from .envd_client import EnvdClient, EnvdUnavailable, LayerRefused
+from .lifecycle import Lifecycle
 from .models import (
     MAX_RESETS,
     BadRequest,
     Conflict,
-    NotFound,
     OrchestratorError,
     SandboxRecord,
     SandboxState,
     not_running,
 )
-from .pausing import Pausing
+from .pausing import Pauses
+from .plans import Plans
 from .sandbox import RUNTIME
+from .specs import SpecFactory
+from .store import SandboxStore
+from .table import SandboxTable
 
 log = logging.getLogger(__name__)
 
 RESET_MODES = ("memory", "filesystem")
 
 
-class Resetting(Pausing):
+@dataclass(eq=False, repr=False)
+class Resets:
+    config: Config
+    sandboxes: SandboxTable
+    store: SandboxStore
+    snapshots: SnapshotStore
+    runtime: Runtime
+    slots: SlotPool
+    envd: EnvdClient
+    specs: SpecFactory
+    admission: Admission
+    life: Lifecycle
+    plans: Plans
+    captures: Captures
+    pauses: Pauses
+
     @observed("reset")
     async def reset(self, sandbox_id: str, snapshot: str | None = None,
                     ttl: int | None = None, mode: str = "memory",
@@ -73,17 +98,15 @@ class Resetting(Pausing):
         module's docstring). Returns the record, the snapshot and the mode it took."""
         if mode not in RESET_MODES:
             raise BadRequest(f"mode must be one of {', '.join(RESET_MODES)}")
-        seconds = None if ttl is None else self._check_timeout(ttl)
-        record = self.get(sandbox_id)
+        seconds = None if ttl is None else self.plans.timeout(ttl)
+        record = self.life.get(sandbox_id)
         manifest = await (self._resolve_snapshot(snapshot) if snapshot
                           else self._last_snapshot(record))
         self._check_resettable(record, manifest)
         files_layer = mode == "filesystem"
         if files_layer and record.state is SandboxState.RUNNING:
             # A client hanging up must not stop a reset half-way (as below).
-            fast = asyncio.create_task(self._reset_files(sandbox_id, manifest, seconds))
-            self._tasks.add(fast)
-            fast.add_done_callback(self._tasks.discard)
+            fast = self.life.spawn(self._reset_files(sandbox_id, manifest, seconds))
             done = await asyncio.shield(fast)
             if done is not None:
                 return done, manifest, "filesystem"
@@ -95,17 +118,15 @@ class Resetting(Pausing):
             if record.state is SandboxState.PAUSED:
                 # Frozen in memory: out first (once its capture is made), so that the
                 # reset restores into a fresh slot and a failure leaves it paused.
-                await self.evict(sandbox_id)
+                await self.pauses.evict(sandbox_id)
             image = await asyncio.to_thread(self.snapshots.materialize, manifest.snapshot_id)
             # A client hanging up must not stop a reset half-way: it runs as its own task.
-            task = asyncio.create_task(self._reset_locked(sandbox_id, manifest, image, seconds,
-                                                          files_layer))
+            task = self.life.spawn(self._reset_locked(sandbox_id, manifest, image, seconds,
+                                                      files_layer))
         except BaseException:
             if ticket is not None:
                 ticket.release()
             raise
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
         if ticket is not None:
             task.add_done_callback(lambda _: ticket.release())
         return await asyncio.shield(task), manifest, "memory"
@@ -114,8 +135,8 @@ class Resetting(Pausing):
                            seconds: int | None) -> SandboxRecord | None:
         """The files layer of ``manifest`` reset by envd, no restore; None when the
         sandbox has no such layer (or envd cannot say): then the reset is a full one."""
-        async with self._lock(sandbox_id):
-            record = self.get(sandbox_id)
+        async with self.life.lock(sandbox_id):
+            record = self.life.get(sandbox_id)
             if record.state is not SandboxState.RUNNING or record.error or \
                     not record.slot_address:
                 return None
@@ -132,8 +153,7 @@ class Resetting(Pausing):
                             sandbox_id, exc)
                 return None
             # Connections to the processes that ended are dead: the proxy drops them.
-            for listener in self.on_removed:
-                listener(sandbox_id)
+            self.life.removed(sandbox_id)
             self._reset_done(record, manifest, seconds, "filesystem")
             log.info("reset %s to snapshot %s in %.1f ms (its files layer; envd %.1f ms, "
                      "of which its kill pass %.1f ms, %s processes ended)", sandbox_id,
@@ -187,7 +207,7 @@ class Resetting(Pausing):
                              f"sandbox '{record.sandbox_id}' is of template "
                              f"'{record.template_id}': a sandbox resets only to snapshots "
                              "of its own template")
-        theirs = self._resources(meta.get("cpu_count"), meta.get("memory_mb"),
+        theirs = self.plans.resources(meta.get("cpu_count"), meta.get("memory_mb"),
                                  meta.get("disk_size_mb"))
         ours = (record.cpu_count, record.memory_mb, record.disk_size_mb)
         if (theirs.cpu_count, theirs.memory_mb, theirs.disk_size_mb) != ours:
@@ -200,16 +220,13 @@ class Resetting(Pausing):
 
     def _reset_template(self, record: SandboxRecord, files: bool) -> Template:
         if files:  # a boot: the template must be bootable
-            return self._bootable_template(record)
-        try:
-            return self.templates.get(record.template_id)
-        except TemplateNotFound as exc:
-            raise NotFound(f"template of the sandbox is gone: {exc}") from exc
+            return self.plans.bootable_template(record)
+        return self.plans.template_of(record)
 
     async def _reset_locked(self, sandbox_id: str, manifest: Manifest, image: Path,
                             seconds: int | None, files_layer: bool = False) -> SandboxRecord:
-        async with self._lock(sandbox_id):
-            record = self.get(sandbox_id)
+        async with self.life.lock(sandbox_id):
+            record = self.life.get(sandbox_id)
             paused = record.state is SandboxState.PAUSED
             if record.state is SandboxState.CREATING:
                 raise Conflict(f"sandbox '{sandbox_id}' is still being created")
@@ -221,33 +238,32 @@ class Resetting(Pausing):
             entry = self.sandboxes.get(sandbox_id)
             slot = None if paused else entry.slot
             if files:  # a boot of the template, then the snapshot's files
-                plan = self._plan(record, template, files=image, hostname_of=sandbox_id,
+                plan = self.plans.plan(record, template, files=image, hostname_of=sandbox_id,
                                   start_command=True, purpose="reset", slot=slot)
             else:  # envd wakes with the snapshot's token and is given the record's
                 # (unless it has them already: a snapshot of this very sandbox)
                 same = meta.get("envd_token") == record.envd_token and \
                     meta.get("env_vars") == record.env_vars
-                plan = self._plan(record, template, image=image, purpose="reset", slot=slot,
+                plan = self.plans.plan(record, template, image=image, purpose="reset", slot=slot,
                                   hostname_of=meta.get("source_sandbox_id") or sandbox_id,
                                   init=not same, current_token=meta.get("envd_token") or "")
             t0 = time.perf_counter()
             destroyed_ms = 0.0
             if paused:
-                await self._settled(sandbox_id)
+                await self.captures.settled(sandbox_id)
                 # On failure the launch has undone itself: the sandbox stays paused.
-                slot = await self.launcher.launch(plan)
-                self._started(record, slot)
-                self._transition(record, SandboxState.RUNNING)
+                slot = await self.life.launcher.launch(plan)
+                self.life.started(record, slot)
+                self.life.transition(record, SandboxState.RUNNING)
             else:
                 try:
                     entry.cleanup.discard(RUNTIME)  # destroyed here, and started again
                     await self._drop_runtime(sandbox_id, slot)
                     destroyed_ms = (time.perf_counter() - t0) * 1000
                     # Connections to the old processes are dead: the proxy drops them.
-                    for listener in self.on_removed:
-                        listener(sandbox_id)
+                    self.life.removed(sandbox_id)
                     # The same slot back (a new one only if it somehow held none).
-                    self._started(record, await self.launcher.launch(plan))
+                    self.life.started(record, await self.life.launcher.launch(plan))
                 except BaseException as exc:
                     await asyncio.shield(self._reset_failed(record, manifest, exc))
                     if isinstance(exc, Exception):
@@ -285,12 +301,9 @@ class Resetting(Pausing):
                             exc: BaseException) -> None:
         """A running sandbox whose reset failed after its runtime went: ``error``, with
         the reason, holding nothing (the launch destroyed what it had started)."""
-        record.error = f"ended: its reset to snapshot {manifest.snapshot_id} failed ({exc})"
-        log.error("sandbox %s %s; it is now in state error", record.sandbox_id, record.error)
-        self._transition(record, SandboxState.ERROR)
-        for listener in self.on_removed:
-            listener(record.sandbox_id)
+        self.life.ended_in_error(
+            record, f"ended: its reset to snapshot {manifest.snapshot_id} failed ({exc})")
         entry = self.sandboxes.holds(record)
         if entry is not None:
-            await self._release(entry)
+            await self.life.release(entry)
         self.store.put(record)

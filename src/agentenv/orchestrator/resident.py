@@ -3,7 +3,7 @@
 A two-tier pause freezes a sandbox and answers at once; its durable capture and
 commit follow in the background. While it stays resident a resume is a thaw. This
 module only keeps the books (who is resident, since when, whether the capture is
-done) and decides whom to evict; pausing.py acts on it.
+done) and decides whom to evict; resident_pauses.py acts on it.
 """
 
 from __future__ import annotations

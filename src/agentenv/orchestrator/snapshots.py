@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 
-from ..snapshot import Manifest, SnapshotNotFound, SnapshotStore
+from ..snapshot import Manifest, SnapshotError, SnapshotNotFound, SnapshotStore
 from ..templates import TemplateRegistry
 from ..templates.tags import DEFAULT_TAG, SEPARATOR
 from .collect import SnapshotCollector
-from .models import Conflict, NotFound
+from .models import Conflict, NotFound, OrchestratorError
 
 
 def _stem(name: str) -> str | None:
@@ -77,6 +77,16 @@ class UserSnapshots:
             raise NotFound(f"snapshot '{name}' not found") from exc
         self.collector.request()
         return manifest
+
+    async def resolve(self, name: str, missing: str, cause: BaseException | None = None
+                      ) -> Manifest:
+        """The snapshot ``name`` names; NotFound with ``missing`` if none."""
+        try:
+            return await asyncio.to_thread(resolve_snapshot, self.snapshots, name)
+        except SnapshotNotFound as exc:
+            raise NotFound(missing) from (cause or exc)
+        except SnapshotError as exc:
+            raise OrchestratorError(f"snapshot repository: {exc}") from exc
 
 
 __all__ = ["UserSnapshots", "resolve_snapshot"]
