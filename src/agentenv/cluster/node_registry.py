@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import registry_scripts as scripts
 from .common import NodeStatus as NodeStatus
 from .common import SandboxEntry as SandboxEntry
 from .redis_conn import REDIS_MAX_CONNECTIONS as REDIS_MAX_CONNECTIONS
@@ -55,74 +56,6 @@ MAX_RUN_MEMBERS = 10_000  # a run's sandboxes dropped from the listings when it 
 # gateway stays freed room while a heartbeat still reports it in one of them.
 COUNTED_STATES = frozenset({"creating", "running"})
 
-# sbx:<id> and, with the node it names, node:<n>, alive:<n>, reserved:<n>, and the room
-# freed since its heartbeat (released:<n> + freed-n:<n>). The node keys are derived
-# inside the script: fine on one Redis (not for Redis Cluster).
-_ROUTE = """
-local entry = redis.call('HGETALL', KEYS[1])
-if #entry == 0 then return false end
-local node = ''
-for i = 1, #entry, 2 do if entry[i] == 'node' then node = entry[i + 1] end end
-local p = ARGV[1]
-local freed = tonumber(redis.call('GET', p .. 'released:' .. node) or '0')
-              + tonumber(redis.call('GET', p .. 'freed-n:' .. node) or '0')
-return {entry, redis.call('GET', p .. 'node:' .. node),
-        redis.call('EXISTS', p .. 'alive:' .. node), redis.call('GET', p .. 'reserved:' .. node),
-        freed}
-"""
-
-# released:<n> += 1 if beat:<n> is still ARGV[1] (no heartbeat since the caller read it).
-_RELEASE = """
-if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then return 0 end
-redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-return 1
-"""
-
-
-# A sandbox ended or paused through the gateway (ARGV[1]) is room on its node (freed:<n>,
-# its count freed-n:<n>) until a heartbeat no longer counts it; both kept ARGV[2] ms.
-_FREE = """
-if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then redis.call('INCR', KEYS[2]) end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-"""
-
-# A paused sandbox resumed takes a slot again: back out of freed:<n> if it is there
-# (no heartbeat has seen its pause yet), else reserved:<n> += 1 until a heartbeat.
-_TAKE = """
-if redis.call('SREM', KEYS[1], ARGV[1]) == 1 then
-  redis.call('DECR', KEYS[2])
-  return 0
-end
-redis.call('INCR', KEYS[3])
-redis.call('PEXPIRE', KEYS[3], ARGV[2])
-return 1
-"""
-
-# A heartbeat that no longer counts these freed sandboxes (ARGV) as running: its load
-# shows their room, so freed:<n> stops counting it.
-_SETTLE = """
-for _, sid in ipairs(ARGV) do
-  if redis.call('SREM', KEYS[1], sid) == 1 then redis.call('DECR', KEYS[2]) end
-end
-"""
-
-# reserved:<n> += 1 if room:<n> (room at the last heartbeat) is more than reserved:<n>
-# less released:<n> and freed-n:<n>; the heartbeat's number, or false when the node
-# is full.
-_RESERVE_ROOM = """
-local room = redis.call('GET', KEYS[1])
-if room then
-  local used = tonumber(redis.call('GET', KEYS[2]) or '0')
-               - tonumber(redis.call('GET', KEYS[3]) or '0')
-               - tonumber(redis.call('GET', KEYS[5]) or '0')
-  if used >= tonumber(room) then return false end
-end
-redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return redis.call('GET', KEYS[4]) or '0'
-"""
 
 
 # A heartbeat checks and writes every sandbox it reports, changed or not, this often
@@ -158,12 +91,12 @@ class Registry:
         self.prefix = prefix
         # node ID -> (its heartbeat's number, its status as that heartbeat said): nodes().
         self._bodies: dict[str, tuple[str, NodeStatus]] = {}
-        self._route = self.redis.register_script(_ROUTE)
-        self._release = self.redis.register_script(_RELEASE)
-        self._reserve_room = self.redis.register_script(_RESERVE_ROOM)
-        self._free = self.redis.register_script(_FREE)
-        self._take = self.redis.register_script(_TAKE)
-        self._settle = self.redis.register_script(_SETTLE)
+        self._route = self.redis.register_script(scripts.ROUTE)
+        self._release = self.redis.register_script(scripts.RELEASE)
+        self._reserve_room = self.redis.register_script(scripts.RESERVE_ROOM)
+        self._free = self.redis.register_script(scripts.FREE)
+        self._take = self.redis.register_script(scripts.TAKE)
+        self._settle = self.redis.register_script(scripts.SETTLE)
         self.index = Keys(prefix)
 
     def _k(self, *parts: str) -> str:
