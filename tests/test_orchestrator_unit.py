@@ -389,3 +389,39 @@ async def test_a_timeout_and_a_run_s_end_pause_else_kill(node: Node) -> None:
 
     await mgr.runs.pause_else_kill(timed.sandbox_id, memory=True, why="a test")  # paused already
     assert mgr.get(timed.sandbox_id).state is SandboxState.PAUSED
+
+
+async def test_a_slow_read_of_the_host_connections_holds_up_neither_freezing_nor_pressure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The freezing pass reads the host's connection table (a kernel walk in a thread,
+    minutes under load once). While that read hangs, the quick loop goes on (memory
+    pressure is tended), no second read piles up behind it, and the idle sandbox is not
+    frozen on a guess; once the read answers, it is."""
+    async with started(tmp_path, monkeypatch, capacity=2, slots=2, idle_freeze_s=1) as node:
+        mgr = node.manager
+        tends = 0
+        tend = mgr.housekeeping.pressure.tend
+
+        def counted() -> None:
+            nonlocal tends
+            tends += 1
+            tend()
+
+        monkeypatch.setattr(mgr.housekeeping.pressure, "tend", counted)
+        gate = node.slots.faults.hold("egress_read")
+        record = await mgr.create(CreateRequest("base"))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while not node.slots.faults.reached.get("egress_read"):
+            assert loop.time() < end, "the idle sandbox never came due for freezing"
+            await asyncio.sleep(0.05)
+        before = tends
+        await asyncio.sleep(3)
+        assert tends - before >= 2, "the quick loop waited on the connection read"
+        assert node.slots.faults.reached["egress_read"] == 1
+        assert not node.runtime.is_frozen(record.sandbox_id)
+        gate.set()
+        end = loop.time() + 5
+        while not node.runtime.is_frozen(record.sandbox_id):
+            assert loop.time() < end, "not frozen once the read answered"
+            await asyncio.sleep(0.05)

@@ -25,7 +25,8 @@ class Node:
     """A manager over fakes; ``restart()`` makes a new one on the same home and runtime."""
 
     def __init__(self, root: Path, capacity: int, slots: int, resident: bool = False,
-                 idle_s: int = 600, capture_delay_ms: int = 0) -> None:
+                 idle_s: int = 600, capture_delay_ms: int = 0,
+                 idle_freeze_s: float = 10.0) -> None:
         self.root = root
         templates = root / "images" / "templates" / "base"
         (templates / "rootfs").mkdir(parents=True, exist_ok=True)
@@ -36,7 +37,7 @@ class Node:
                              max_cpu_count=2, max_memory_mb=1024, node_id="unit",
                              resident_pause=resident, resident_pause_idle_s=idle_s,
                              resident_capture_delay_ms=capture_delay_ms,
-                             admission_queue_timeout_s=1.0)
+                             admission_queue_timeout_s=1.0, idle_freeze_s=idle_freeze_s)
         self.runtime = FakeRuntime()
         self.slots = FakeSlots(slots)
         self.envd = FakeEnvd()

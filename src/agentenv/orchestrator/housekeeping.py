@@ -29,6 +29,10 @@ from .table import SandboxTable
 log = logging.getLogger(__name__)
 COMMIT_RETRY_TICKS = 30  # seconds between retries of failed pause commits
 QUICK_TICK_S = 0.5  # between idle-freezing passes and memory-pressure checks
+# How long a freezing pass waits on the read of the host's connection table. The read
+# walks the kernel's whole conntrack table in a thread; under load it took minutes, and
+# the quick loop (memory pressure too) must not wait that long.
+EGRESS_READ_WAIT_S = 1.0
 
 
 @dataclass(eq=False, repr=False)
@@ -46,6 +50,7 @@ class Housekeeping:
     egress: EgressPolicies
     kill: Callable[[str], Awaitable[None]]
     _tasks: list[asyncio.Task] = field(default_factory=list, init=False)
+    _egress_read: asyncio.Task | None = field(default=None, init=False)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._ttl_loop(), name="ttl"),
@@ -56,6 +61,10 @@ class Housekeeping:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._egress_read is not None:  # (its thread ends by itself)
+            self._egress_read.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SlotError):
+                await self._egress_read
 
     async def _quick_loop(self) -> None:
         """Idle freezing and the memory-pressure watch, apart from the TTL loop: its
@@ -77,11 +86,9 @@ class Housekeeping:
         due = self.freezer.due()
         if not due:
             return
-        try:  # one read of the host's table answers for all of them
-            held = await self.slots.egress_by_address()
-        except SlotError as exc:  # not known: frozen as if they held none
-            log.debug("idle freezing: %s", exc)
-            held = Counter()
+        held = await self._held_connections()
+        if held is None:  # not known yet: they stay due, a later pass decides
+            return
         for sandbox_id in due:
             entry = self.sandboxes.find(sandbox_id)
             slot = entry.slot if entry is not None else None
@@ -90,6 +97,25 @@ class Housekeeping:
                 continue
             if self.freezer.freeze(sandbox_id):
                 self.cold_memory.frozen(sandbox_id)
+
+    async def _held_connections(self) -> Counter[str] | None:
+        """Outbound connections per slot address, from one read of the host's table
+        (it answers for every sandbox at once), or None while that read is still under
+        way after ``EGRESS_READ_WAIT_S``. One read at a time: a slow one is not
+        abandoned for a new one, whose thread would queue behind it; the pass that
+        finds it done uses its answer."""
+        if self._egress_read is None:
+            self._egress_read = asyncio.create_task(self.slots.egress_by_address(),
+                                                    name="egress-read")
+        done, _ = await asyncio.wait({self._egress_read}, timeout=EGRESS_READ_WAIT_S)
+        if not done:
+            return None
+        read, self._egress_read = self._egress_read, None
+        try:
+            return read.result()
+        except SlotError as exc:  # not known: frozen as if they held none
+            log.debug("idle freezing: %s", exc)
+            return Counter()
 
     async def _ttl_loop(self) -> None:
         ticks = 0

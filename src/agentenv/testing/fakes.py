@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ class Faults:
     def __init__(self) -> None:
         self.failing: dict[str, BaseException] = {}
         self.delays: dict[str, float] = {}
+        self.gates: dict[str, asyncio.Event] = {}
+        self.reached: dict[str, int] = {}  # how many times each step began
 
     def fail(self, step: str, exc: BaseException | None = None) -> None:
         self.failing[step] = exc or RuntimeError(f"injected failure at {step}")
@@ -33,9 +36,17 @@ class Faults:
     def delay(self, step: str, seconds: float) -> None:
         self.delays[step] = seconds
 
+    def hold(self, step: str) -> asyncio.Event:
+        """The step waits until the returned event is set (a kernel call that hangs)."""
+        gate = self.gates[step] = asyncio.Event()
+        return gate
+
     async def check(self, step: str) -> None:
+        self.reached[step] = self.reached.get(step, 0) + 1
         if step in self.delays:
             await asyncio.sleep(self.delays[step])
+        if step in self.gates:
+            await self.gates[step].wait()
         exc = self.failing.pop(step, None)
         if exc is not None:
             raise exc
@@ -227,8 +238,11 @@ class FakeSlots:
         await self.faults.check("egress")
         self.policies[slot.index] = compiled
 
-    async def egress_connections(self, slot: Slot) -> int:
-        return self.connections.get(slot.index, 0)
+    async def egress_by_address(self) -> Counter[str]:
+        """As the pool's one read of the host's table: connections per slot address."""
+        await self.faults.check("egress_read")
+        return Counter({slot.address: self.connections.get(index, 0)
+                        for index, slot in self.holding.items()})
 
     async def start(self, in_use: dict[int, bool] | None = None) -> None:
         """After a restart: the slots adopted sandboxes still hold stay held."""
