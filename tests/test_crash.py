@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -159,3 +160,48 @@ def _until_committed(staging: Path) -> None:
     while list(staging.glob("*.meta.json")):
         assert time.time() < deadline, "a pause commit did not land"
         time.sleep(0.2)
+
+
+STARTER = """
+import sys, time
+from pathlib import Path
+from agentenv.testing import Node
+node = Node(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+node.start()
+with node.client() as api:
+    created = api.post("/sandboxes", json={"templateID": "base"})
+    assert created.status_code == 201, created.text
+print(node.proc.pid, created.json()["sandboxID"], flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (its new parent may not be quick to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_starter_killed_takes_its_node_and_sandboxes_with_it(tmp_path: Path) -> None:
+    """A test or benchmark killed with its shell (no cleanup of its own runs) left its
+    node serving, and the node its sandboxes, until someone noticed: a node started by
+    agentenv.testing stops, gracefully, when the process that started it ends."""
+    home, prefix = tmp_path / "home", "aek"
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(home), prefix, "10.14.0.0/16"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert starter.stdout is not None
+        node_pid, sandbox_id = starter.stdout.readline().split()
+        assert Path(f"/proc/{node_pid}").exists() and sandbox_id
+    finally:
+        starter.kill()
+        starter.wait()
+    end = time.monotonic() + 60
+    while alive(int(node_pid)):
+        assert time.monotonic() < end, "the node outlived its starter by a minute"
+        time.sleep(0.2)
+    log = (home / "server.log").read_text()
+    assert "that started this server ended: stopping" in log
+    assert leaks(prefix, home) == []

@@ -90,7 +90,10 @@ def _serve(asgi, host: str, port: int, fd: int | None, **options) -> None:
     """uvicorn on host:port, or on the listening socket ``fd`` when given."""
     import uvicorn
 
+    from ..web.parent_watch import watch_parent_from_env
+
     options = {"log_level": "warning", "lifespan": "on", **options}
+    watch_parent_from_env()
     if fd is None:
         uvicorn.run(asgi, host=host, port=port, **options)
         return

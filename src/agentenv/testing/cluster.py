@@ -240,7 +240,8 @@ class Cluster:
                "AENV_REDIS_URL": self.redis_url,
                "AENV_NODE_TTL_MS": str(self.node_ttl_ms),
                "AENV_HTTP_HEAD_TIMEOUT": str(SERVICE_HEAD_TIMEOUT),
-               "AENV_ADMISSION_QUEUE_TIMEOUT_S": str(self.gateway_queue_s)}
+               "AENV_ADMISSION_QUEUE_TIMEOUT_S": str(self.gateway_queue_s),
+               "AENV_EXIT_WITH_PARENT": str(os.getpid())}
         try:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=log, start_new_session=True,

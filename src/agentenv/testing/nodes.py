@@ -55,6 +55,8 @@ class Node:
             # The test nets the egress tests' "outside" namespaces use (10.250-251.x):
             # private networks are refused to sandboxes unless opened.
             "AENV_EGRESS_PRIVATE_OPEN": "10.250.0.0/15",
+            # A test or benchmark killed (with its shell, say) takes its node with it.
+            "AENV_EXIT_WITH_PARENT": str(os.getpid()),
             **env,
         }
         self.proc: subprocess.Popen | None = None
