@@ -69,3 +69,36 @@ redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return redis.call('GET', KEYS[4]) or '0'
 """
+
+# A heartbeat claims its node (KEYS[1] hb:<n>: the node process's session, the number of
+# the beat last applied, the diffs since the last full beat, and the claim's token):
+# a diff (ARGV[3] its base, '' for a full beat) only on top of the beat it is against,
+# of the same session, while the node is up; a full beat only if it is not older than
+# the one applied (an earlier session, or an earlier beat of this one). Refused: {-1},
+# nothing changed (the node is asked for a full beat). Claimed: the node's liveness and
+# room recorded as one (KEYS[2..9]: node, alive, room, reserved, released, beat, down,
+# nodes); {was alive, the beat's number, diffs since the last full beat}. A beat with no
+# session (an older node's: full) always applies. ARGV: session, seq, base, token, body,
+# ttl_ms, room, node ID.
+CLAIM = """
+local session, seq, base = ARGV[1], ARGV[2], ARGV[3]
+local cur = redis.call('HMGET', KEYS[1], 'session', 'seq', 'diffs')
+local alive = redis.call('EXISTS', KEYS[3])
+local diffs = 0
+if base ~= '' then
+  if alive == 0 or cur[1] ~= session or cur[2] ~= base then return {-1} end
+  diffs = tonumber(cur[3] or '0') + 1
+elseif session ~= '' and cur[1] and cur[1] ~= '' then
+  if session < cur[1] then return {-1} end
+  if session == cur[1] and tonumber(seq) <= tonumber(cur[2] or '0') then return {-1} end
+end
+redis.call('HSET', KEYS[1], 'session', session, 'seq', seq, 'diffs', diffs, 'token', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[5])
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[6])
+redis.call('SET', KEYS[4], ARGV[7])
+redis.call('DEL', KEYS[5], KEYS[6])
+local beat = redis.call('INCR', KEYS[7])
+redis.call('SREM', KEYS[8], ARGV[8])
+redis.call('SADD', KEYS[9], ARGV[8])
+return {alive, beat, diffs}
+"""

@@ -5,8 +5,9 @@ Each simulated node speaks the real cluster protocol and holds no sandbox, only 
 records:
 
 - it heartbeats to the scheduler (``POST /nodes/heartbeat``, a real ``NodeStatus``
-  with a ``SandboxEntry`` per sandbox and its listing item) every ``heartbeat_s``, and
-  drops the sandboxes the answer tells it to disown;
+  with a ``SandboxEntry`` per sandbox and its listing item, whole or as a diff, as a
+  real node's ``Beats`` make them) every ``heartbeat_s``, and drops the sandboxes the
+  answer tells it to disown;
 - it answers the node API the gateway calls, with the node's status codes and body
   shapes: create (201; 503 when full), get, list (v1, and v2 paginated with
   ``x-next-token``), kill, pause, resume, connect, timeout, local fork, snapshots of a
@@ -149,7 +150,7 @@ class SimNodes:
         schedulers = schedulers or Failover(self.scheduler_url)
         order = schedulers.order()
         async with self._sending:
-            body = node.status().to_dict()
+            body, sent = node.beats.body(node.status())
             for url in order:
                 try:
                     r = await self._http.post(url + "/nodes/heartbeat", json=body)
@@ -160,9 +161,11 @@ class SimNodes:
                     continue
                 schedulers.answered(url)
                 break
-        node.beats += 1
+        node.beat_count += 1
         self.requests["heartbeat"] += 1
-        for sandbox_id in r.json().get("disown", []):
+        answer = r.json()
+        node.beats.answered(sent, answer)
+        for sandbox_id in answer.get("disown", []):
             node.sandboxes.pop(sandbox_id, None)
 
     # -- the node API -----------------------------------------------------------------
