@@ -135,15 +135,19 @@ def _one(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--beats", type=int, default=20)
+    parser.add_argument("--no-hiredis", action="store_true",
+                        help="redis-py's own parser even where hiredis is installed")
     args = parser.parse_args(argv)
+    if args.no_hiredis:
+        sys.modules["hiredis"] = None  # type: ignore[assignment]  # import hiredis fails
     print(json.dumps(asyncio.run(_round(args.redis_url, args.beats))))
 
 
-def _run_tree(src: str, redis_url: str, beats: int) -> dict[str, Any]:
+def _run_tree(src: str, redis_url: str, beats: int, hiredis: bool) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": src}
     done = subprocess.run([sys.executable, __file__, "--tree", src, "--redis-url", redis_url,
-                           "--beats", str(beats)], env=env, capture_output=True, text=True,
-                          check=False, timeout=600)
+                           "--beats", str(beats), *([] if hiredis else ["--no-hiredis"])],
+                          env=env, capture_output=True, text=True, check=False, timeout=600)
     if done.returncode:
         raise SystemExit(f"the round of {src} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -177,7 +181,9 @@ def main() -> None:
     sys.path.insert(0, args.after)
     from agentenv.testing import start_redis
 
-    trees = {"before": args.before, "after": args.after}
+    # The tree before as it was (no hiredis), the tree after with and without it.
+    trees = {"before": (args.before, False), "after": (args.after, True),
+             "after, no hiredis": (args.after, False)}
     got: dict[str, dict[str, list[dict[str, Any]]]] = {t: {} for t in trees}
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = start_redis(lambda port: [
@@ -188,7 +194,8 @@ def main() -> None:
                 order = list(trees) if r % 2 == 0 else list(reversed(trees))
                 for db, tree in enumerate(order):
                     url = f"redis://127.0.0.1:{port}/{db}"
-                    for changes, samples in _run_tree(trees[tree], url, args.beats).items():
+                    src, hiredis = trees[tree]
+                    for changes, samples in _run_tree(src, url, args.beats, hiredis).items():
                         got[tree].setdefault(changes, []).extend(samples)
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
         finally:

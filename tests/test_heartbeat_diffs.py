@@ -16,7 +16,15 @@ from typing import Any
 import httpx
 import pytest
 
-from agentenv.cluster.beats import MAX_HEARTBEAT_BYTES, MAX_ITEM_BYTES, Beats, Sent, read_beat
+from agentenv.cluster.beats import (
+    MAX_HEARTBEAT_BYTES,
+    MAX_ITEM_BYTES,
+    Beats,
+    Sent,
+    read_beat,
+    send_beat,
+)
+from agentenv.cluster.common import Failover
 from agentenv.cluster.node_registry import Applied, NodeStatus, Registry, SandboxEntry
 from agentenv.cluster.sandbox_index import split
 from agentenv.cluster.scheduler import create_scheduler_app
@@ -167,7 +175,7 @@ def test_a_lost_answer_costs_a_full_beat_not_a_divergence(redis_url: str) -> Non
         del node.sandboxes["a"]
         node.sandboxes["s3"] = node.entry("s3", "paused")
         # Against the beat before the lost one, it would leave "a" listed: refused.
-        assert await beat(registry, node) == Applied([], False, True)
+        assert await beat(registry, node) == Applied([], False, True, refused=True)
         assert "a" in await listed(registry, "n1")  # nothing of it was written
         body, sent = node.body()
         assert body["full"]
@@ -195,7 +203,7 @@ def test_beats_of_a_node_process_that_restarted_are_refused(redis_url: str) -> N
         assert new.beats.session > late_full["session"] > old.beats.session
         await beat(registry, new)
         for late in (late_diff, late_full):
-            assert await deliver(registry, late) == Applied([], False, True)
+            assert await deliver(registry, late) == Applied([], False, True, refused=True)
         assert await listed(registry, "n1") == states(new)
         assert not (await beat(registry, new)).full
 
@@ -228,7 +236,7 @@ def test_two_schedulers_with_beats_of_one_node_never_interleave(redis_url: str) 
             node.sandboxes["s1"] = node.entry("s1", "paused")
             body, sent = node.body()
             answers = await asyncio.gather(deliver(registry, body), deliver(other, body))
-            assert sorted(a.full for a in answers) == [False, True], answers
+            assert sorted(a.refused for a in answers) == [False, True], answers
             node.beats.answered(sent, answers[0]._asdict())
             if answers[0].full:
                 await beat(registry, node)
@@ -239,10 +247,10 @@ def test_two_schedulers_with_beats_of_one_node_never_interleave(redis_url: str) 
             await slow.claimed.wait()
             del node.sandboxes["x"]  # the node moved on: x ended, s5 paused
             node.sandboxes["s5"] = node.entry("s5", "paused")
-            assert (await beat(registry, node)).full  # against the beat before: refused
+            assert (await beat(registry, node)).refused  # against the beat before
             assert not (await beat(registry, node)).full  # full, applied
             slow.gate.set()
-            assert (await stuck).full  # its claim was taken over: nothing written
+            assert (await stuck).refused  # its claim was taken over: nothing written
             assert await listed(registry, "n1") == states(node)
         finally:
             await other.close()
@@ -294,10 +302,10 @@ def test_room_freed_through_the_gateway_on_diffs(redis_url: str) -> None:
     run(redis_url, scenario)
 
 
-def test_heartbeat_bounds(redis_url: str) -> None:
+def test_heartbeats_through_the_scheduler_are_bounded(redis_url: str) -> None:
     """What a node sends is bounded: a 400 or 413 that says what, nothing recorded of
-    it, and the node's next beat is served. An older node's full beat with no session
-    is applied as it always was."""
+    it, and the node's next beat is served. A refused diff is followed by a full beat
+    at once; an older node's full beat with no session is applied as it always was."""
 
     async def scenario(registry: Registry) -> None:
         app = create_scheduler_app(redis_url, "k" * 32)  # the registry's default prefix
@@ -344,13 +352,22 @@ def test_heartbeat_bounds(redis_url: str) -> None:
                     r = await post(body)
                     assert r.status_code == 200, r.text
                     node.beats.answered(sent, r.json())
-                    assert r.json() == {"disown": [], "full": False}
+                    assert r.json() == {"disown": [], "full": False, "applied": True}
                 assert not body["full"]
+                assert await listed(registry, "n1") == states(node)
+                # The registry lost track of the node (forgotten): a node's diff is
+                # refused and its full beat follows at once, in the same heartbeat.
+                await registry.forget_node("n1")
+                node.sandboxes["late"] = node.entry("late")
+                answer = await send_beat(http, Failover("http://sched"), node.beats,
+                                         node.status())
+                assert answer["applied"] is True
                 assert await listed(registry, "n1") == states(node)
                 # An older node: its whole status, no session.
                 older = dataclasses.replace(node.status(), node_id="old")
                 r = await post(older.to_dict())
-                assert r.status_code == 200 and r.json() == {"disown": [], "full": False}
+                assert r.status_code == 200
+                assert r.json() == {"disown": [], "full": False, "applied": True}
                 assert set(await registry.redis.smembers(registry._k("nodes"))) == \
                     {"n1", "old"}
         finally:

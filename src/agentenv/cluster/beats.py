@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import ClusterError, NodeStatus, SandboxEntry
+import httpx
+
+from .common import ClusterError, Failover, NodeStatus, SandboxEntry
 
 # Bounds of what a node sends (a node's API key is one secret of many machines: a
 # heartbeat is hostile until bounded). The body as a whole: a 413 past
@@ -99,6 +101,37 @@ class Beats:
 class Sent:
     seq: int
     sandboxes: dict[str, SandboxEntry]
+
+
+async def send_beat(http: httpx.AsyncClient, schedulers: Failover, beats: Beats,
+                    status: NodeStatus) -> dict[str, Any]:
+    """One heartbeat of ``status`` to the first scheduler that answers; its answer (the
+    sandboxes to disown are the caller's to drop). A beat the registry refused (it
+    lost track of the node's beats) is followed by a full one at once."""
+    body, sent = beats.body(status)
+    answer = await _post(http, schedulers, body)
+    beats.answered(sent, answer)
+    if answer.get("applied") is False:
+        body, sent = beats.body(status)
+        answer = await _post(http, schedulers, body)
+        beats.answered(sent, answer)
+    return answer
+
+
+async def _post(http: httpx.AsyncClient, schedulers: Failover, body: dict[str, Any]
+                ) -> dict[str, Any]:
+    order = schedulers.order()
+    for url in order:  # a scheduler down: the next one, this beat
+        try:
+            r = await http.post(url + "/nodes/heartbeat", json=body)
+            r.raise_for_status()
+        except httpx.HTTPError:
+            if url == order[-1]:
+                raise
+            continue
+        schedulers.answered(url)
+        return dict(r.json())
+    raise AssertionError("Failover has at least one URL")
 
 
 def _text(raw: dict[str, Any], name: str, limit: int, default: str | None = None) -> str:
@@ -182,7 +215,8 @@ def read_beat(raw: Any) -> tuple[NodeStatus, Beat]:
     if not isinstance(session, str) or not SESSION.fullmatch(session):
         raise ClusterError(400, "invalid heartbeat: session must be <20 digits>-<hex>")
     seq = raw.get("seq")
-    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 < seq < 1 << 62:
+    # Below 2**53: exact as a Lua number (the claim compares them).
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 < seq < 1 << 53:
         raise ClusterError(400, "invalid heartbeat: seq must be a positive integer")
     if raw.get("full", True) is True:
         return status, Beat(session, seq)

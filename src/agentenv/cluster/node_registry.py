@@ -114,12 +114,14 @@ class _Written:
 
 class Applied(NamedTuple):
     """What a heartbeat did: the sandboxes the node is to drop (another live node took
-    them over), whether the node was down (or new) until it, and whether the node is to
-    send its next beat whole (this one refused, or a full check due)."""
+    them over), whether the node was down (or new) until it, whether the node is to
+    send its next beat whole (a full check due, or this one refused), and whether this
+    one was refused (nothing of it recorded: the node sends a full beat at once)."""
 
     disown: list[str]
     rejoined: bool
     full: bool
+    refused: bool = False
 
 
 class Registry:
@@ -174,7 +176,7 @@ class Registry:
                   json.dumps(status.to_dict(sandboxes=False)), ttl_ms,
                   max(status.capacity - status.load, 0), nid])
         if int(claimed[0]) < 0:
-            return Applied([], False, True)
+            return Applied([], False, True, True)
         was_alive, diffs = bool(claimed[0]), int(claimed[2])
         reads = self.redis.pipeline(transaction=False)
         reads.smembers(self._k("freed", nid))
@@ -259,7 +261,7 @@ class Registry:
 
         if (differ or gone or reported or settled) and not await self._fenced(nid, token,
                                                                                  writes):
-            return Applied([], not was_alive, True)  # a later beat of the node claimed it
+            return Applied([], not was_alive, True, True)  # a later beat claimed the node
         return Applied(disown, not was_alive, diffs >= FULL_CHECK_EVERY - 1)
 
     async def _fenced(self, node_id: str, token: str, queue: Callable[[Any], None]) -> bool:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from ..api import models
-from ..cluster.beats import Beats
+from ..cluster.beats import Beats, send_beat
 from ..cluster.common import Failover, NodeStatus, SandboxEntry
 from ..images.store import hex_of
 from ..orchestrator import SandboxState
@@ -99,20 +99,7 @@ class Heartbeat:
     async def beat(self) -> None:
         # On the loop, not a thread: it reads the manager's live records (a few stats).
         status = node_status(self.manager, self.advertise_url)
-        body, sent = self.beats.body(status)
-        order = self.schedulers.order()
-        for url in order:  # a scheduler down: the next one, this beat
-            try:
-                r = await self._http.post(url + "/nodes/heartbeat", json=body)
-                r.raise_for_status()
-            except httpx.HTTPError:
-                if url == order[-1]:
-                    raise
-                continue
-            self.schedulers.answered(url)
-            break
-        answer = r.json()
-        self.beats.answered(sent, answer)
+        answer = await send_beat(self._http, self.schedulers, self.beats, status)
         for sandbox_id in answer.get("disown", []):
             self.manager.disown(sandbox_id)
 

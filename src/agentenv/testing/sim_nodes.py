@@ -45,6 +45,7 @@ from urllib.parse import parse_qs
 import httpx
 import uvicorn
 
+from ..cluster.beats import send_beat
 from ..cluster.common import Failover
 from ..sandbox_api import LISTED_HEADER
 from .sim_records import Answer, Behaviour, SimNode, SimSandbox, new_id
@@ -148,23 +149,10 @@ class SimNodes:
         """One heartbeat of ``node``, as the real node's (``node/heartbeat.py``) sends it."""
         assert self._http is not None
         schedulers = schedulers or Failover(self.scheduler_url)
-        order = schedulers.order()
         async with self._sending:
-            body, sent = node.beats.body(node.status())
-            for url in order:
-                try:
-                    r = await self._http.post(url + "/nodes/heartbeat", json=body)
-                    r.raise_for_status()
-                except httpx.HTTPError:
-                    if url == order[-1]:
-                        raise
-                    continue
-                schedulers.answered(url)
-                break
+            answer = await send_beat(self._http, schedulers, node.beats, node.status())
         node.beat_count += 1
         self.requests["heartbeat"] += 1
-        answer = r.json()
-        node.beats.answered(sent, answer)
         for sandbox_id in answer.get("disown", []):
             node.sandboxes.pop(sandbox_id, None)
 

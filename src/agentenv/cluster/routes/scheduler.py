@@ -77,8 +77,9 @@ async def heartbeat(request: Request) -> dict[str, Any]:
     if applied.rejoined:
         log.info("node %s is up at %s (%d/%d sandboxes)", status.node_id, status.url,
                  status.load, status.capacity)
-    # full: the node sends its next beat whole (this one was not applied, or a check).
-    return {"disown": applied.disown, "full": applied.full}
+    # full: the node sends its next beat whole (a check); applied false: at once (the
+    # registry lost track of its beats, or of the node).
+    return {"disown": applied.disown, "full": applied.full, "applied": not applied.refused}
 
 
 @router.get("/nodes", dependencies=auth)
