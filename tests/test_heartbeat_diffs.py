@@ -334,7 +334,7 @@ def test_heartbeats_through_the_scheduler_are_bounded(redis_url: str) -> None:
                      413, "item"),
                     ({**good, "session": "yesterday"}, 400, "session"),
                     ({**good, "full": False, "base": good["seq"]}, 400, "base"),
-                    ({**good, "full": False, "base": 0, "seq": 2,
+                    ({**good, "full": False, "base": 1, "seq": 2,
                       "removed": ["x" * 65]}, 400, "removed"),
                 ]
                 for body, code, says in bad:
@@ -364,12 +364,14 @@ def test_heartbeats_through_the_scheduler_are_bounded(redis_url: str) -> None:
                 assert answer["applied"] is True
                 assert await listed(registry, "n1") == states(node)
                 # An older node: its whole status, no session.
-                older = dataclasses.replace(node.status(), node_id="old")
+                older = dataclasses.replace(node.status(), node_id="old",
+                                            sandboxes=[Node.entry("o1")])
                 r = await post(older.to_dict())
                 assert r.status_code == 200
                 assert r.json() == {"disown": [], "full": False, "applied": True}
                 assert set(await registry.redis.smembers(registry._k("nodes"))) == \
                     {"n1", "old"}
+                assert await listed(registry, "old") == {"o1": "running"}
         finally:
             await app.state.registry.close()
 
