@@ -138,6 +138,7 @@ class Registry:
         self._free = self.redis.register_script(scripts.FREE)
         self._take = self.redis.register_script(scripts.TAKE)
         self._claim = self.redis.register_script(scripts.CLAIM)
+        self._differing = self.redis.register_script(scripts.DIFFERING)
         self.index = Keys(prefix)
 
     def _k(self, *parts: str) -> str:
@@ -187,20 +188,15 @@ class Registry:
             gone = sorted(set(previous[0]) - set(reported))
         else:
             gone = sorted(set(beat.removed) - set(reported))
-        # A round trip per step, not per sandbox: a node holds hundreds of them.
-        # Each one's node, the key that made it (a cluster-wide quota's: quotas.py), where
-        # it is indexed, and the fingerprint of the heartbeat that wrote it last.
-        sids = list(reported)
-        found = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key", "ix",
-                                                     "fp") for sid in sids])
-        # Only what differs from its record is written (a full beat's entries mostly
-        # do not), and not what the gateway killed since (its tombstone).
-        differ = [(sid, record) for sid, record in zip(sids, found, strict=True)
-                  if record[0] != nid or record[3] != reported[sid].fp]
-        tombs = await self._each(lambda p: [p.exists(self._k("forgotten", sid))
-                                            for sid, _ in differ])
-        differ = [d for d, dead in zip(differ, tombs, strict=True) if not dead]
-        others = sorted({r[0] for _, r in differ if r[0] and r[0] != nid})
+        # One command for all of them (a node holds hundreds): the entries whose record
+        # differs from them (a full beat's mostly do not), less those the gateway
+        # killed since (their tombstone), with each one's node, the key that made it (a
+        # cluster-wide quota's: quotas.py) and where it is indexed.
+        args = [a for sid, e in reported.items() for a in (sid, e.fp)]
+        rows = await self._differing(args=[self.prefix, nid, *args]) if args else []
+        differ = [(sid, (owner or None, key or None, ix or None))
+                  for sid, owner, key, ix in rows]
+        others = sorted({owner for _, (owner, _, _) in differ if owner and owner != nid})
         alive = await self._each(lambda p: [p.exists(self._k("alive", o)) for o in others])
         up = {o for o, a in zip(others, alive, strict=True) if a}
         gone_found = await self._each(lambda p: [p.hmget(self._k("sbx", sid), "node", "key",
@@ -221,7 +217,7 @@ class Registry:
         disown: list[str] = []
 
         def writes(pipe: Any) -> None:
-            for sid, (owner, key, ix, _) in differ:
+            for sid, (owner, key, ix) in differ:
                 entry = reported[sid]
                 # A sandbox another live node has taken over (from its last pause, this
                 # node being lost meanwhile) stays with that node: this one drops its copy.

@@ -102,3 +102,21 @@ redis.call('SREM', KEYS[8], ARGV[8])
 redis.call('SADD', KEYS[9], ARGV[8])
 return {alive, beat, diffs}
 """
+
+# The sandboxes of a heartbeat (ARGV[3..]: ID, fingerprint, ...) whose record differs
+# from it (another node's or none, or written by another heartbeat or by the gateway),
+# and that the gateway did not kill since (forgotten:<id>): {ID, node, key, ix} each
+# ('' for none). One command for a node's hundreds, not one per sandbox; the keys are
+# derived from the prefix (ARGV[1]) and node (ARGV[2]) as ROUTE's are.
+DIFFERING = """
+local p, nid, out = ARGV[1], ARGV[2], {}
+for i = 3, #ARGV, 2 do
+  local sid = ARGV[i]
+  local r = redis.call('HMGET', p .. 'sbx:' .. sid, 'node', 'key', 'ix', 'fp')
+  if (r[1] ~= nid or r[4] ~= ARGV[i + 1])
+      and redis.call('EXISTS', p .. 'forgotten:' .. sid) == 0 then
+    out[#out + 1] = {sid, r[1] or '', r[2] or '', r[3] or ''}
+  end
+end
+return out
+"""
