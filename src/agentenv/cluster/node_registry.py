@@ -26,10 +26,10 @@ Keys (under ``prefix``, default ``aenv:``):
   show their sandboxes as lost: ``lost.py``);
 - ``lst:*``: the listings' indexes (``sandbox_index.py``), moved with each write of
   ``sbx:<id>`` (its field ``ix`` says where it is indexed);
-- ``node-fp:<id>``: hash, each sandbox ID the node lists -> a fingerprint of its
-  entry (state, snapshot, listing); ``sbx:<id>``'s ``fp`` is the fingerprint of the
-  heartbeat that wrote it (empty when the gateway did): a heartbeat rewrites only the
-  records that differ from what it says;
+- ``node-fp:<id>``: hash, each sandbox ID the node lists -> the fingerprint of its
+  entry (state, snapshot, listing) when it was last written; ``sbx:<id>``'s ``fp`` is
+  the fingerprint of the heartbeat that wrote it (empty when the gateway did): a
+  heartbeat rewrites only the records that differ from what it says;
 - ``hb:<id>``: hash, the node process's ``session``, the ``seq`` of its heartbeat last
   applied, the ``diffs`` applied since its last full one, and the ``token`` of the
   scheduler request that claimed it last (``heartbeat``: a node sends only what changed
@@ -196,6 +196,9 @@ class Registry:
         rows = await self._differing(args=[self.prefix, nid, *args]) if args else []
         differ = [(sid, (owner or None, key or None, ix or None))
                   for sid, owner, key, ix in rows]
+        # The node's list (node-fp:<n>) gains what it did not have, and what is written.
+        listing = set(reported) - set(previous[0]) if beat.full else set(reported)
+        listing.update(sid for sid, _ in differ)
         others = sorted({owner for _, (owner, _, _) in differ if owner and owner != nid})
         alive = await self._each(lambda p: [p.exists(self._k("alive", o)) for o in others])
         up = {o for o, a in zip(others, alive, strict=True) if a}
@@ -242,11 +245,11 @@ class Registry:
                     move(pipe, self.index, Indexed.load(ix), None)
                     if key:  # ended on its node (a timeout): its key's room again
                         pipe.zrem(self._k("key-run", key), sid)
-            # What the node lists, as it listed it (a disowned one is not: checked again
-            # while the node still lists it).
+            # What the node lists (a disowned one is not: checked again while the node
+            # still lists it).
             if gone:
                 pipe.hdel(self._k("node-fp", nid), *gone)
-            prints = {sid: e.fp for sid, e in reported.items() if sid not in disown}
+            prints = {sid: reported[sid].fp for sid in listing if sid not in disown}
             if prints:
                 pipe.hset(self._k("node-fp", nid), mapping=prints)
             if disown:
