@@ -341,6 +341,9 @@ def test_heartbeats_through_the_scheduler_are_bounded(redis_url: str) -> None:
                     r = await post(body)
                     assert (r.status_code, says in r.json()["message"]) == (code, True), \
                         (says, r.status_code, r.text[:300])
+                for raw in (b"{", b"[" * 100_000):  # not JSON; nested past the parser
+                    r = await http.post("/nodes/heartbeat", content=raw)
+                    assert r.status_code == 400 and "invalid heartbeat" in r.text, r.text
                 r = await http.post("/nodes/heartbeat", content=b" " * (MAX_HEARTBEAT_BYTES + 1),
                                     headers={"content-type": "application/json"})
                 assert r.status_code == 413 and "exceeds" in r.json()["message"]

@@ -70,7 +70,7 @@ async def heartbeat(request: Request) -> dict[str, Any]:
     registry = _registry(request)
     try:
         raw = json.loads(await _bounded_body(request, MAX_HEARTBEAT_BYTES))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
         raise ClusterError(400, f"invalid heartbeat: {exc}") from exc
     status, beat = read_beat(raw)
     applied = await registry.heartbeat(status, request.app.state.node_ttl_ms, beat)
