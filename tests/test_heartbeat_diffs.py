@@ -259,6 +259,33 @@ def test_two_schedulers_with_beats_of_one_node_never_interleave(redis_url: str) 
     run(redis_url, scenario)
 
 
+def test_a_beat_handled_late_does_not_drop_a_sandbox_a_later_one_listed(redis_url: str
+                                                                         ) -> None:
+    """A beat that timed out on a slow scheduler, handled there only after the node's
+    next beat (which lists a sandbox just made) was applied elsewhere: refused. Applied,
+    it would drop the new sandbox from the listings until the node's next beat (whole
+    beats did: a listing right after a burst of creates missed one)."""
+
+    async def scenario(registry: Registry) -> None:
+        node = Node(count=3)
+        await beat(registry, node)
+        await beat(registry, node)
+        late, _ = node.body()  # sent, timed out: no answer
+        node.sandboxes["new"] = node.entry("new")
+        await registry.set_sandbox("new", "n1", "running", item=node.sandboxes["new"].item)
+        assert not (await beat(registry, node)).refused
+        assert await deliver(registry, late) == Applied([], False, True, refused=True)
+        assert await listed(registry, "n1") == states(node)
+        # A late whole beat of the node process before (restarted since): the same.
+        late, _ = Beats().body(dataclasses.replace(node.status(), sandboxes=[]))
+        node.beats = Beats()
+        await beat(registry, node)
+        assert (await deliver(registry, late)).refused
+        assert await listed(registry, "n1") == states(node)
+
+    run(redis_url, scenario)
+
+
 def test_a_diff_does_not_bring_back_a_sandbox_killed_through_the_gateway(redis_url: str
                                                                           ) -> None:
     async def scenario(registry: Registry) -> None:
