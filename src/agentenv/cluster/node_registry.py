@@ -49,8 +49,6 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from redis.exceptions import WatchError
-
 from . import registry_scripts as scripts
 from .beats import MAX_ITEM_BYTES, Beat
 from .common import ClusterError
@@ -112,6 +110,41 @@ class _Written:
         return mapping
 
 
+class Commands:
+    """Redis commands queued as a pipeline's methods queue them (the few a heartbeat's
+    writes use), to run in one script (``registry_scripts.APPLY``). Long ones are cut
+    (a Lua call takes some thousands of arguments at most)."""
+
+    CHUNK = 1000
+
+    def __init__(self) -> None:
+        self.list: list[list[Any]] = []
+
+    def _cut(self, head: list[Any], items: list[Any], width: int = 1) -> None:
+        step = self.CHUNK * width
+        for i in range(0, len(items), step):
+            self.list.append(head + items[i:i + step])
+
+    def hset(self, key: str, mapping: dict[str, Any]) -> None:
+        self._cut(["HSET", key], [x for kv in mapping.items() for x in kv], 2)
+
+    def hdel(self, key: str, *fields: str) -> None:
+        self._cut(["HDEL", key], list(fields))
+
+    def zadd(self, key: str, mapping: dict[str, float]) -> None:
+        self._cut(["ZADD", key], [x for m, score in mapping.items() for x in (score, m)], 2)
+
+    def zrem(self, key: str, *members: str) -> None:
+        self._cut(["ZREM", key], list(members))
+
+    def delete(self, *keys: str) -> None:
+        self._cut(["DEL"], list(keys))
+
+    def settle(self, freed: str, count: str, sandbox_ids: list[str]) -> None:
+        """``sandbox_ids`` out of the set ``freed``, ``count`` less those that were in it."""
+        self._cut(["SETTLE", freed, count], list(sandbox_ids))
+
+
 class Applied(NamedTuple):
     """What a heartbeat did: the sandboxes the node is to drop (another live node took
     them over), whether the node was down (or new) until it, whether the node is to
@@ -139,6 +172,7 @@ class Registry:
         self._take = self.redis.register_script(scripts.TAKE)
         self._claim = self.redis.register_script(scripts.CLAIM)
         self._differing = self.redis.register_script(scripts.DIFFERING)
+        self._apply = self.redis.register_script(scripts.APPLY)
         self.index = Keys(prefix)
 
     def _k(self, *parts: str) -> str:
@@ -219,7 +253,7 @@ class Registry:
 
         disown: list[str] = []
 
-        def writes(pipe: Any) -> None:
+        def writes(pipe: Commands) -> None:
             for sid, (owner, key, ix) in differ:
                 entry = reported[sid]
                 # A sandbox another live node has taken over (from its last pause, this
@@ -255,30 +289,22 @@ class Registry:
             if disown:
                 pipe.hdel(self._k("node-fp", nid), *disown)
             if settled:
-                pipe.eval(scripts.SETTLE, 2, self._k("freed", nid), self._k("freed-n", nid),
-                          *settled)
+                pipe.settle(self._k("freed", nid), self._k("freed-n", nid), settled)
 
         if (differ or gone or reported or settled) and not await self._fenced(nid, token,
                                                                                  writes):
             return Applied([], not was_alive, True, True)  # a later beat claimed the node
         return Applied(disown, not was_alive, diffs >= FULL_CHECK_EVERY - 1)
 
-    async def _fenced(self, node_id: str, token: str, queue: Callable[[Any], None]) -> bool:
-        """Run what ``queue`` puts on a transaction if the heartbeat that claimed the
-        node with ``token`` is still its last claim; False (nothing written) once a
+    async def _fenced(self, node_id: str, token: str, queue: Callable[[Commands], None]
+                      ) -> bool:
+        """Run what ``queue`` puts on a ``Commands`` at once if the heartbeat that claimed
+        the node with ``token`` is still its last claim; False (nothing written) once a
         later beat of the node claimed it: two beats' writes never interleave."""
-        key = self._k("hb", node_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(key)
-            if await pipe.hget(key, "token") != token:
-                return False
-            pipe.multi()
-            queue(pipe)
-            try:
-                await pipe.execute()
-            except WatchError:
-                return False
-        return True
+        commands = Commands()
+        queue(commands)
+        return bool(await self._apply(keys=[self._k("hb", node_id)],
+                                      args=[token, json.dumps(commands.list)]))
 
     async def _each(self, queue: Callable[[Any], list[Any]]) -> list[Any]:
         """The answers of the commands ``queue`` puts on a pipeline, in one round trip."""

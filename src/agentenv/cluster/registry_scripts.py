@@ -46,14 +46,6 @@ redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return 1
 """
 
-# A heartbeat that no longer counts these freed sandboxes (ARGV) as running: its load
-# shows their room, so freed:<n> stops counting it.
-SETTLE = """
-for _, sid in ipairs(ARGV) do
-  if redis.call('SREM', KEYS[1], sid) == 1 then redis.call('DECR', KEYS[2]) end
-end
-"""
-
 # reserved:<n> += 1 if room:<n> (room at the last heartbeat) is more than reserved:<n>
 # less released:<n> and freed-n:<n>; the heartbeat's number, or false when the node
 # is full.
@@ -119,4 +111,23 @@ for i = 3, #ARGV, 2 do
   end
 end
 return out
+"""
+
+# A heartbeat's writes (ARGV[2]: JSON, a list of commands; SETTLE <freed> <freed-n>
+# IDs: these out of freed:<n>, its count less those that were in it) if the claim of
+# the node (KEYS[1] hb:<n>) is still its own (token ARGV[1]): 1; else nothing written,
+# 0 (a later beat of the node claimed it). Atomic, as MULTI would be, and one round
+# trip where WATCH, the check and MULTI took three.
+APPLY = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+for _, c in ipairs(cjson.decode(ARGV[2])) do
+  if c[1] == 'SETTLE' then
+    for i = 4, #c do
+      if redis.call('SREM', c[2], c[i]) == 1 then redis.call('DECR', c[3]) end
+    end
+  else
+    redis.call(unpack(c))
+  end
+end
+return 1
 """
