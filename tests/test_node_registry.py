@@ -68,14 +68,15 @@ def test_heartbeats_own_sandboxes_and_nodes_are_read_whole(redis_url: str) -> No
         try:
             many = [SandboxEntry(f"a{i}", "running", item={"sandboxID": f"a{i}"})
                     for i in range(300)]
-            assert await registry.heartbeat(_status("n1", *many, load=300), 5000) == ([], True)
-            assert await registry.heartbeat(_status("n1", *many, load=300), 5000) == ([], False)
+            beat = _status("n1", *many, load=300)
+            assert (await registry.heartbeat(beat, 5000))[:2] == ([], True)
+            assert (await registry.heartbeat(beat, 5000))[:2] == ([], False)
             assert (await registry.sandbox("a7"))["node"] == "n1"
             # a5 was taken over by n2 (n1 was lost, now back): n1 is told to drop it.
             await registry.heartbeat(_status("n2"), 5000)
             await registry.set_sandbox("a5", "n2", "running", "snap", True)
             back = [SandboxEntry("a5", "paused", "snap", True), *many[6:]]
-            assert await registry.heartbeat(_status("n1", *back), 5000) == (["a5"], False)
+            assert (await registry.heartbeat(_status("n1", *back), 5000))[:2] == (["a5"], False)
             assert (await registry.sandbox("a5"))["node"] == "n2"
             # What n1 no longer lists is gone, what it lists is its own.
             assert [await registry.sandbox(f"a{i}") for i in (0, 1, 2, 3, 4)] == [None] * 5

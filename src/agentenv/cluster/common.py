@@ -4,7 +4,7 @@ addresses. Nothing here talks to Redis: a node imports it without the registry."
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import AgentenvError
@@ -28,6 +28,12 @@ class SandboxEntry:
     committed: bool = False
     # How the node lists it (E2B's ListedSandbox): the gateway lists a lost sandbox so.
     item: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        # Not dataclasses.asdict: that deep-copies the item (most of a heartbeat's cost).
+        return {"sandbox_id": self.sandbox_id, "state": self.state,
+                "snapshot_id": self.snapshot_id, "committed": self.committed,
+                "item": self.item}
 
 
 @dataclass
@@ -56,8 +62,12 @@ class NodeStatus:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self, sandboxes: bool = True) -> dict[str, Any]:
+        """As JSON would have it; the lists and items are shared, not copied."""
+        body = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sandboxes"}
+        if sandboxes:
+            body["sandboxes"] = [s.to_dict() for s in self.sandboxes]
+        return body
 
     @property
     def effective_load(self) -> int:

@@ -46,14 +46,6 @@ redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return 1
 """
 
-# A heartbeat that no longer counts these freed sandboxes (ARGV) as running: its load
-# shows their room, so freed:<n> stops counting it.
-SETTLE = """
-for _, sid in ipairs(ARGV) do
-  if redis.call('SREM', KEYS[1], sid) == 1 then redis.call('DECR', KEYS[2]) end
-end
-"""
-
 # reserved:<n> += 1 if room:<n> (room at the last heartbeat) is more than reserved:<n>
 # less released:<n> and freed-n:<n>; the heartbeat's number, or false when the node
 # is full.
@@ -68,4 +60,74 @@ end
 redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return redis.call('GET', KEYS[4]) or '0'
+"""
+
+# A heartbeat claims its node (KEYS[1] hb:<n>: the node process's session, the number of
+# the beat last applied, the diffs since the last full beat, and the claim's token):
+# a diff (ARGV[3] its base, '' for a full beat) only on top of the beat it is against,
+# of the same session, while the node is up; a full beat only if it is not older than
+# the one applied (an earlier session, or an earlier beat of this one). Refused: {-1},
+# nothing changed (the node is asked for a full beat). Claimed: the node's liveness and
+# room recorded as one (KEYS[2..9]: node, alive, room, reserved, released, beat, down,
+# nodes); {was alive, the beat's number, diffs since the last full beat}. A beat with no
+# session (an older node's: full) always applies. ARGV: session, seq, base, token, body,
+# ttl_ms, room, node ID.
+CLAIM = """
+local session, seq, base = ARGV[1], ARGV[2], ARGV[3]
+local cur = redis.call('HMGET', KEYS[1], 'session', 'seq', 'diffs')
+local alive = redis.call('EXISTS', KEYS[3])
+local diffs = 0
+if base ~= '' then
+  if alive == 0 or cur[1] ~= session or cur[2] ~= base then return {-1} end
+  diffs = tonumber(cur[3] or '0') + 1
+elseif session ~= '' and cur[1] and cur[1] ~= '' then
+  if session < cur[1] then return {-1} end
+  if session == cur[1] and tonumber(seq) <= tonumber(cur[2] or '0') then return {-1} end
+end
+redis.call('HSET', KEYS[1], 'session', session, 'seq', seq, 'diffs', diffs, 'token', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[5])
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[6])
+redis.call('SET', KEYS[4], ARGV[7])
+redis.call('DEL', KEYS[5], KEYS[6])
+local beat = redis.call('INCR', KEYS[7])
+redis.call('SREM', KEYS[8], ARGV[8])
+redis.call('SADD', KEYS[9], ARGV[8])
+return {alive, beat, diffs}
+"""
+
+# The sandboxes of a heartbeat (ARGV[3..]: ID, fingerprint, ...) whose record differs
+# from it (another node's or none, or written by another heartbeat or by the gateway),
+# and that the gateway did not kill since (forgotten:<id>): {ID, node, key, ix} each
+# ('' for none). One command for a node's hundreds, not one per sandbox; the keys are
+# derived from the prefix (ARGV[1]) and node (ARGV[2]) as ROUTE's are.
+DIFFERING = """
+local p, nid, out = ARGV[1], ARGV[2], {}
+for i = 3, #ARGV, 2 do
+  local sid = ARGV[i]
+  local r = redis.call('HMGET', p .. 'sbx:' .. sid, 'node', 'key', 'ix', 'fp')
+  if (r[1] ~= nid or r[4] ~= ARGV[i + 1])
+      and redis.call('EXISTS', p .. 'forgotten:' .. sid) == 0 then
+    out[#out + 1] = {sid, r[1] or '', r[2] or '', r[3] or ''}
+  end
+end
+return out
+"""
+
+# A heartbeat's writes (ARGV[2]: JSON, a list of commands; SETTLE <freed> <freed-n>
+# IDs: these out of freed:<n>, its count less those that were in it) if the claim of
+# the node (KEYS[1] hb:<n>) is still its own (token ARGV[1]): 1; else nothing written,
+# 0 (a later beat of the node claimed it). Atomic, as MULTI would be, and one round
+# trip where WATCH, the check and MULTI took three.
+APPLY = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+for _, c in ipairs(cjson.decode(ARGV[2])) do
+  if c[1] == 'SETTLE' then
+    for i = 4, #c do
+      if redis.call('SREM', c[2], c[i]) == 1 then redis.call('DECR', c[3]) end
+    end
+  else
+    redis.call(unpack(c))
+  end
+end
+return 1
 """

@@ -1,8 +1,9 @@
 """The node's side of the cluster: register with the scheduler and keep heartbeating.
 
-Each heartbeat is the node's whole status (capacity, load, free memory, caches,
-runtime, its sandboxes with their latest pause snapshot), so a scheduler that
-lost its state, or a node that was cut off, is whole again after one beat.
+Each heartbeat is the node's status (capacity, load, free memory, caches, runtime)
+and its sandboxes with their latest pause snapshot: all of them in the first beat and
+whenever the scheduler asks (it lost track, the node was cut off, a periodic check),
+else those changed since the beat it last applied (``cluster/beats.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from ..api import models
+from ..cluster.beats import Beats, send_beat
 from ..cluster.common import Failover, NodeStatus, SandboxEntry
 from ..images.store import hex_of
 from ..orchestrator import SandboxState
@@ -82,6 +84,7 @@ class Heartbeat:
                                        timeout=max(interval, 1.0))
         self._task: asyncio.Task | None = None
         self._failing = False
+        self.beats = Beats()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="heartbeat")
@@ -96,19 +99,8 @@ class Heartbeat:
     async def beat(self) -> None:
         # On the loop, not a thread: it reads the manager's live records (a few stats).
         status = node_status(self.manager, self.advertise_url)
-        body = status.to_dict()
-        order = self.schedulers.order()
-        for url in order:  # a scheduler down: the next one, this beat
-            try:
-                r = await self._http.post(url + "/nodes/heartbeat", json=body)
-                r.raise_for_status()
-            except httpx.HTTPError:
-                if url == order[-1]:
-                    raise
-                continue
-            self.schedulers.answered(url)
-            break
-        for sandbox_id in r.json().get("disown", []):
+        answer = await send_beat(self._http, self.schedulers, self.beats, status)
+        for sandbox_id in answer.get("disown", []):
             self.manager.disown(sandbox_id)
 
     async def _drop_moved(self) -> None:

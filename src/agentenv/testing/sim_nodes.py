@@ -5,8 +5,9 @@ Each simulated node speaks the real cluster protocol and holds no sandbox, only 
 records:
 
 - it heartbeats to the scheduler (``POST /nodes/heartbeat``, a real ``NodeStatus``
-  with a ``SandboxEntry`` per sandbox and its listing item) every ``heartbeat_s``, and
-  drops the sandboxes the answer tells it to disown;
+  with a ``SandboxEntry`` per sandbox and its listing item, whole or as a diff, as a
+  real node's ``Beats`` make them) every ``heartbeat_s``, and drops the sandboxes the
+  answer tells it to disown;
 - it answers the node API the gateway calls, with the node's status codes and body
   shapes: create (201; 503 when full), get, list (v1, and v2 paginated with
   ``x-next-token``), kill, pause, resume, connect, timeout, local fork, snapshots of a
@@ -44,6 +45,7 @@ from urllib.parse import parse_qs
 import httpx
 import uvicorn
 
+from ..cluster.beats import send_beat
 from ..cluster.common import Failover
 from ..sandbox_api import LISTED_HEADER
 from .sim_records import Answer, Behaviour, SimNode, SimSandbox, new_id
@@ -147,22 +149,11 @@ class SimNodes:
         """One heartbeat of ``node``, as the real node's (``node/heartbeat.py``) sends it."""
         assert self._http is not None
         schedulers = schedulers or Failover(self.scheduler_url)
-        order = schedulers.order()
         async with self._sending:
-            body = node.status().to_dict()
-            for url in order:
-                try:
-                    r = await self._http.post(url + "/nodes/heartbeat", json=body)
-                    r.raise_for_status()
-                except httpx.HTTPError:
-                    if url == order[-1]:
-                        raise
-                    continue
-                schedulers.answered(url)
-                break
-        node.beats += 1
+            answer = await send_beat(self._http, schedulers, node.beats, node.status())
+        node.beat_count += 1
         self.requests["heartbeat"] += 1
-        for sandbox_id in r.json().get("disown", []):
+        for sandbox_id in answer.get("disown", []):
             node.sandboxes.pop(sandbox_id, None)
 
     # -- the node API -----------------------------------------------------------------

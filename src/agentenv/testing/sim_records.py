@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from ..cluster.beats import Beats
 from ..cluster.common import NodeStatus, SandboxEntry
 
 Answer = tuple[int, Any, dict[str, str]]
@@ -80,7 +81,8 @@ class SimNode:
         self.sandboxes: dict[str, SimSandbox] = {}
         self.snapshots: set[str] = set()
         self.heartbeating = True
-        self.beats = 0
+        self.beats = Beats()  # its heartbeats' session and the beat last applied
+        self.beat_count = 0
         # Idempotency-Key -> (the create's body, its answer once it has one): a retry
         # gets the first create's answer (or waits for it), as a real node's does.
         self.keyed: dict[str, tuple[bytes, asyncio.Future[Answer]]] = {}

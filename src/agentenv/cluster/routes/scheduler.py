@@ -3,6 +3,7 @@ placements (``placement.place`` over the nodes as Redis has them)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -11,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from ... import __version__, metrics
 from ...web.keys import require_api_key
+from ..beats import MAX_HEARTBEAT_BYTES, read_beat
 from ..common import ClusterError, NodeStatus
 from ..node_registry import Registry
 from ..placement import PlacementRequest
@@ -49,18 +51,35 @@ async def health(request: Request) -> dict[str, Any]:
     return {"status": "ok", "version": __version__}
 
 
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes before it is read whole."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ClusterError(413, f"request body exceeds {limit} bytes")
+    chunks, seen = [], 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            raise ClusterError(413, f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 @router.post("/nodes/heartbeat", dependencies=auth)
 async def heartbeat(request: Request) -> dict[str, Any]:
     registry = _registry(request)
     try:
-        status = NodeStatus.from_dict(await request.json())
-    except (TypeError, ValueError) as exc:
+        raw = json.loads(await _bounded_body(request, MAX_HEARTBEAT_BYTES))
+    except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
         raise ClusterError(400, f"invalid heartbeat: {exc}") from exc
-    disown, rejoined = await registry.heartbeat(status, request.app.state.node_ttl_ms)
-    if rejoined:
+    status, beat = read_beat(raw)
+    applied = await registry.heartbeat(status, request.app.state.node_ttl_ms, beat)
+    if applied.rejoined:
         log.info("node %s is up at %s (%d/%d sandboxes)", status.node_id, status.url,
                  status.load, status.capacity)
-    return {"disown": disown}
+    # full: the node sends its next beat whole (a check); applied false: at once (the
+    # registry lost track of its beats, or of the node).
+    return {"disown": applied.disown, "full": applied.full, "applied": not applied.refused}
 
 
 @router.get("/nodes", dependencies=auth)
