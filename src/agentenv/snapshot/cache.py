@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 
 from agentenv.snapshot.errors import CorruptSnapshot
@@ -126,17 +125,16 @@ class NodeCache:
         _atomic_write(self._marker(sid), manifest.to_json())
         return target
 
-    def adopt(self, manifest: Manifest, staging: Path, synced: bool = False) -> None:
-        """Turn the staged files into the cache entry of the committed snapshot
-        (``synced``: the caller made the staged files durable already)."""
+    def adopt(self, manifest: Manifest, staging: Path) -> None:
+        """Turn the staged files into the cache entry of the committed snapshot."""
         sid = manifest.snapshot_id
         target = self.path(sid)
         try:
             if self._marker(sid).exists() or target.exists():
                 shutil.rmtree(staging, ignore_errors=True)
                 return
-            if not synced:
-                sync_files(staging / rel for rel in manifest.files)
+            for rel in manifest.files:
+                _fsync_file(staging / rel)
             os.rename(staging, target)
             _atomic_write(self._marker(sid), manifest.to_json())
         except OSError as exc:
@@ -190,12 +188,6 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
-
-
-def sync_files(paths: Iterable[Path]) -> None:
-    """Make files' data durable (before a marker names them as a complete entry)."""
-    for path in paths:
-        _fsync_file(path)
 
 
 def _fsync_file(path: Path) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from agentenv.metrics import SNAPSHOT_BYTES, cache_lookup
 from agentenv.snapshot import chunking
-from agentenv.snapshot.cache import NodeCache, sync_files
+from agentenv.snapshot.cache import NodeCache
 from agentenv.snapshot.chunking import Chunking
 from agentenv.snapshot.collector import collect_garbage
 from agentenv.snapshot.errors import (
@@ -116,17 +116,7 @@ class SnapshotStore:
                 raise SnapshotExists(f"snapshot {snapshot_id} already exists")
             files = Staging.files(staging)
             t0 = time.perf_counter()
-            # The staged files become this node's cache entry once committed, durable
-            # first: their fsync (the disk writing the whole capture) runs beside the upload.
-            presync = ThreadPoolExecutor(1, thread_name_prefix="snap-presync") \
-                if self.adopt_staging else None
-            synced = presync.submit(sync_files, [f[1] for f in files]) if presync else None
-            try:
-                manifest, stored, written, spans = self._upload(
-                    snapshot_id, files, metadata, alias)
-            finally:
-                if presync is not None:
-                    presync.shutdown(wait=True)
+            manifest, stored, written, spans = self._upload(snapshot_id, files, metadata, alias)
             log.info("committed snapshot %s: %d bytes, %d new bytes stored, %.2fs",
                      snapshot_id, manifest.total_bytes, stored, time.perf_counter() - t0)
             SNAPSHOT_BYTES.labels("captured").inc(manifest.total_bytes)
@@ -138,8 +128,7 @@ class SnapshotStore:
             if source:
                 self._recent[str(source)] = snapshot_id
             if self.adopt_staging:
-                self.cache.adopt(manifest, staging,
-                                 synced=synced is not None and synced.exception() is None)
+                self.cache.adopt(manifest, staging)
             spans["adopt"] = time.perf_counter()
             if log.isEnabledFor(logging.DEBUG):
                 last, parts = t0, []
