@@ -112,7 +112,13 @@ def main() -> None:
                          "(results/lifecycle_cpu_files_STEP)")
     ap.add_argument("--step", choices=("both", "file", "command", "none"), default="both",
                     help="with --files-only: what each rollout does before its reset")
+    ap.add_argument("--snapshot-only", action="store_true",
+                    help="with --cpu: only the leave-running snapshot and bare checkpoint "
+                         "(results/lifecycle_cpu_snapshot[_NAME])")
     args = ap.parse_args()
+    if args.cpu and args.snapshot_only:
+        run_snapshots(args.n, args.name)
+        return
     if args.cpu and args.files_only:
         run_files(args.n, args.step)
         return
@@ -406,6 +412,70 @@ def run_cpu(n: int) -> None:
         meter.close()
     left = leaks(prefix, node.home)
     report(samples, floor_rows, loads, idle_rate, left, n)
+
+
+def run_snapshots(n: int, name: str = "") -> None:
+    """The leave-running snapshot row alone (``--snapshot-only``): n snapshots of one
+    small sandbox, its envd awake (a command ran just before each), beside n bare
+    ``runsc checkpoint --leave-running`` of the same sandbox in the same run. For
+    interleaved before/after rounds (``--name``: results/lifecycle_cpu_snapshot_NAME)."""
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
+    prefix = "lcps"
+    node = Node(work / "home", prefix, free_cidr(90, 30, os.getpid()), AENV_MAX_SANDBOXES="4",
+                AENV_WARM_POOL_SIZE="0", AENV_IDLE_FREEZE_S="0", AENV_COLD_MEMORY_AFTER_S="0")
+    try:
+        node.start()
+    except BaseException:
+        node.stop()
+        raise
+    meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
+    samples: dict[str, list] = {SNAPSHOT: []}
+    loads: list[float] = []
+    floor_rows: dict[str, list] = {"bare runsc checkpoint --leave-running": []}
+    try:
+        with node.client() as api, httpx.Client(base_url=node.url, timeout=60) as http:
+            t = Tracker(node, api)
+            _, src = t.create("base")
+            sid, token = src["sandboxID"], src["envdAccessToken"]
+            until_command(node, sid, token, time.perf_counter(), http=http)
+            t.snapshot(sid)  # the first snapshot stores every chunk; later ones are measured
+            c0 = meter.read()
+            time.sleep(3)
+            idle_rate = CpuMeter.delta_s(c0, meter.read())["sandboxes"] / 3
+            for _ in range(n):
+                loads.append(os.getloadavg()[0])
+                until_command(node, sid, token, time.perf_counter(), http=http)  # envd awake
+                time.sleep(0.3)
+                w, t0 = Window(meter, node), time.perf_counter()
+                dt, _ = t.snapshot(sid)
+                samples[SNAPSHOT].append(w.close(prefix, None, idle_rate, dt))
+                time.sleep(0.5)
+            until_command(node, sid, token, time.perf_counter(), http=http)
+            with Floor(work / "floor", node, sid, token, int(free_cidr(90, 30, 15).split(".")[1]),
+                       1) as floor:
+                src_group = ACCT / prefix / sid
+                for _ in range(n):
+                    until_command(node, sid, token, time.perf_counter(), http=http)
+                    time.sleep(0.3)
+                    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    r0 = r.ru_utime + r.ru_stime
+                    s0 = int((src_group / "cpuacct.usage").read_text()) / 1e9
+                    t0 = time.perf_counter()
+                    floor.capture()
+                    wall = time.perf_counter() - t0
+                    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    ran = r.ru_utime + r.ru_stime - r0
+                    sentry = int((src_group / "cpuacct.usage").read_text()) / 1e9 - s0
+                    floor_rows["bare runsc checkpoint --leave-running"].append(
+                        {"runsc commands": ran, "sentry": sentry, "total": ran + sentry,
+                         "wall": wall})
+            t.cleanup([])  # type: ignore[arg-type]
+    finally:
+        node.stop()
+        meter.close()
+    left = leaks(prefix, node.home)
+    report(samples, floor_rows, loads, idle_rate, left, n,
+           name=f"lifecycle_cpu_snapshot_{name}" if name else "lifecycle_cpu_snapshot")
 
 
 def run_files(n: int, step: str = "both") -> None:

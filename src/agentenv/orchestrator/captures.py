@@ -78,14 +78,21 @@ class Captures:
 
     async def capture(self, sandbox_id: str, snapshot_id: str, leave_running: bool) -> Path:
         """Checkpoint into a fresh staging dir; on failure nothing stays staged."""
+        t0 = time.perf_counter()
         await self._check_staging_room(sandbox_id)
+        t1 = time.perf_counter()
         await self.life.before_capture(sandbox_id)
+        t2 = time.perf_counter()
         try:
             staging = await asyncio.to_thread(self.snapshots.new_staging, snapshot_id)
         except SnapshotError as exc:
             raise OrchestratorError(f"cannot stage a snapshot: {exc}") from exc
+        t3 = time.perf_counter()
         try:
             await self.runtime.checkpoint(sandbox_id, staging, leave_running=leave_running)
+            log.debug("capture of %s, ms: room %.0f, before %.0f, staging %.0f, checkpoint %.0f",
+                      sandbox_id, (t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000,
+                      (time.perf_counter() - t3) * 1000)
         except BaseException as exc:
             full = isinstance(exc, RuntimeFailure) and (
                 "no space left" in str(exc).lower()

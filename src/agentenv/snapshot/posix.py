@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from agentenv.snapshot.errors import (
@@ -117,10 +118,19 @@ class PosixRepository:
         # Directory entries are made durable by sync_chunks() before a manifest.
         self._write(self._chunk_path(digest), blob, exclusive=False, what=f"chunk {digest}")
 
-    def sync_chunks(self, digests: Iterable[str]) -> None:
-        """Make the directory entries of just-written chunks durable (one fsync per dir)."""
-        for d in sorted({digest[:2] for digest in digests}):
-            self._sync_dir(self.root / "chunks" / d)
+    def sync_chunks(self, digests: Iterable[str], threads: int = 8) -> None:
+        """Make the directory entries of just-written chunks durable (one fsync per dir).
+
+        A commit's chunks land in ~100 of the 256 directories: one after the other,
+        their fsyncs were most of a small snapshot's commit (50-300 ms here); side by
+        side the disk takes them together."""
+        dirs = [self.root / "chunks" / d for d in sorted({digest[:2] for digest in digests})]
+        if len(dirs) <= 1 or threads <= 1 or not self.fsync:
+            for d in dirs:
+                self._sync_dir(d)
+            return
+        with ThreadPoolExecutor(min(threads, len(dirs)), thread_name_prefix="snap-sync") as pool:
+            list(pool.map(self._sync_dir, dirs))
 
     def get_chunk(self, digest: str) -> bytes:
         try:

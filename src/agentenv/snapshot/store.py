@@ -52,7 +52,7 @@ from agentenv.snapshot.lease import begin_commit
 from agentenv.snapshot.manifest import Manifest, check_name, valid_name
 from agentenv.snapshot.repository import Repository
 from agentenv.snapshot.staging import Staging
-from agentenv.snapshot.upload import store_files
+from agentenv.snapshot.upload import StagedFile, store_files
 
 log = logging.getLogger("agentenv.snapshot")
 
@@ -116,28 +116,7 @@ class SnapshotStore:
                 raise SnapshotExists(f"snapshot {snapshot_id} already exists")
             files = Staging.files(staging)
             t0 = time.perf_counter()
-            lease = begin_commit(self.repo, snapshot_id, self.lease_ttl, self.commit_wait)
-            try:
-                known = self._known_chunks(metadata)
-                entries, stored, written = store_files(
-                    self.repo, self.chunker, files, known,
-                    threads=self.threads, zstd_level=self.zstd_level)
-                if not lease.valid():
-                    raise SnapshotError(
-                        f"commit of {snapshot_id} took longer than its lease ({self.lease_ttl}s) "
-                        "could be kept alive; not committed")
-                sync = getattr(self.repo, "sync_chunks", None)
-                if sync is not None:
-                    sync(written)
-                manifest = Manifest(
-                    snapshot_id=snapshot_id, alias=alias, created_at=time.time(),
-                    metadata=metadata, files=entries,
-                    total_bytes=sum(e.size for e in entries.values()),
-                    stored_bytes=stored, chunking=self.chunker.describe())
-                self.repo.put_object(f"manifests/{snapshot_id}.json", manifest.to_json(),
-                                     exclusive=True)
-            finally:
-                lease.release()
+            manifest, stored, written, spans = self._upload(snapshot_id, files, metadata, alias)
             log.info("committed snapshot %s: %d bytes, %d new bytes stored, %.2fs",
                      snapshot_id, manifest.total_bytes, stored, time.perf_counter() - t0)
             SNAPSHOT_BYTES.labels("captured").inc(manifest.total_bytes)
@@ -150,8 +129,50 @@ class SnapshotStore:
                 self._recent[str(source)] = snapshot_id
             if self.adopt_staging:
                 self.cache.adopt(manifest, staging)
+            spans["adopt"] = time.perf_counter()
+            if log.isEnabledFor(logging.DEBUG):
+                last, parts = t0, []
+                for name, at in spans.items():
+                    parts.append(f"{name} {(at - last) * 1000:.0f}")
+                    last = at
+                log.debug("commit of %s, ms: %s; %d chunks written", snapshot_id,
+                          ", ".join(parts), len(written))
         self._grew()
         return manifest
+
+    def _upload(self, snapshot_id: str, files: builtins.list[StagedFile], metadata: dict,
+                alias: str | None) -> tuple[Manifest, int, builtins.list[str], dict[str, float]]:
+        """Under a commit lease: the chunks the repository lacks, then the manifest.
+        Returns it, the new bytes stored, the digests written and when each step ended."""
+        lease = begin_commit(self.repo, snapshot_id, self.lease_ttl, self.commit_wait)
+        spans = {"lease": time.perf_counter()}
+        try:
+            known = self._known_chunks(metadata)
+            spans["known"] = time.perf_counter()
+            entries, stored, written = store_files(
+                self.repo, self.chunker, files, known,
+                threads=self.threads, zstd_level=self.zstd_level)
+            spans["chunks"] = time.perf_counter()
+            if not lease.valid():
+                raise SnapshotError(
+                    f"commit of {snapshot_id} took longer than its lease ({self.lease_ttl}s) "
+                    "could be kept alive; not committed")
+            sync = getattr(self.repo, "sync_chunks", None)
+            if sync is not None:
+                sync(written, self.threads)
+            spans["sync"] = time.perf_counter()
+            manifest = Manifest(
+                snapshot_id=snapshot_id, alias=alias, created_at=time.time(),
+                metadata=metadata, files=entries,
+                total_bytes=sum(e.size for e in entries.values()),
+                stored_bytes=stored, chunking=self.chunker.describe())
+            self.repo.put_object(f"manifests/{snapshot_id}.json", manifest.to_json(),
+                                 exclusive=True)
+            spans["manifest"] = time.perf_counter()
+        finally:
+            lease.release()
+        spans["release"] = time.perf_counter()
+        return manifest, stored, written, spans
 
     def _known_chunks(self, metadata: dict) -> set[str]:
         """Chunks surely present: those of committed snapshots this one probably shares.
