@@ -163,6 +163,17 @@ class Config:
     # A lazy layer server's wait for a registry that stops sending mid-read, before the
     # read is retried once and then fails (EIO) with nothing cached.
     image_registry_timeout_s: float = 30.0
+    # Lazily loaded layers' indexes and prefetch lists in the shared repository: kept
+    # while a published template names the layer or a node used it in the last this
+    # many days, and (the least recently used first, never one used in the last three
+    # hours) within image_index_budget_bytes (0: no bound). The snapshot garbage
+    # collection removes them, and chunks only they referenced. docs/lazy-images.md.
+    image_index_retention_days: float = 14.0
+    image_index_budget_bytes: int = 0
+    # The snapshot repository's garbage collection runs after deletes and every this
+    # many seconds (one node at a time: the others find it running); 0: after deletes
+    # only.
+    snapshot_gc_interval_s: float = 21600.0
     # How envd's file operations act for a request's user, unless a template's
     # template.json says ("fileAccess"): "root" as E2B's envd (as root; what is created
     # is chowned to the user) or "user" (strict: with the user's own rights; for
@@ -354,6 +365,12 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("envd_file_access must be 'root' or 'user'")
     if cfg.image_loading not in ("unpack", "lazy"):
         raise ConfigError("image_loading must be 'unpack' or 'lazy'")
+    if not 0 < cfg.image_index_retention_days <= 3650:
+        raise ConfigError("image_index_retention_days must be more than 0 and at most 3650")
+    if cfg.snapshot_gc_interval_s < 0:
+        raise ConfigError("snapshot_gc_interval_s must be 0 (after deletes only) or more")
+    if cfg.image_index_budget_bytes < 0:
+        raise ConfigError("image_index_budget_bytes must be 0 (no bound) or more bytes")
     for name, low in (("max_cpu_count", MIN_CPU_COUNT), ("max_memory_mb", MIN_MEMORY_MB),
                       ("max_disk_mb", MIN_DISK_MB)):
         value = getattr(cfg, name)
