@@ -18,8 +18,11 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.config import ConfigError, load_config
+from agentenv.images import ImageService, LayerStore, LazyLayers
 from agentenv.images.mounts import mounted_under
 from agentenv.images.store import hex_of
+from agentenv.snapshot import open_repository
+from agentenv.templates import TemplateRegistry
 from agentenv.testing import Node, free_cidr, leaks, sdk_env
 from agentenv.testing.oci_registry import (
     BUSYBOX,
@@ -29,6 +32,7 @@ from agentenv.testing.oci_registry import (
     build_image,
     busybox_layer,
     tar_layer,
+    write_oci_layout,
 )
 
 PREFIX = f"l{os.getpid() % 4096:03x}"
@@ -203,3 +207,25 @@ def test_config_rejects_an_unknown_loading(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("AENV_IMAGE_LAZY_ABOVE_MB", "-1")
     with pytest.raises(ConfigError, match="image_lazy_above_mb"):
         load_config()
+
+
+def test_auto_leaves_local_archives_unpacked(world: dict, tmp_path: Path) -> None:
+    """Lazily, a local archive's layers would be converted into the repository (dearer
+    than an unpack): "auto" lazily loads registry images only; "lazy" still converts."""
+    repo = {"backend": "posix_fs", "path": str(tmp_path / "repo")}
+    templates = TemplateRegistry(tmp_path / "builtin", tmp_path / "local", tmp_path / "rootfs")
+    lazy = LazyLayers(tmp_path / "cache" / "lazy", open_repository(repo), repo)
+    svc = ImageService(LayerStore(tmp_path / "cache", 1 << 30), templates,
+                       tmp_path / "secrets", lazy=lazy, loading="auto", lazy_above=0)
+    svc.start()
+    try:
+        image = build_image([busybox_layer(), data_layer(b"x" * 1000)], ["gzip", "gzip"])
+        layout = write_oci_layout(tmp_path / "layout", image, tag="v1")
+        assert svc.pull(f"oci-layout:{layout}:v1", "local")["image"]["loading"] == "unpack"
+        assert svc.pull(world["images"]["small"]["ref"], "remote")["image"]["loading"] == "lazy"
+        record = svc.pull(f"oci-layout:{layout}:v1", "local-lazy", loading="lazy")
+        assert record["image"]["loading"] == "lazy"
+        assert (tmp_path / "repo" / "image-layers").is_dir()
+        assert len(list((tmp_path / "repo" / "image-layers").iterdir())) >= 2
+    finally:
+        svc.close()

@@ -28,7 +28,7 @@ from .lazy_index import index_layer
 from .manifest import Image, Layer
 from .mounts import mount_layers, mounted_under, unmount
 from .reference import ArchiveRef, LayoutRef, RegistryRef, parse_reference
-from .sources import Source, open_source
+from .sources import RegistrySource, Source, open_source
 from .store import LayerStore, hex_of
 from .unpack import unpack_layer
 
@@ -130,7 +130,8 @@ class ImageService:
         try:
             image = source.resolve()
             compressed = sum(layer.size for layer in image.layers)
-            lazy = self._lazy_for(loading or self.loading, compressed)
+            lazy = self._lazy_for(loading or self.loading, compressed,
+                                  isinstance(source, RegistrySource))
             # Lazily loaded, nothing of a layer must fit at once: chunks come and go.
             if not lazy and compressed > self.store.budget:
                 raise CacheTooSmall(f"image needs at least {compressed} bytes; the image cache "
@@ -151,12 +152,15 @@ class ImageService:
         emit({"status": "done", "template": record})
         return record
 
-    def _lazy_for(self, loading: str, compressed: int) -> bool:
-        """Whether an image of ``compressed`` bytes of layers is loaded lazily."""
+    def _lazy_for(self, loading: str, compressed: int, registry: bool) -> bool:
+        """Whether an image of ``compressed`` bytes of layers is loaded lazily. "auto"
+        leaves local archives unpacked: lazily, their layers would be converted into the
+        repository (costlier than an unpack; the threshold was measured on a registry's
+        gzip layers, indexed and read by range)."""
         if self.lazy is None:
             return False
         if loading == "auto":
-            return compressed > self.lazy_above
+            return registry and compressed > self.lazy_above
         return loading == "lazy"
 
     def is_lazy(self, info: ImageInfo) -> bool:
