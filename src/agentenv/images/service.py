@@ -15,7 +15,6 @@ import re
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,9 +26,10 @@ from .lazy import LazyLayers
 from .lazy_index import index_layer
 from .manifest import Image, Layer
 from .mounts import mount_layers, mounted_under, unmount
-from .reference import ArchiveRef, LayoutRef, RegistryRef, parse_reference
+from .reference import ArchiveRef, LayoutRef, parse_reference, registry_origin
 from .sources import RegistrySource, Source, open_source
 from .store import LayerStore, hex_of
+from .template_record import template_record
 from .unpack import unpack_layer
 
 log = logging.getLogger(__name__)
@@ -154,9 +154,8 @@ class ImageService:
 
     def _lazy_for(self, loading: str, compressed: int, registry: bool) -> bool:
         """Whether an image of ``compressed`` bytes of layers is loaded lazily. "auto"
-        leaves local archives unpacked: lazily, their layers would be converted into the
-        repository (costlier than an unpack; the threshold was measured on a registry's
-        gzip layers, indexed and read by range)."""
+        leaves local archives unpacked: lazily they would be converted, dearer than an
+        unpack (the threshold was measured on registry gzip layers read by range)."""
         if self.lazy is None:
             return False
         if loading == "auto":
@@ -251,21 +250,8 @@ class ImageService:
                         credentials: dict | None, lazy: bool) -> dict:
         directory = self.templates.local_dir / name
         directory.mkdir(parents=True, exist_ok=True)
-        record = {
-            "templateID": name, "aliases": [name], "cpuCount": 2, "memoryMB": 512,
-            "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "buildID": str(uuid.uuid5(uuid.NAMESPACE_URL, image.manifest_digest)),
-            "image": {
-                "source": ref, "manifestDigest": image.manifest_digest,
-                "layers": [{"digest": x.digest, "size": x.size,
-                            "unpackedSize": self.store.size(hex_of(x.digest))}
-                           for x in image.layers],
-                "config": image.run_config,
-                "loading": "lazy" if lazy else "unpack",
-            },
-            # What `docker run` would give the image's processes.
-            **_run_defaults(image.run_config),
-        }
+        record = template_record(name, ref, image, lazy,
+                                 [self.store.size(hex_of(x.digest)) for x in image.layers])
         if credentials:
             # Kept (0600) so that evicted layers can be fetched again.
             self.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -309,7 +295,7 @@ class ImageService:
                     lowers = hexes if not lazy or self.lazy is None else [
                         str(p) for p in self.lazy.mount_all(
                             hexes, self._saved_creds(template.template_id),
-                            _origin(info.source))]
+                            registry_origin(info.source))]
                     mount_layers(template.rootfs, self.store.layers_dir, lowers)
                     log.info("images: mounted rootfs of %s (%d layers)", template.template_id,
                              len(hexes))
@@ -506,30 +492,9 @@ def _unmount_users(templates: builtins.list[Template], h: str) -> None:
                 raise ImageError(f"rootfs of {t.template_id} is still mounted")
 
 
-def _origin(source: str) -> tuple[str, str] | None:
-    """The registry and repository of an image's source, when it is a registry."""
-    try:
-        ref = parse_reference(source)
-    except ImageError:
-        return None
-    return (ref.registry, ref.repository) if isinstance(ref, RegistryRef) else None
-
-
 def _creds(credentials: dict | None) -> tuple[str, str]:
     if not credentials:
         return "", ""
     if not isinstance(credentials, dict):
         raise BadReference("credentials must be an object with username and password")
     return str(credentials.get("username", "")), str(credentials.get("password", ""))
-
-
-def _run_defaults(config: dict) -> dict:
-    """The template defaults an image's config implies: its ENV, WORKDIR and USER."""
-    envs = dict(item.split("=", 1) for item in config.get("env", []) if "=" in item)
-    out: dict = {"envs": envs} if envs else {}
-    if config.get("workdir"):
-        out["defaultWorkdir"] = config["workdir"]
-    # ``USER name:group``: envd takes the user's own group.
-    user = str(config.get("user") or "").split(":")[0]
-    out["defaultUser"] = user or "root"
-    return out
