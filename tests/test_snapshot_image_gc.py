@@ -9,6 +9,7 @@ retention window is made seconds long so that "unused for the window" is real ti
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import json
@@ -24,6 +25,7 @@ from agentenv.images.convert import convert_layer
 from agentenv.images.gzip_layer import index_gzip_layer
 from agentenv.images.lazy import LazyLayers
 from agentenv.images.prefetch import Prefetch
+from agentenv.orchestrator.collect import SnapshotCollector
 from agentenv.snapshot import CorruptSnapshot, SnapshotStore, open_repository
 from agentenv.snapshot.image_objects import prefetch_key, stamp, used_key
 from agentenv.snapshot.layer_index import LayerIndex, RegistryBlob, key_of
@@ -302,3 +304,24 @@ def test_gc_leaves_foreign_names_alone(config: dict, tmp_path: Path) -> None:
     assert store.gc()["deleted_image_layers"] == 0
     assert "image-prefetch/notes.json" in store.repo.list_objects("image-prefetch/")
     assert store.repo.get_object("image-used/README") == b"x"
+
+
+def test_the_collection_also_runs_on_a_timer(tmp_path: Path) -> None:
+    """Layers expire with time, not with a delete: a node runs the collection every
+    snapshot_gc_interval_s too."""
+    store = make_store({"backend": "posix_fs", "path": str(tmp_path / "repo")},
+                       tmp_path / "gc", image_retention_s=0.5)
+    h, _ = converted(store.repo, {"x": os.urandom(100_000)})
+    time.sleep(0.7)
+
+    async def run() -> None:
+        collector = SnapshotCollector(store)
+        collector.start(0.3)
+        for _ in range(200):  # 20 s at most
+            if not objects(store, h):
+                break
+            await asyncio.sleep(0.1)
+        await collector.close()
+
+    asyncio.run(run())
+    assert objects(store, h) == set() and chunks(store) == set()
