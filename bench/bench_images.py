@@ -313,8 +313,7 @@ def one_round(way: str, ref: str, repo: str, registry: RegistryServer, work: Pat
     home = work / f"home-{way}"
     shutil.rmtree(home, ignore_errors=True)
     env = {"AENV_TEMPLATE_SNAPSHOTS": "false", "AENV_LOCAL_CACHE_BYTES": str(16 << 30)}
-    if way != "pull":
-        env["AENV_IMAGE_LOADING"] = "lazy"
+    env["AENV_IMAGE_LOADING"] = "unpack" if way == "pull" else "lazy"
     if way == "convert":
         env["AENV_IMAGE_GZIP_INDEX"] = "false"
     if way == "gzshared0":

@@ -146,12 +146,16 @@ class Config:
     build_log_max_bytes: int = 8 << 20
     # Bytes of one uploaded build context archive (a COPY's files); larger is a 413.
     build_context_max_bytes: int = 2 << 30
-    # How image templates get their files: "unpack" (every layer fetched and unpacked
-    # before the first sandbox) or "lazy" (each layer converted once into the snapshot
-    # repository's chunks and an index, then served read-only by a FUSE mount per
-    # layer: a sandbox starts once the indexes are here, file contents arrive on first
-    # read into the bounded cache). docs/lazy-images.md.
-    image_loading: str = "unpack"
+    # How image templates get their files, unless a pull asks ("loading"): "unpack"
+    # (every layer fetched and unpacked before the first sandbox), "lazy" (each layer
+    # indexed once, or converted into the snapshot repository's chunks, then served
+    # read-only by a FUSE mount per layer: a sandbox starts once the indexes are here,
+    # file contents arrive on first read into the bounded cache), or "auto": lazy for
+    # images whose compressed layers exceed image_lazy_above_mb MiB, unpacked below
+    # (where a pull is as fast: bench/results/image_lazy_threshold.md).
+    # docs/lazy-images.md.
+    image_loading: str = "auto"
+    image_lazy_above_mb: int = 256
     # With lazy loading, a plain gzip layer of a registry image is read once to index
     # it (decompressor checkpoints and file table, stored in the repository for every
     # node) and served by range from the registry; false: converted into the
@@ -163,6 +167,17 @@ class Config:
     # A lazy layer server's wait for a registry that stops sending mid-read, before the
     # read is retried once and then fails (EIO) with nothing cached.
     image_registry_timeout_s: float = 30.0
+    # Lazily loaded layers' indexes and prefetch lists in the shared repository: kept
+    # while a published template names the layer or a node used it in the last this
+    # many days, and (the least recently used first, never one used in the last three
+    # hours) within image_index_budget_bytes (0: no bound). The snapshot garbage
+    # collection removes them, and chunks only they referenced. docs/lazy-images.md.
+    image_index_retention_days: float = 14.0
+    image_index_budget_bytes: int = 0
+    # The snapshot repository's garbage collection runs after deletes and every this
+    # many seconds (one node at a time: the others find it running); 0: after deletes
+    # only.
+    snapshot_gc_interval_s: float = 21600.0
     # How envd's file operations act for a request's user, unless a template's
     # template.json says ("fileAccess"): "root" as E2B's envd (as root; what is created
     # is chowned to the user) or "user" (strict: with the user's own rights; for
@@ -352,8 +367,16 @@ def load_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError("net_pool_low must not exceed net_pool_high")
     if cfg.envd_file_access not in ("root", "user"):
         raise ConfigError("envd_file_access must be 'root' or 'user'")
-    if cfg.image_loading not in ("unpack", "lazy"):
-        raise ConfigError("image_loading must be 'unpack' or 'lazy'")
+    if cfg.image_loading not in ("unpack", "lazy", "auto"):
+        raise ConfigError("image_loading must be 'unpack', 'lazy' or 'auto'")
+    if not 0 <= cfg.image_lazy_above_mb <= 1 << 30:
+        raise ConfigError("image_lazy_above_mb must be 0..2^30 MiB")
+    if not 0 < cfg.image_index_retention_days <= 3650:
+        raise ConfigError("image_index_retention_days must be more than 0 and at most 3650")
+    if cfg.snapshot_gc_interval_s < 0:
+        raise ConfigError("snapshot_gc_interval_s must be 0 (after deletes only) or more")
+    if cfg.image_index_budget_bytes < 0:
+        raise ConfigError("image_index_budget_bytes must be 0 (no bound) or more bytes")
     for name, low in (("max_cpu_count", MIN_CPU_COUNT), ("max_memory_mb", MIN_MEMORY_MB),
                       ("max_disk_mb", MIN_DISK_MB)):
         value = getattr(cfg, name)

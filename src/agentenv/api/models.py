@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -46,6 +46,11 @@ class NewSandbox(_Body):
     # Run once per (image digest, command); the sandbox after it is kept as a snapshot
     # that later creates of the same pair restore.
     image_setup: str | None = Field(default=None, alias="imageSetup", max_length=16 << 10)
+    # How the image's layers are loaded when this create pulls it: "lazy", "unpack" or
+    # "auto" (by size); None: the node's image_loading. An image already pulled keeps
+    # how it was loaded.
+    image_loading: Literal["auto", "lazy", "unpack"] | None = Field(default=None,
+                                                                   alias="imageLoading")
     # Maximums of times are the node's (max_timeout), checked by the orchestrator.
     timeout: int | None = Field(default=None, ge=0, description="Time to live in seconds")
     # Expiry pauses unless asked otherwise (agentenv's rule; E2B's API kills). The

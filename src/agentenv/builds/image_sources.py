@@ -74,7 +74,7 @@ class ImageSources:
         self.on_use: Callable[[str], None] | None = None
 
     async def template_for(self, ref: str, credentials: dict | None = None,
-                           setup: str = "") -> str:
+                           setup: str = "", loading: str | None = None) -> str:
         """The template a create from ``ref`` (after ``setup``) starts from, made
         when missing; raises ImageError or BuildError (with their statuses)."""
         from ..images import BadReference, parse_reference
@@ -85,7 +85,7 @@ class ImageSources:
             raise BadReference(f"the setup command is longer than {MAX_SETUP_CHARS} characters")
         name = image_template_name(ref, credentials, self._secret() if credentials else b"")
         await self._settled(name)
-        await self._once(name, lambda: self._pull(ref, name, credentials))
+        await self._once(name, lambda: self._pull(ref, name, credentials, loading))
         self._touch(name)  # used now: the clean-up leaves it alone past this create
         if not setup.strip():
             return name
@@ -126,7 +126,8 @@ class ImageSources:
         if not task.cancelled():
             task.exception()  # retrieved: every waiter may have gone
 
-    async def _pull(self, ref: str, name: str, credentials: dict | None) -> None:
+    async def _pull(self, ref: str, name: str, credentials: dict | None,
+                    loading: str | None = None) -> None:
         try:
             existing = self.manager.templates.get(name)
         except TemplateNotFound:
@@ -135,7 +136,8 @@ class ImageSources:
             return
         async with self._pulls:
             log.info("images: pulling %s as template %s for a create", ref, name)
-            await asyncio.to_thread(self.manager.image_cache.pull, ref, name, credentials)
+            await asyncio.to_thread(self.manager.image_cache.pull, ref, name, credentials,
+                                    loading=loading)
 
     async def _setup(self, image_template: str, key: str, setup: str) -> None:
         try:

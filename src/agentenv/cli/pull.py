@@ -59,9 +59,14 @@ def pull(
     username: Annotated[str | None, typer.Option(help="Registry user name.")] = None,
     password_env: Annotated[str | None, typer.Option(
         "--password-env", help="Environment variable holding the registry password.")] = None,
+    loading: Annotated[str | None, typer.Option(
+        "--loading", help="lazy, unpack or auto (lazy above the node's image_lazy_above_mb); "
+                          "default: the node's image_loading.")] = None,
 ) -> None:
     """Pull an image as a template (layers cached on the node, fetched again when evicted)."""
     body: dict = {"image": image, "name": name}
+    if loading is not None:
+        body["loading"] = loading
     creds = _credentials(username, password_env)
     if creds:
         body["credentials"] = creds

@@ -9,13 +9,16 @@ bounds, names that escape the layer); nothing is written to local disk.
 
 from __future__ import annotations
 
+import socket
 import tarfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pyfastcdc import FastCDC
 
+from agentenv.snapshot import image_objects
 from agentenv.snapshot.chunking import AVG_SIZE, MAX_SIZE, MIN_SIZE, compress, digest
 from agentenv.snapshot.layer_index import OPAQUE_XATTR, Entry, LayerIndex, key_of
 from agentenv.snapshot.lease import begin_commit
@@ -116,7 +119,9 @@ def _convert(chunks: Iterator[bytes], repo: Repository, layer_hex: str, *, diges
     sync = getattr(repo, "sync_chunks", None)  # posix_fs: the chunks' directory entries
     if sync is not None:
         sync(uploader.written)
-    # Last, as a snapshot's manifest: an index that exists names only stored chunks.
+    # Last, as a snapshot's manifest: an index that exists names only stored chunks;
+    # its use stamped first (under the lease), so the collector keeps it.
+    image_objects.stamp(repo, layer_hex, time.time(), socket.gethostname())
     repo.put_object(key_of(layer_hex), index.dump())
     return index
 

@@ -5,17 +5,27 @@ processes fill, which the node's one cache budget may shrink at any time (a chun
 evicted under a running sandbox is fetched again on its next read).
 
 Layout under ``root`` (``<images cache>/lazy``): ``index/<hex>.json.zst`` (local
-copies), ``mnt/<hex>`` (mount points), ``chunks/<xx>/<digest>`` (raw chunk bytes),
+copies; ``index/<hex>.chunks`` beside a converted layer's, whose chunks are in the
+repository), ``mnt/<hex>`` (mount points), ``chunks/<xx>/<digest>`` (raw chunk bytes),
 ``logs/<hex>.log`` (each server's log).
+
+Every use of a layer is stamped in the repository (``snapshot.image_objects``: its
+index and prefetch list are collected some days after the last use), under a commit
+lease and before the index is read, at most once per ``REFRESH_S`` per layer, and every
+``REFRESH_S`` while it is served. A converted layer's local index copy is trusted only
+while its stamp is fresh: past that its repository index is looked for again (the
+collector may have taken it and its chunks).
 
 Everything here blocks: callers run it in a thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -25,8 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from agentenv.snapshot import image_objects
 from agentenv.snapshot.errors import ObjectMissing, SnapshotError
 from agentenv.snapshot.layer_index import BadLayerIndex, LayerIndex, key_of, load
+from agentenv.snapshot.lease import begin_commit
 from agentenv.snapshot.repository import Repository
 
 from .errors import HostileInput, ImageError
@@ -36,6 +48,8 @@ log = logging.getLogger(__name__)
 MOUNT_TIMEOUT_S = 30.0
 MOUNTS_AT_ONCE = 8
 SWEEP_S = 5.0  # how often the servers' cache growth is checked against the budget
+USE_LEASE_TTL_S = 120.0
+USE_WAIT_S = 300.0  # a garbage collection holding the repository is waited out
 
 
 class LazyLayers:
@@ -65,6 +79,9 @@ class LazyLayers:
         # Each layer's server records the files its first run read (in the repository)
         # and later servers fetch them ahead (``prefetch``).
         self.prefetch = prefetch
+        # Layer -> when this process last stamped its use in the repository (monotonic).
+        self._stamped: dict[str, float] = {}
+        self._node = socket.gethostname()
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -91,6 +108,12 @@ class LazyLayers:
                     self.on_grow()
                 except Exception:  # the next sweep tries again
                     log.exception("images: chunk cache sweep failed")
+            with self._lock:
+                served = list(self._procs)
+            for h in served:  # a layer served for days is still in use
+                if not self._fresh(h):
+                    with contextlib.suppress(SnapshotError), self._used(h):
+                        pass
 
     def close(self) -> None:
         """Unmount every layer (their rootfs mounts are gone); each server then ends."""
@@ -109,12 +132,60 @@ class LazyLayers:
 
     # -- indexes -------------------------------------------------------------------
 
+    def _fresh(self, h: str) -> bool:
+        """This process stamped the layer's use less than ``REFRESH_S`` ago."""
+        with self._lock:
+            at = self._stamped.get(h)
+        return at is not None and time.monotonic() - at < image_objects.REFRESH_S
+
+    @contextlib.contextmanager
+    def _used(self, h: str):
+        """The layer's use stamped, under a commit lease held through the block: the
+        collector, which reads stamps under its lock with no lease live, sees the stamp
+        or the block's read of the index finds the index gone."""
+        lease = begin_commit(self.repo, f"layer-{h[:16]}", USE_LEASE_TTL_S, USE_WAIT_S)
+        try:
+            t = time.monotonic()
+            image_objects.stamp(self.repo, h, time.time(), self._node)
+            yield
+            with self._lock:
+                self._stamped[h] = t
+        finally:
+            lease.release()
+
     def has_index(self, h: str) -> bool:
         """The layer's index is here or in the repository (then fetched and checked).
         An eStargz layer's index is only here: each node reads it from the registry."""
         local = self.index_dir / f"{h}.json.zst"
-        if local.exists():
+        converted = self.index_dir / f"{h}.chunks"
+        if local.exists() and self._fresh(h):
             return True
+        try:
+            with self._used(h):
+                return self._find_index(h, local, converted)
+        except SnapshotError as exc:
+            if local.exists() and not converted.exists():
+                # Served from its registry: the repository is not needed to serve it.
+                log.warning("images: use of layer %s not recorded in the repository: %s",
+                            h[:12], exc)
+                return True
+            raise
+
+    def has_local_index(self, h: str) -> bool:
+        return (self.index_dir / f"{h}.json.zst").exists()
+
+    def _find_index(self, h: str, local: Path, converted: Path) -> bool:
+        if local.exists():
+            if not converted.exists():
+                return True
+            try:  # its chunks are the repository's: its index must still be there
+                self.repo.get_object(key_of(h))
+                return True
+            except ObjectMissing:
+                log.info("images: layer %s was collected from the repository; indexing "
+                         "it again", h[:12])
+                local.unlink(missing_ok=True)
+                converted.unlink(missing_ok=True)
         try:
             blob = self.repo.get_object(key_of(h))
         except ObjectMissing:
@@ -126,23 +197,33 @@ class LazyLayers:
         if index.layer and index.layer != f"sha256:{h}":
             raise HostileInput(f"layer {h[:12]} in the repository: its index is of layer "
                                f"{index.layer[:80]!r}")
+        self._write_local(h, blob, index)
+        return True
+
+    def _write_local(self, h: str, blob: bytes, index: LayerIndex) -> None:
+        local = self.index_dir / f"{h}.json.zst"
+        converted = self.index_dir / f"{h}.chunks"
+        if index.blob is None:  # before the index: a copy is never trusted without it
+            converted.touch()
+        else:
+            converted.unlink(missing_ok=True)
         tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
         tmp.write_bytes(blob)
         os.replace(tmp, local)
-        return True
 
     def keep_index(self, h: str, index: LayerIndex, share: bool = False) -> None:
         """The index kept on this node; ``share``: in the repository too (a plain gzip
         layer's checkpoints, which every node can use), written before the local copy."""
         if share:
             try:
-                self.repo.put_object(key_of(h), index.dump(level=3))
+                with self._used(h):
+                    self.repo.put_object(key_of(h), index.dump(level=3))
             except SnapshotError as exc:  # this node serves it; others will index it too
                 log.warning("images: index of layer %s not shared: %s", h[:12], exc)
-        local = self.index_dir / f"{h}.json.zst"
-        tmp = local.with_name(f".{local.name}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(index.dump(level=3))  # a local copy: fast beats small
-        os.replace(tmp, local)
+        elif index.blob is None:  # converted: stamped under the conversion's lease
+            with self._lock:
+                self._stamped[h] = time.monotonic()
+        self._write_local(h, index.dump(level=3), index)  # a local copy: fast beats small
 
     def layer_lock(self, h: str) -> threading.Lock:
         with self._lock:

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from agentenv.snapshot.errors import ObjectMissing, SnapshotError
+from agentenv.snapshot.image_objects import PREFETCH_PREFIX, prefetch_key
 
 log = logging.getLogger("agentenv.lazyfs")
-PREFIX = "image-prefetch/"
+PREFIX = PREFETCH_PREFIX
 RECORD_S = 30.0
 MAX_FILES = 4096
 MAX_LIST_BYTES = 1 << 20
@@ -31,7 +32,7 @@ MAX_PREFETCH_BYTES = 512 << 20  # chunks fetched ahead, at most
 
 
 def key_of(layer_hex: str) -> str:
-    return f"{PREFIX}{layer_hex}.json"
+    return prefetch_key(layer_hex)
 
 
 class Prefetch:

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import BadReference
+from .errors import BadReference, ImageError
 
 DOCKER_HUB = "registry-1.docker.io"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -108,3 +108,12 @@ def parse_reference(text: str) -> ImageRef:
     if not _REPO.match(repo):
         raise BadReference(f"bad repository name {repo!r} in {text!r}")
     return RegistryRef(registry, repo, tag or ("" if digest else "latest"), digest)
+
+
+def registry_origin(source: str) -> tuple[str, str] | None:
+    """The registry and repository of an image's source, when it is a registry."""
+    try:
+        ref = parse_reference(source)
+    except ImageError:
+        return None
+    return (ref.registry, ref.repository) if isinstance(ref, RegistryRef) else None

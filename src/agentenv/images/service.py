@@ -15,7 +15,6 @@ import re
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,25 +26,34 @@ from .lazy import LazyLayers
 from .lazy_index import index_layer
 from .manifest import Image, Layer
 from .mounts import mount_layers, mounted_under, unmount
-from .reference import ArchiveRef, LayoutRef, RegistryRef, parse_reference
-from .sources import Source, open_source
+from .reference import ArchiveRef, LayoutRef, parse_reference, registry_origin
+from .sources import RegistrySource, Source, open_source
 from .store import LayerStore, hex_of
+from .template_record import template_record
 from .unpack import unpack_layer
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 PARALLEL_LAYERS = 3
 Progress = Callable[[dict], None]
+LOADINGS = ("auto", "lazy", "unpack")
 
 
 class ImageService:
     def __init__(self, store: LayerStore, templates: TemplateRegistry, secrets_dir: Path,
                  in_use: Callable[[], set[str]] = set, pinned: Iterable[str] = (),
-                 local_sources_dir: Path | None = None, lazy: LazyLayers | None = None):
+                 local_sources_dir: Path | None = None, lazy: LazyLayers | None = None,
+                 loading: str = "unpack", lazy_above: int = 0):
         self.store = store
-        # Set (image_loading = "lazy"): layers are converted into the repository and
-        # served by FUSE mounts, never unpacked here.
+        # Set: an image can be loaded lazily (its layers indexed, or converted into the
+        # repository, and served by FUSE mounts, never unpacked here).
         self.lazy = lazy
+        # How a pull loads an image unless its request says: "unpack", "lazy", or
+        # "auto" (lazily when its compressed layers exceed ``lazy_above`` bytes).
+        if loading not in LOADINGS:
+            raise ValueError(f"image loading {loading!r} is not one of {LOADINGS}")
+        self.loading = loading
+        self.lazy_above = lazy_above
         # When set, oci-layout:/docker-archive: paths must lie below it.
         self.local_sources_dir = local_sources_dir
         self.templates = templates
@@ -104,9 +112,13 @@ class ImageService:
 
     def pull(self, ref: str, name: str, credentials: dict | None = None,
              progress: Progress | None = None,
-             cancel: threading.Event | None = None) -> dict:
-        """Pull ``ref`` into the store and write template ``name``; its template.json."""
+             cancel: threading.Event | None = None, loading: str | None = None) -> dict:
+        """Pull ``ref`` into the store and write template ``name``; its template.json.
+        ``loading`` ("auto", "lazy", "unpack"; None: the node's) is kept in the template
+        (its later starts, on any node, load it the same way)."""
         emit = progress or (lambda _: None)
+        if loading is not None and loading not in LOADINGS:
+            raise BadReference(f"loading must be one of {', '.join(LOADINGS)}")
         if not NAME.match(name or ""):
             raise BadReference("name must be 1-63 of a-z, 0-9, '-', '_' (starting with a "
                                "letter or digit)")
@@ -118,24 +130,45 @@ class ImageService:
         try:
             image = source.resolve()
             compressed = sum(layer.size for layer in image.layers)
+            lazy = self._lazy_for(loading or self.loading, compressed,
+                                  isinstance(source, RegistrySource))
             # Lazily loaded, nothing of a layer must fit at once: chunks come and go.
-            if self.lazy is None and compressed > self.store.budget:
+            if not lazy and compressed > self.store.budget:
                 raise CacheTooSmall(f"image needs at least {compressed} bytes; the image cache "
                                     f"budget is {self.store.budget} (local_cache_bytes)")
             emit({"status": "resolved", "manifestDigest": image.manifest_digest,
-                  "layers": [{"digest": x.digest, "size": x.size} for x in image.layers]})
-            self._fetch(source, image, ref, emit, cancel)
+                  "layers": [{"digest": x.digest, "size": x.size} for x in image.layers],
+                  "loading": "lazy" if lazy else "unpack"})
+            self._fetch(source, image, ref, emit, cancel, lazy)
         finally:
             source.close()
         unpacked = sum(self.store.size(hex_of(x.digest)) for x in image.layers)
-        if self.lazy is None and unpacked > self.store.budget:
+        if not lazy and unpacked > self.store.budget:
             raise CacheTooSmall(f"image unpacks to {unpacked} bytes; the image cache budget is "
                                 f"{self.store.budget} (local_cache_bytes)")
-        record = self._write_template(name, ref, image, credentials)
+        record = self._write_template(name, ref, image, credentials, lazy)
         self.store.touch(hex_of(x.digest) for x in image.layers)
         self._make_room()
         emit({"status": "done", "template": record})
         return record
+
+    def _lazy_for(self, loading: str, compressed: int, registry: bool) -> bool:
+        """Whether an image of ``compressed`` bytes of layers is loaded lazily. "auto"
+        leaves local archives unpacked: lazily they would be converted, dearer than an
+        unpack (the threshold was measured on registry gzip layers read by range)."""
+        if self.lazy is None:
+            return False
+        if loading == "auto":
+            return registry and compressed > self.lazy_above
+        return loading == "lazy"
+
+    def is_lazy(self, info: ImageInfo) -> bool:
+        """Whether a template's layers are served lazily (as chosen at its pull)."""
+        if self.lazy is None:
+            return False
+        if info.loading:
+            return info.loading == "lazy"
+        return self.loading == "lazy"  # a record from before the choice was kept
 
     def _check_name_free(self, name: str) -> None:
         try:
@@ -146,19 +179,19 @@ class ImageService:
             raise ImageInUse(f"template '{name}' exists and is not an image template")
 
     def _fetch(self, source: Source, image: Image, ref: str, emit: Progress,
-               cancel: threading.Event | None) -> None:
+               cancel: threading.Event | None, lazy: bool) -> None:
         hexes = [hex_of(x.digest) for x in image.layers]
         self._hold(hexes)
         try:
-            missing = [x for x in image.layers if not self._have(hex_of(x.digest))]
+            missing = [x for x in image.layers if not self._have(hex_of(x.digest), lazy)]
             for layer in image.layers:
                 if layer not in missing:
                     emit({"status": "cached", "digest": layer.digest, "size": layer.size})
             if not missing:
                 return
             with ThreadPoolExecutor(min(PARALLEL_LAYERS, len(missing))) as pool:
-                futures = [pool.submit(self._fetch_layer, source, layer, ref, emit, cancel)
-                           for layer in missing]
+                futures = [pool.submit(self._fetch_layer, source, layer, ref, emit, cancel,
+                                       lazy) for layer in missing]
                 errors = [f.exception() for f in futures]
             for exc in errors:
                 if exc is not None:
@@ -169,7 +202,7 @@ class ImageService:
             self._release(hexes)
 
     def _fetch_layer(self, source: Source, layer: Layer, ref: str, emit: Progress,
-                     cancel: threading.Event | None) -> None:
+                     cancel: threading.Event | None, lazy: bool) -> None:
         h = hex_of(layer.digest)
         last = [0.0]
 
@@ -189,7 +222,8 @@ class ImageService:
                     progress=report, cancel=cancel)
 
         t0 = time.perf_counter()
-        if self.lazy is not None:
+        if lazy:
+            assert self.lazy is not None
             index_layer(self.lazy, source, layer, report, cancel)
             emit({"status": "done-layer", "digest": layer.digest, "size": layer.size,
                   "seconds": round(time.perf_counter() - t0, 3)})
@@ -200,27 +234,24 @@ class ImageService:
               "size": layer.size, "unpacked": self.store.size(h),
               "seconds": round(time.perf_counter() - t0, 3)})
 
-    def _have(self, h: str) -> bool:
-        return self.lazy.has_index(h) if self.lazy is not None else self.store.has(h)
+    def _have(self, h: str, lazy: bool) -> bool:
+        if lazy:
+            assert self.lazy is not None
+            return self.lazy.has_index(h)
+        return self.store.has(h)
+
+    def _here(self, h: str, lazy: bool) -> bool:
+        if lazy:
+            assert self.lazy is not None
+            return self.lazy.has_local_index(h)
+        return self.store.has(h)
 
     def _write_template(self, name: str, ref: str, image: Image,
-                        credentials: dict | None) -> dict:
+                        credentials: dict | None, lazy: bool) -> dict:
         directory = self.templates.local_dir / name
         directory.mkdir(parents=True, exist_ok=True)
-        record = {
-            "templateID": name, "aliases": [name], "cpuCount": 2, "memoryMB": 512,
-            "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "buildID": str(uuid.uuid5(uuid.NAMESPACE_URL, image.manifest_digest)),
-            "image": {
-                "source": ref, "manifestDigest": image.manifest_digest,
-                "layers": [{"digest": x.digest, "size": x.size,
-                            "unpackedSize": self.store.size(hex_of(x.digest))}
-                           for x in image.layers],
-                "config": image.run_config,
-            },
-            # What `docker run` would give the image's processes.
-            **_run_defaults(image.run_config),
-        }
+        record = template_record(name, ref, image, lazy,
+                                 [self.store.size(hex_of(x.digest)) for x in image.layers])
         if credentials:
             # Kept (0600) so that evicted layers can be fetched again.
             self.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -232,8 +263,8 @@ class ImageService:
         tmp = directory / ".template.json.tmp"
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, directory / "template.json")
-        log.info("images: %s pulled as template %s (%s, %d layers)", ref, name,
-                 image.manifest_digest[:19], len(image.layers))
+        log.info("images: %s pulled as template %s (%s, %d layers, %s)", ref, name,
+                 image.manifest_digest[:19], len(image.layers), "lazy" if lazy else "unpacked")
         return record
 
     # -- rootfs -------------------------------------------------------------------
@@ -247,21 +278,24 @@ class ImageService:
         if self.on_use is not None:
             self.on_use(template.template_id)
         hexes = [hex_of(d) for d, _ in info.layers]
+        lazy = self.is_lazy(info)
         with self._template_lock(info.manifest_digest):
             self._hold(hexes)
             try:
-                missing = [(d, s) for d, s in info.layers if not self._have(hex_of(d))]
+                missing = [(d, s) for d, s in info.layers if not self._have(hex_of(d), lazy)]
                 cache_lookup("image", hit=not missing)
                 if missing:
-                    self._refetch(template, info, missing)
-                if self.lazy is not None and os.path.ismount(template.rootfs) and \
+                    self._refetch(template, info, missing, lazy)
+                if lazy and self.lazy is not None and os.path.ismount(template.rootfs) and \
                         not all(self.lazy.served(h) for h in hexes):
                     log.warning("images: a layer server of %s died; mounting its rootfs again",
                                 template.template_id)
                     unmount(template.rootfs)
                 if not os.path.ismount(template.rootfs):
-                    lowers = hexes if self.lazy is None else [str(p) for p in self.lazy.mount_all(
-                        hexes, self._saved_creds(template.template_id), _origin(info.source))]
+                    lowers = hexes if not lazy or self.lazy is None else [
+                        str(p) for p in self.lazy.mount_all(
+                            hexes, self._saved_creds(template.template_id),
+                            registry_origin(info.source))]
                     mount_layers(template.rootfs, self.store.layers_dir, lowers)
                     log.info("images: mounted rootfs of %s (%d layers)", template.template_id,
                              len(hexes))
@@ -272,7 +306,7 @@ class ImageService:
         return template.rootfs
 
     def _refetch(self, template: Template, info: ImageInfo,
-                 missing: list[tuple[str, int]]) -> None:
+                 missing: list[tuple[str, int]], lazy: bool) -> None:
         log.info("images: fetching %d evicted layers of %s from %s", len(missing),
                  template.template_id, info.source)
         user, password = _creds(self._saved_creds(template.template_id))
@@ -285,7 +319,7 @@ class ImageService:
             by_digest = {x.digest: x for x in image.layers}
             layers = [by_digest.get(d) or Layer(d, s) for d, s in missing]
             self._fetch(source, Image(info.manifest_digest, layers, image.config),
-                        info.source, lambda _: None, None)
+                        info.source, lambda _: None, None, lazy)
         finally:
             source.close()
 
@@ -295,13 +329,16 @@ class ImageService:
         out = []
         for t in self._image_templates():
             assert t.image is not None
-            cached = [self._have(hex_of(d)) for d, _ in t.image.layers]
+            # Here now (no repository call: a listing of thousands of images stays local).
+            lazy = self.is_lazy(t.image)
+            cached = [self._here(hex_of(d), lazy) for d, _ in t.image.layers]
             out.append({
                 "name": t.alias, "templateID": t.template_id, "image": t.image.source,
                 "manifestDigest": t.image.manifest_digest, "createdAt": t.created_at,
                 "layers": len(t.image.layers),
                 "size": sum(s for _, s in t.image.layers),
                 "cachedLayers": sum(cached), "mounted": os.path.ismount(t.rootfs),
+                "loading": "lazy" if lazy else "unpack",
             })
         return out
 
@@ -354,7 +391,7 @@ class ImageService:
         if os.path.ismount(template.rootfs) and not any(
                 k.rootfs == template.rootfs for k in keep):
             unmount(template.rootfs)
-        if self.lazy is None:
+        if self.lazy is None or not self.is_lazy(template.image):
             return
         with self._lock:
             still = {hex_of(d) for k in keep if k.image for d, _ in k.image.layers} | \
@@ -455,30 +492,9 @@ def _unmount_users(templates: builtins.list[Template], h: str) -> None:
                 raise ImageError(f"rootfs of {t.template_id} is still mounted")
 
 
-def _origin(source: str) -> tuple[str, str] | None:
-    """The registry and repository of an image's source, when it is a registry."""
-    try:
-        ref = parse_reference(source)
-    except ImageError:
-        return None
-    return (ref.registry, ref.repository) if isinstance(ref, RegistryRef) else None
-
-
 def _creds(credentials: dict | None) -> tuple[str, str]:
     if not credentials:
         return "", ""
     if not isinstance(credentials, dict):
         raise BadReference("credentials must be an object with username and password")
     return str(credentials.get("username", "")), str(credentials.get("password", ""))
-
-
-def _run_defaults(config: dict) -> dict:
-    """The template defaults an image's config implies: its ENV, WORKDIR and USER."""
-    envs = dict(item.split("=", 1) for item in config.get("env", []) if "=" in item)
-    out: dict = {"envs": envs} if envs else {}
-    if config.get("workdir"):
-        out["defaultWorkdir"] = config["workdir"]
-    # ``USER name:group``: envd takes the user's own group.
-    user = str(config.get("user") or "").split(":")[0]
-    out["defaultUser"] = user or "root"
-    return out

@@ -72,6 +72,8 @@ def build_manager(config: Config) -> SandboxManager:
         repository,
         cache_dir=config.snapshot_cache_dir,
         staging_dir=config.home / "snapshots-staging",
+        image_retention_s=config.image_index_retention_days * 86400,
+        image_budget_bytes=config.image_index_budget_bytes,
     )
     templates = TemplateRegistry(config.templates_dir, config.local_templates_dir,
                                  config.rootfs_mounts_dir)

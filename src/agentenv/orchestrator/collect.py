@@ -1,10 +1,13 @@
-"""The snapshot store's garbage collection, run in the background after deletes."""
+"""The snapshot store's garbage collection, run in the background after deletes and
+every ``snapshot_gc_interval_s`` (lazily loaded images' indexes expire with time, not
+with a delete: ``snapshot.image_objects``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import random
 
 from ..snapshot import SnapshotStore
 
@@ -22,6 +25,19 @@ class SnapshotCollector:
         self.store = store
         self._wanted = False
         self._task: asyncio.Task | None = None
+        self._timer: asyncio.Task | None = None
+
+    def start(self, every_s: float) -> None:
+        """Also run every ``every_s`` seconds (0: only after deletes); the first run a
+        random part of that after the start, so that nodes started together spread out."""
+        if every_s > 0 and self._timer is None:
+            self._timer = asyncio.create_task(self._every(every_s), name="snapshot-gc-timer")
+
+    async def _every(self, every_s: float) -> None:
+        await asyncio.sleep(random.uniform(0.1, 1.0) * every_s)
+        while True:
+            self.request()
+            await asyncio.sleep(every_s)
 
     def request(self) -> None:
         self._wanted = True
@@ -43,6 +59,10 @@ class SnapshotCollector:
 
     async def close(self) -> None:
         self._wanted = False
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

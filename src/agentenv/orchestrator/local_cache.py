@@ -13,9 +13,10 @@ passes the budget the least recently used of either kind go first, but never
 - anything in the repository or in staging: every snapshot entry here is a copy of
   a committed snapshot, fetched again on its next use.
 
-Chunks of lazily loaded layers (``image_loading = "lazy"``) are a third kind, by
-chunk, and nothing protects them: a layer's FUSE server fetches an evicted chunk
-again on its next read (a file already read stays in the kernel's page cache).
+Chunks of lazily loaded layers (``images.service``: lazy by choice or by size) are a
+third kind, by chunk, and nothing protects them: a layer's FUSE server fetches an
+evicted chunk again on its next read (a file already read stays in the kernel's page
+cache).
 
 Called from worker threads; one eviction pass at a time.
 """
@@ -42,18 +43,18 @@ def node_images(config: Config, templates: TemplateRegistry, snapshots: Snapshot
                 in_use: Callable[[], set[str]]) -> ImageService:
     """The node's pulled OCI images: their layers, and the rootfs mounts of image
     templates (``in_use``: the templates whose rootfs must stay mounted)."""
+    # Always there: a pull may ask for lazy loading whatever the node's default.
     lazy = LazyLayers(config.images_cache_dir / "lazy", snapshots.repo,
                       config.snapshot_repository(), gzip_checkpoints=config.image_gzip_index,
                       prefetch=config.image_prefetch,
-                      registry_timeout_s=config.image_registry_timeout_s) \
-        if config.image_loading == "lazy" else None
+                      registry_timeout_s=config.image_registry_timeout_s)
     return ImageService(
         LayerStore(config.images_cache_dir, config.cache_budget(),
                    mountpoints=(*DEFAULT_MOUNTPOINTS, BUNDLE_MOUNT)), templates,
         config.secrets_dir, in_use=in_use,
         pinned=[n.strip() for n in config.pinned_templates.split(",") if n.strip()],
         local_sources_dir=config.image_imports_dir,
-        lazy=lazy)
+        lazy=lazy, loading=config.image_loading, lazy_above=config.image_lazy_above_mb << 20)
 
 
 class LocalCache:

@@ -364,6 +364,7 @@ class SandboxManager:
         await asyncio.to_thread(self.image_cache.start, {
             e.record.template_id for e in self.sandboxes.in_state(SandboxState.RUNNING)})
         self.housekeeping.start()
+        self.snapshot_gc.start(self.config.snapshot_gc_interval_s)
 
     def _hold_home(self) -> None:
         """One node process per home: a second one would reconcile the first one's

@@ -1,7 +1,14 @@
-"""Garbage collection: delete the repository's chunks that no manifest references.
+"""Garbage collection: delete the repository's chunks that no manifest or kept layer
+index references, and the image objects (``image_objects``) past their retention.
 
 Mark (without the lock), take ``locks/gc``, wait until no commit lease is live,
-mark again (manifests written meanwhile may reference candidates), then sweep.
+mark again (manifests and indexes written meanwhile may reference candidates), decide
+which image layers go (their stamps are read only now: a node stamps a layer under a
+commit lease before it reads the index), delete their objects, then sweep the chunks
+that neither a manifest nor a kept index references.
+
+Anything unreadable that may reference chunks (a manifest, a layer index) stops the
+collection with its error before anything is deleted: its chunks cannot be told.
 """
 
 from __future__ import annotations
@@ -11,9 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agentenv.snapshot import image_objects
 from agentenv.snapshot.errors import ObjectMissing
-from agentenv.snapshot.layer_index import PREFIX, load
-from agentenv.snapshot.lease import GC_LOCK, Lease, scan_leases, take_gc_lock
+from agentenv.snapshot.image_objects import ImageLayer
+from agentenv.snapshot.layer_index import load
+from agentenv.snapshot.lease import GC_LOCK, Lease, now, scan_leases, take_gc_lock
 from agentenv.snapshot.manifest import Manifest
 from agentenv.snapshot.repository import Repository
 
@@ -21,8 +30,10 @@ log = logging.getLogger("agentenv.snapshot")
 
 
 def collect_garbage(repo: Repository, *, lease_ttl: float, wait: float,
-                    cached_manifest: Callable[[str], Manifest | None]) -> dict:
-    """Delete unreferenced chunks; returns statistics.
+                    cached_manifest: Callable[[str], Manifest | None],
+                    image_retention_s: float = image_objects.RETENTION_S,
+                    image_budget_bytes: int = 0) -> dict:
+    """Delete unreferenced chunks and expired image objects; returns statistics.
 
     ``cached_manifest`` answers from the node's manifest cache (None when it has
     no copy); manifests are immutable, so a cached copy is as good as the
@@ -32,13 +43,12 @@ def collect_garbage(repo: Repository, *, lease_ttl: float, wait: float,
     t0 = time.perf_counter()
     stats: dict[str, Any] = {"manifests": 0, "chunks": 0, "referenced": 0,
                              "deleted_chunks": 0, "deleted_bytes": 0,
-                             "expired_leases": 0, "skipped": None}
-    # Mark without the lock: what exists and what the manifests reference now.
-    referenced: set[str] = set()
-    seen: set[str] = set()
-    _reference(repo, cached_manifest, seen, referenced)
+                             "expired_leases": 0, "skipped": None,
+                             "image_layers": 0, "deleted_image_layers": 0}
+    # Mark without the lock: what exists and what the manifests and indexes reference.
+    marked = _Mark()
+    marked.scan(repo, cached_manifest)
     chunks = dict(repo.list_chunks())
-    candidates = set(chunks) - referenced
     stats["chunks"] = len(chunks)
     lock = Lease(repo, GC_LOCK, lease_ttl)
     if not take_gc_lock(lock):
@@ -57,50 +67,104 @@ def collect_garbage(repo: Repository, *, lease_ttl: float, wait: float,
                 stats["skipped"] = f"{len(live)} commit(s) still in progress after {wait}s"
                 return stats
             time.sleep(0.1)
-        # No commit runs now and none can start: manifests written since the mark
-        # may reference candidates.
-        _reference(repo, cached_manifest, seen, referenced)
-        doomed = sorted(candidates - referenced)
+        # No commit runs now and none can start: manifests and indexes written since
+        # the mark may reference candidates, and no node is between its stamp and
+        # its read of an index.
+        marked.scan(repo, cached_manifest)
+        doomed_layers = _expire_layers(repo, marked, image_retention_s, image_budget_bytes)
+        referenced = marked.referenced()
+        doomed = sorted(set(chunks) - referenced)
         repo.delete_chunks(doomed)
         stats["deleted_chunks"] = len(doomed)
         stats["deleted_bytes"] = sum(chunks[d] for d in doomed)
+        stats["image_layers"] = len(marked.layers) + len(doomed_layers)
+        stats["deleted_image_layers"] = len(doomed_layers)
         clean = getattr(repo, "clean_tmp", None)
         if clean is not None:
             stats["removed_tmp"] = clean(lease_ttl)
     finally:
         lock.release()
-    stats["manifests"] = len(seen)
-    stats["referenced"] = len(referenced & set(chunks))
+    stats["manifests"] = len(marked.manifests)
+    stats["referenced"] = len(marked.referenced() & set(chunks))
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     log.info("snapshot gc: %s", stats)
     return stats
 
 
-def _reference(repo: Repository, cached_manifest: Callable[[str], Manifest | None],
-               seen: set[str], referenced: set[str]) -> None:
-    """Add the chunks of every manifest not in ``seen`` yet to ``referenced``."""
-    ids = [k.removeprefix("manifests/").removesuffix(".json")
-           for k in repo.list_objects("manifests/") if k.endswith(".json")]
-    new = [sid for sid in ids if sid not in seen]
-    for sid in new:
-        m = cached_manifest(sid)
-        if m is None:
-            try:
-                data = repo.get_object(f"manifests/{sid}.json")
-            except ObjectMissing:
+class _Mark:
+    """The chunks each manifest and each layer index references (read once each)."""
+
+    def __init__(self) -> None:
+        self.manifests: set[str] = set()
+        self.manifest_chunks: set[str] = set()
+        self.layers: dict[str, ImageLayer] = {}
+
+    def referenced(self) -> set[str]:
+        out = set(self.manifest_chunks)
+        for layer in self.layers.values():
+            out |= layer.chunks
+        return out
+
+    def scan(self, repo: Repository,
+             cached_manifest: Callable[[str], Manifest | None]) -> None:
+        ids = [k.removeprefix("manifests/").removesuffix(".json")
+               for k in repo.list_objects("manifests/") if k.endswith(".json")]
+        for sid in ids:
+            if sid in self.manifests:
                 continue
-            # An unreadable manifest must stop the collector, not free its chunks.
-            m = Manifest.from_json(data)
-        referenced |= m.digests()
-        seen.add(sid)
-    # Lazily loaded image layers reference chunks too.
-    for key in repo.list_objects(PREFIX):
-        if key in seen:
+            m = cached_manifest(sid)
+            if m is None:
+                try:
+                    data = repo.get_object(f"manifests/{sid}.json")
+                except ObjectMissing:
+                    continue
+                # An unreadable manifest must stop the collector, not free its chunks.
+                m = Manifest.from_json(data)
+            self.manifest_chunks |= m.digests()
+            self.manifests.add(sid)
+        # Lazily loaded image layers: converted ones reference chunks too.
+        found = image_objects.layers_in(repo)
+        for h, layer in found.items():
+            old = self.layers.get(h)
+            if old is not None and old.index == layer.index:
+                layer.chunks, layer.index_bytes = old.chunks, old.index_bytes
+            elif layer.index is not None:
+                try:
+                    data = repo.get_object(layer.index)
+                except ObjectMissing:
+                    layer.index = None
+                else:
+                    # An unreadable index must stop the collector, not free its chunks.
+                    layer.chunks = load(data, layer.index).digests()
+                    layer.index_bytes = len(data)
+        self.layers = found
+
+
+def _expire_layers(repo: Repository, marked: _Mark, retention_s: float,
+                   budget_bytes: int) -> list[str]:
+    """(Under the gc lock, no lease live.) Delete the objects of the layers the rule in
+    ``image_objects`` lets go; they leave ``marked``, so their chunks are free."""
+    if not marked.layers:
+        return []
+    named = image_objects.template_layers(repo)
+    if named is None:
+        return []
+    t = now()
+    for h, layer in marked.layers.items():
+        if h in named:
             continue
-        try:
-            data = repo.get_object(key)
-        except ObjectMissing:
-            continue
-        # An unreadable index must stop the collector, not free its chunks.
-        referenced |= load(data, key).digests()
-        seen.add(key)
+        layer.used_at = None if layer.used is None else \
+            image_objects.read_stamp(repo, layer.used)
+        if layer.used_at is None or layer.used_at != layer.used_at:
+            # No stamp (older objects) or a damaged one: its clock starts now.
+            image_objects.stamp(repo, h, t, "gc")
+    doomed = image_objects.doomed_layers(marked.layers, named, t, retention_s=retention_s,
+                                         budget_bytes=budget_bytes)
+    for h in doomed:
+        layer = marked.layers.pop(h)
+        for key in layer.keys():
+            repo.delete_object(key)
+        log.info("snapshot gc: image layer %s collected (last used %.1f days ago, %d "
+                 "index bytes, %d chunks of its own or shared)", h[:12],
+                 (t - (layer.used_at or t)) / 86400, layer.index_bytes, len(layer.chunks))
+    return doomed

@@ -28,7 +28,7 @@ from agentenv.snapshot.manifest import valid_digest
 from agentenv.snapshot.repository import RepositoryConfig
 
 _KEY_DIRS = ("manifests", "aliases", "leases", "locks", "templates", "template-aliases",
-             "image-layers", "image-prefetch")
+             "image-layers", "image-prefetch", "image-used")
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _UNREACHABLE = (
     botocore.exceptions.EndpointConnectionError,

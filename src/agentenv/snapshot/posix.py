@@ -32,7 +32,7 @@ from agentenv.snapshot.errors import (
 from agentenv.snapshot.manifest import valid_digest
 
 _KEY_DIRS = ("manifests", "aliases", "leases", "locks", "templates", "template-aliases",
-             "image-layers", "image-prefetch")
+             "image-layers", "image-prefetch", "image-used")
 
 
 class PosixRepository:

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from agentenv.metrics import SNAPSHOT_BYTES, cache_lookup
-from agentenv.snapshot import chunking
+from agentenv.snapshot import chunking, image_objects
 from agentenv.snapshot.cache import NodeCache
 from agentenv.snapshot.chunking import Chunking
 from agentenv.snapshot.collector import collect_garbage
@@ -63,7 +63,9 @@ class SnapshotStore:
     def __init__(self, repository: Repository, cache_dir: Path, staging_dir: Path, *,
                  threads: int = 8, lease_ttl: float = 600.0, gc_wait: float = 60.0,
                  commit_wait: float = 300.0, zstd_level: int = chunking.ZSTD_LEVEL,
-                 chunker: Chunking | None = None, adopt_staging: bool = True) -> None:
+                 chunker: Chunking | None = None, adopt_staging: bool = True,
+                 image_retention_s: float = image_objects.RETENTION_S,
+                 image_budget_bytes: int = 0) -> None:
         self.repo = repository
         self.cache_dir = Path(cache_dir)
         self.staging_dir = Path(staging_dir)
@@ -74,6 +76,10 @@ class SnapshotStore:
         self.zstd_level = zstd_level
         self.chunker = chunker or Chunking()
         self.adopt_staging = adopt_staging
+        # Lazily loaded images' indexes and prefetch lists: kept this long after their
+        # last use, and within this many bytes (0: no bound); ``image_objects``.
+        self.image_retention_s = image_retention_s
+        self.image_budget_bytes = image_budget_bytes
         self._locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
         # source sandbox -> the last snapshot this store committed from it
@@ -410,7 +416,8 @@ class SnapshotStore:
 
     # -- garbage collection -------------------------------------------------------
     def gc(self, wait: float | None = None) -> dict:
-        """Delete chunks no manifest references; returns statistics.
+        """Delete chunks no manifest or kept layer index references, and image layers'
+        objects past their retention (``image_objects``); returns statistics.
 
         Safe against concurrent commits on any node (see the module doc). When
         commits keep the repository busy for longer than ``wait`` seconds, it
@@ -418,7 +425,9 @@ class SnapshotStore:
         """
         return collect_garbage(self.repo, lease_ttl=self.lease_ttl,
                                wait=self.gc_wait if wait is None else wait,
-                               cached_manifest=self.cache.manifest)
+                               cached_manifest=self.cache.manifest,
+                               image_retention_s=self.image_retention_s,
+                               image_budget_bytes=self.image_budget_bytes)
 
 
 __all__ = ["SnapshotStore"]

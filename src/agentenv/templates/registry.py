@@ -62,15 +62,20 @@ class ImageInfo:
     cmd: tuple[str, ...] = ()
     workdir: str = ""
     user: str = ""
+    # How its layers are loaded: "lazy" or "unpack", chosen at its pull; "" in records
+    # from before the choice was kept (the node's image_loading then says).
+    loading: str = ""
 
     @classmethod
     def from_json(cls, doc: dict) -> ImageInfo:
         cfg = doc.get("config") or {}
+        loading = doc.get("loading")
         return cls(
             source=str(doc["source"]), manifest_digest=str(doc["manifestDigest"]),
             layers=tuple((str(x["digest"]), int(x["size"])) for x in doc["layers"]),
             env=tuple(cfg.get("env") or ()), cmd=tuple(cfg.get("cmd") or ()),
             workdir=cfg.get("workdir") or "", user=cfg.get("user") or "",
+            loading=loading if loading in ("lazy", "unpack") else "",
         )
 
 

@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
@@ -35,6 +36,9 @@ class PullRequest(BaseModel):
     image: str = Field(max_length=1024)
     name: str = Field(max_length=63)
     credentials: ImageCredentials | None = None
+    # "lazy", "unpack", or "auto" (lazy above the node's image_lazy_above_mb); None:
+    # the node's image_loading. Kept in the template: its starts on any node follow it.
+    loading: Literal["auto", "lazy", "unpack"] | None = None
 
 
 def _service(request: Request) -> ImageService:
@@ -62,7 +66,7 @@ async def pull_image(request: Request, body: PullRequest) -> Response:
         try:
             service.pull(body.image, body.name,
                          body.credentials.model_dump() if body.credentials else None,
-                         progress=progress, cancel=cancel)
+                         progress=progress, cancel=cancel, loading=body.loading)
             service.templates.publish(body.name)  # for the cluster's other nodes
             loop.call_soon_threadsafe(events.put_nowait, None)
         except BaseException as exc:

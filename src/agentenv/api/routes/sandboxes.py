@@ -149,12 +149,13 @@ async def _template_of(body: models.NewSandbox, request: Request) -> str:
     if ref is None:
         if not body.template_id:
             raise BadRequest("templateID (or image) is required")
-        if body.image_setup is not None or body.image_credentials is not None:
-            raise BadRequest("imageSetup and imageCredentials go with image")
+        if body.image_setup is not None or body.image_credentials is not None or \
+                body.image_loading is not None:
+            raise BadRequest("imageSetup, imageCredentials and imageLoading go with image")
         return body.template_id
     creds = body.image_credentials.model_dump() if body.image_credentials else None
     images: ImageSources = request.app.state.images
-    return await images.template_for(ref, creds, body.image_setup or "")
+    return await images.template_for(ref, creds, body.image_setup or "", body.image_loading)
 
 
 def _create_request(body: models.NewSandbox, request: Request, owner: str,
