@@ -12,7 +12,7 @@ import httpx
 import httpx._transports.default as httpx_transports
 import pytest
 
-from agentenv.testing import Node, free_cidr, leaks, sdk_env
+from agentenv.testing import Node, free_cidr, leaks, sdk_env, start_redis
 
 # httpx builds a TLS context for every client it makes (the CA bundle parsed: 20-50
 # ms of CPU), and a module-level httpx.get is a client: the tests' polls of plain-HTTP
@@ -134,3 +134,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                        "start": report.start, "stop": report.stop, "outcome": report.outcome})
     with open(_TIMELINE, "a") as f:
         f.write(line + "\n")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of the test module's own, on loopback, kept in memory only."""
+    proc, port = start_redis(lambda port: [
+        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "no"], tmp_path_factory.mktemp("redis") / "redis.log")
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
 from agentenv.cluster.beats import (
     MAX_HEARTBEAT_BYTES,
@@ -28,19 +26,6 @@ from agentenv.cluster.common import Failover
 from agentenv.cluster.node_registry import Applied, NodeStatus, Registry, SandboxEntry
 from agentenv.cluster.sandbox_index import split
 from agentenv.cluster.scheduler import create_scheduler_app
-from agentenv.testing import start_redis
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, port = start_redis(lambda port: [
-        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-        "--appendonly", "no"], tmp_path_factory.mktemp("redis") / "redis.log")
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 class Node:

@@ -8,10 +8,7 @@ import asyncio
 import copy
 import dataclasses
 import random
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from agentenv.cluster.node_registry import (
     REDIS_MAX_CONNECTIONS,
@@ -21,19 +18,6 @@ from agentenv.cluster.node_registry import (
 )
 from agentenv.cluster.placement import PlacementRequest, place
 from agentenv.cluster.placer import MIN_FRESH_S, Placer, Ranked
-from agentenv.testing import start_redis
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, port = start_redis(lambda port: [
-        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-        "--appendonly", "no"], tmp_path_factory.mktemp("redis") / "redis.log")
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_a_burst_beyond_the_pool_waits_for_connections(redis_url: str) -> None:

@@ -38,6 +38,7 @@ from test_snapshot_store import (  # noqa: F401  (fixtures)
     fixture_backend,
     fixture_config,
     fixture_s3_server,
+    hold_commit,
     make_store,
     read_tree,
     stage,
@@ -184,31 +185,13 @@ def test_concurrent_commit_is_not_broken(config: dict, tmp_path: Path) -> None:
     # An expired layer whose chunk the commit also stores (the same bytes).
     ha, _ = converted(repo, {"pages.img": files["pages.img"]})
     time.sleep(1.5)
-    staging = stage(store, "busy", files)
-    errors: list[BaseException] = []
-
-    def commit() -> None:
-        try:
-            store.commit("busy", staging, {})
-        except BaseException as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=commit)
-    t.start()
-    assert repo.reached.wait(30)
+    finish = hold_commit(store, repo, "busy", stage(store, "busy", files))
     # The commit's chunks are stored, its manifest not written: nothing may go.
     stats = store.gc(wait=0.5)
     assert stats["skipped"] and "in progress" in stats["skipped"]
     assert stats["deleted_chunks"] == 0 and stats["deleted_image_layers"] == 0
     assert key_of(ha) in objects(store, ha)
-    result: dict = {}
-    gc_thread = threading.Thread(target=lambda: result.update(store.gc(wait=30)))
-    gc_thread.start()
-    time.sleep(0.3)
-    repo.go.set()
-    t.join(30)
-    gc_thread.join(30)
-    assert not errors
+    result = finish()
     assert result["skipped"] is None and result["deleted_image_layers"] == 1
     assert objects(store, ha) == set()
     manifest = store.get("busy")

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
@@ -379,35 +379,48 @@ class PausingRepo(CountingRepo):
         return self.inner.put_object(key, data, **kwargs)
 
 
-def test_gc_during_a_commit_keeps_its_chunks(config: dict, tmp_path: Path) -> None:
-    repo = PausingRepo(open_repository(config))
-    store = SnapshotStore(repo, tmp_path / "cache", tmp_path / "staging")
-    files = {"pages.img": os.urandom(3 * MiB)}
-    staging = stage(store, "busy", files)
+def hold_commit(store: SnapshotStore, repo: PausingRepo, sid: str,
+                staging: Path) -> Callable[[], dict]:
+    """Start committing ``staging`` in a thread and return once it is held before its
+    manifest. The returned ``finish`` releases it beside a collection that waits for
+    commits, and returns that collection's statistics once both are done."""
     errors: list[BaseException] = []
 
     def commit() -> None:
         try:
-            store.commit("busy", staging, {})
+            store.commit(sid, staging, {})
         except BaseException as exc:
             errors.append(exc)
 
-    t = threading.Thread(target=commit)
-    t.start()
+    committing = threading.Thread(target=commit)
+    committing.start()
     assert repo.reached.wait(30)
+
+    def finish() -> dict:
+        result: dict = {}
+        collecting = threading.Thread(target=lambda: result.update(store.gc(wait=30)))
+        collecting.start()
+        time.sleep(0.3)
+        repo.go.set()
+        committing.join(30)
+        collecting.join(30)
+        assert not errors, errors
+        return result
+
+    return finish
+
+
+def test_gc_during_a_commit_keeps_its_chunks(config: dict, tmp_path: Path) -> None:
+    repo = PausingRepo(open_repository(config))
+    store = SnapshotStore(repo, tmp_path / "cache", tmp_path / "staging")
+    files = {"pages.img": os.urandom(3 * MiB)}
+    finish = hold_commit(store, repo, "busy", stage(store, "busy", files))
     # Every chunk of the commit is uploaded and none is referenced yet.
     stats = store.gc(wait=0.5)
     assert stats["skipped"] and "in progress" in stats["skipped"]
     assert stats["deleted_chunks"] == 0
     # A collector that waits long enough lets the commit finish first.
-    result: dict = {}
-    gc_thread = threading.Thread(target=lambda: result.update(store.gc(wait=30)))
-    gc_thread.start()
-    time.sleep(0.3)
-    repo.go.set()
-    t.join(30)
-    gc_thread.join(30)
-    assert not errors
+    result = finish()
     assert result["skipped"] is None and result["deleted_chunks"] == 0
     store.evict("busy")
     assert read_tree(store.materialize("busy")) == files
