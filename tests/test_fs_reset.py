@@ -99,8 +99,13 @@ def test_files_go_back_in_place_processes_of_the_rollout_end_the_service_stays(
             # The same SDK object goes on working: same ID, same envd token.
             at_the_snapshot(sbx, service)
             # The file worker followed the root into the reset files: not ended and
-            # forked anew (that was most of a files reset's CPU).
-            assert (file_workers(sbx) == workers) is (n != 1)
+            # forked anew (that was most of a files reset's CPU). Requests that overlap
+            # may fork a second one beside it (two per user): a loaded run did.
+            after = file_workers(sbx)
+            if n == 1:
+                assert not after & workers, (workers, after)
+            else:
+                assert workers <= after, (workers, after)
         assert sbx.commands.run("python3 /home/user/repo/main.py").stdout == "setup\n"
         # The sandbox's history (its lineage) says what each reset did.
         me = api.get(f"/snapshots/{snap}/lineage").json()["ancestors"][1]
