@@ -308,23 +308,30 @@ def bare_restore(floor: Floor, usage, reaped) -> dict[str, float]:
     return row
 
 
-def run_cpu(n: int) -> None:
+def cpu_node(prefix: str, cidr: str, **env: str) -> tuple[Path, Node, CpuMeter]:
+    """A started node in a work directory of its own, with no warm pool (its sandboxes'
+    CPU would mix with the operations'), and the meter of its CPU."""
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
-    prefix = "lcpu"
-    node = Node(work / "home", prefix, free_cidr(90, 30, 3), AENV_MAX_SANDBOXES="20",
-                AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8", AENV_WARM_POOL_SIZE="0",
-                # bare runsc cannot checkpoint a frozen (idle) sandbox: no idle freezing
-                AENV_IDLE_FREEZE_S="0",
-                # envd sleeps by itself once idle (for the snapshot taken while dormant:
-                # the node asks only when short of memory), and no idle memory goes to
-                # swap meanwhile (issue 27)
-                AENV_ENVD_DORMANT_AFTER_S="5", AENV_COLD_MEMORY_AFTER_S="0")
+    node = Node(work / "home", prefix, cidr, AENV_WARM_POOL_SIZE="0", **env)
     try:
         node.start()
     except BaseException:
         node.stop()  # a node that never answered is stopped too
         raise
-    meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
+    return work, node, CpuMeter(prefix, node.proc.pid)
+
+
+def run_cpu(n: int) -> None:
+    prefix = "lcpu"
+    work, node, meter = cpu_node(
+        prefix, free_cidr(90, 30, 3), AENV_MAX_SANDBOXES="20",
+        AENV_NET_POOL_LOW="4", AENV_NET_POOL_HIGH="8",
+        # bare runsc cannot checkpoint a frozen (idle) sandbox: no idle freezing
+        AENV_IDLE_FREEZE_S="0",
+        # envd sleeps by itself once idle (for the snapshot taken while dormant: the
+        # node asks only when short of memory), and no idle memory goes to swap
+        # meanwhile (issue 27)
+        AENV_ENVD_DORMANT_AFTER_S="5", AENV_COLD_MEMORY_AFTER_S="0")
     samples: dict[str, list] = {k: [] for k in (
         "create from the template's boot image", RESET_AWAKE, RESET_DORMANT, RESET_FILES,
         RESET_FILES_CALL,
@@ -419,16 +426,9 @@ def run_snapshots(n: int, name: str = "") -> None:
     small sandbox, its envd awake (a command ran just before each), beside n bare
     ``runsc checkpoint --leave-running`` of the same sandbox in the same run. For
     interleaved before/after rounds (``--name``: results/lifecycle_cpu_snapshot_NAME)."""
-    work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
     prefix = "lcps"
-    node = Node(work / "home", prefix, free_cidr(90, 30, os.getpid()), AENV_MAX_SANDBOXES="4",
-                AENV_WARM_POOL_SIZE="0", AENV_IDLE_FREEZE_S="0", AENV_COLD_MEMORY_AFTER_S="0")
-    try:
-        node.start()
-    except BaseException:
-        node.stop()
-        raise
-    meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
+    work, node, meter = cpu_node(prefix, free_cidr(90, 30, os.getpid()), AENV_MAX_SANDBOXES="4",
+                                 AENV_IDLE_FREEZE_S="0", AENV_COLD_MEMORY_AFTER_S="0")
     samples: dict[str, list] = {SNAPSHOT: []}
     loads: list[float] = []
     floor_rows: dict[str, list] = {"bare runsc checkpoint --leave-running": []}
@@ -483,16 +483,9 @@ def run_files(n: int, step: str = "both") -> None:
     after a rollout's ``step``: ``file`` (a file written: a file worker to end, as in
     the full run's row), ``command`` (a command left running with nohup), ``both``, or
     ``none`` (then the window ends with the call)."""
-    work = Path(tempfile.mkdtemp(prefix="aenv-bench-cpu-"))
     prefix = "lcpf"
-    node = Node(work / "home", prefix, free_cidr(90, 30, os.getpid()), AENV_MAX_SANDBOXES="4",
-                AENV_WARM_POOL_SIZE="0", AENV_IDLE_FREEZE_S="0")
-    try:
-        node.start()
-    except BaseException:
-        node.stop()
-        raise
-    meter = CpuMeter(prefix, node.proc.pid)  # type: ignore[union-attr]
+    _work, node, meter = cpu_node(prefix, free_cidr(90, 30, os.getpid()), AENV_MAX_SANDBOXES="4",
+                                 AENV_IDLE_FREEZE_S="0")
     samples: dict[str, list] = {RESET_FILES: [], RESET_FILES_CALL: []}
     loads: list[float] = []
     try:
