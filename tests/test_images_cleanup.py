@@ -47,21 +47,23 @@ def wait_for(what: Callable[[], bool], timeout: float = 45) -> None:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("images-cleanup")
     registry = RegistryServer(tmp / "registry").start()
-    tools = tools_layer()
-    refs = {}
-    for name in ("auto", "setup", "named"):
-        top = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
-                         Entry("opt/marker", f"{name}\n".encode())])
-        refs[name] = registry.push(f"clean/{name}", "v1", build_image(
-            [tools, top], env=[f"PATH={DEFAULT_PATH}"]))
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
-                AENV_IMAGE_TEMPLATE_IDLE_S=str(IDLE_S))
-    node.start()
     try:
-        with sdk_env(node.e2b_env()), node.client() as api:
-            yield {"node": node, "api": api, "refs": refs}
+        tools = tools_layer()
+        refs = {}
+        for name in ("auto", "setup", "named"):
+            top = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
+                             Entry("opt/marker", f"{name}\n".encode())])
+            refs[name] = registry.push(f"clean/{name}", "v1", build_image(
+                [tools, top], env=[f"PATH={DEFAULT_PATH}"]))
+        node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
+                    AENV_IMAGE_TEMPLATE_IDLE_S=str(IDLE_S))
+        node.start()
+        try:
+            with sdk_env(node.e2b_env()), node.client() as api:
+                yield {"node": node, "api": api, "refs": refs}
+        finally:
+            node.stop()
     finally:
-        node.stop()
         registry.stop()
     assert "node stopped cleanly" in node.log_tail(), node.log_tail()
     assert leaks(PREFIX, node.home) == []

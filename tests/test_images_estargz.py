@@ -124,19 +124,21 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("images-estargz")
     big, victim = os.urandom(BIG_MIB << 20), os.urandom(1 << 20)
     registry = RegistryServer(tmp / "registry", access_log=True).start()
-    image = build_image([busybox_layer(), data_layer(big, victim)], ["estargz", "estargz"],
-                        env=[f"PATH={DEFAULT_PATH}"])
-    ref = registry.push("esgz/app", "v1", image)
-    # A registry read that stalls fails after 4 s (twice: the read's retry).
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
-                AENV_IMAGE_REGISTRY_TIMEOUT_S=str(STALL_S))
-    node.start()
     try:
-        with sdk_env(node.e2b_env()):
-            yield {"node": node, "registry": registry, "ref": ref, "image": image,
-                   "md5_big": hashlib.md5(big).hexdigest(), "victim": victim}
+        image = build_image([busybox_layer(), data_layer(big, victim)], ["estargz", "estargz"],
+                            env=[f"PATH={DEFAULT_PATH}"])
+        ref = registry.push("esgz/app", "v1", image)
+        # A registry read that stalls fails after 4 s (twice: the read's retry).
+        node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
+                    AENV_IMAGE_REGISTRY_TIMEOUT_S=str(STALL_S))
+        node.start()
+        try:
+            with sdk_env(node.e2b_env()):
+                yield {"node": node, "registry": registry, "ref": ref, "image": image,
+                       "md5_big": hashlib.md5(big).hexdigest(), "victim": victim}
+        finally:
+            node.stop()
     finally:
-        node.stop()
         registry.stop()
     assert "node stopped cleanly" in node.log_tail(), node.log_tail()
     assert leaks(PREFIX, node.home) == []

@@ -57,30 +57,32 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                       Entry("opt/big", big), Entry("opt/other", other),
                       Entry("opt/unread", unread)])
     registry = RegistryServer(tmp / "registry").start()
-    base = busybox_layer()
-    ref = registry.push("lazy/app", "v1", build_image(
-        [base, data], ["gzip", "zstd"], env=[f"PATH={DEFAULT_PATH}"]))
-    # A second image whose top layer's index the test plants, broken, in the repository.
-    bad_top = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
-                         Entry("opt/x", b"x" * 1000)])
-    bad_ref = registry.push("lazy/bad", "v1", build_image([base, bad_top], ["tar", "tar"]))
-    # A small one for the S3 repository (moto is slow per request).
-    small = os.urandom(1 << 20)
-    small_ref = registry.push("lazy/small", "v1", build_image([base, tar_layer([
-        Entry("opt/", type=tarfile.DIRTYPE, mode=0o755), Entry("opt/small", small)])],
-        ["gzip", "gzip"]))
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
-                AENV_LOCAL_CACHE_BYTES=str(BUDGET))
-    node.start()
     try:
-        with sdk_env(node.e2b_env()):
-            yield {"node": node, "ref": ref, "bad_ref": bad_ref, "bad_top": bad_top,
-                   "small_ref": small_ref, "md5_small": hashlib.md5(small).hexdigest(),
-                   "md5_unread": hashlib.md5(unread).hexdigest(),
-                   "md5_big": hashlib.md5(big).hexdigest(), "image_bytes": len(base) +
-                   len(data), "other": other}
+        base = busybox_layer()
+        ref = registry.push("lazy/app", "v1", build_image(
+            [base, data], ["gzip", "zstd"], env=[f"PATH={DEFAULT_PATH}"]))
+        # A second image whose top layer's index the test plants, broken, in the repository.
+        bad_top = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
+                             Entry("opt/x", b"x" * 1000)])
+        bad_ref = registry.push("lazy/bad", "v1", build_image([base, bad_top], ["tar", "tar"]))
+        # A small one for the S3 repository (moto is slow per request).
+        small = os.urandom(1 << 20)
+        small_ref = registry.push("lazy/small", "v1", build_image([base, tar_layer([
+            Entry("opt/", type=tarfile.DIRTYPE, mode=0o755), Entry("opt/small", small)])],
+            ["gzip", "gzip"]))
+        node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LOADING="lazy",
+                    AENV_LOCAL_CACHE_BYTES=str(BUDGET))
+        node.start()
+        try:
+            with sdk_env(node.e2b_env()):
+                yield {"node": node, "ref": ref, "bad_ref": bad_ref, "bad_top": bad_top,
+                       "small_ref": small_ref, "md5_small": hashlib.md5(small).hexdigest(),
+                       "md5_unread": hashlib.md5(unread).hexdigest(),
+                       "md5_big": hashlib.md5(big).hexdigest(), "image_bytes": len(base) +
+                       len(data), "other": other}
+        finally:
+            node.stop()
     finally:
-        node.stop()
         registry.stop()
     assert "node stopped cleanly" in node.log_tail(), node.log_tail()
     assert leaks(PREFIX, node.home) == []

@@ -52,28 +52,31 @@ def data_layer(payload: bytes) -> bytes:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("images-loading")
     registry = RegistryServer(tmp / "registry", access_log=True).start()
-    big, small = os.urandom(BIG_MIB << 20), os.urandom(64 << 10)
-    images = {}
-    for name, payload in (("big", big), ("small", small), ("big2", os.urandom(BIG_MIB << 20))):
-        # eStargz (a valid gzip tar): served lazily, only what is read leaves the registry.
-        image = build_image([busybox_layer(), data_layer(payload)], ["estargz", "estargz"],
-                            env=[f"PATH={DEFAULT_PATH}"])
-        images[name] = {"ref": registry.push(f"load/{name}", "v1", image), "repo": f"load/{name}",
-                        "bytes": sum(len(b.data) for b in image.layers),
-                        "top_bytes": len(image.layers[1].data),
-                        "layers": [b.digest for b in image.layers],
-                        "md5": hashlib.md5(payload).hexdigest(),
-                        "manifest": image.manifest.digest}
-    assert images["big"]["bytes"] > THRESHOLD_MB << 20 > images["small"]["bytes"]
-    # image_loading is left to its default ("auto").
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LAZY_ABOVE_MB=str(THRESHOLD_MB),
-                AENV_TEMPLATE_SNAPSHOTS="false")
-    node.start()
     try:
-        with sdk_env(node.e2b_env()):
-            yield {"node": node, "registry": registry, "images": images}
+        big, small = os.urandom(BIG_MIB << 20), os.urandom(64 << 10)
+        images = {}
+        for name, payload in (("big", big), ("small", small), ("big2", os.urandom(BIG_MIB << 20))):
+            # eStargz (a valid gzip tar): served lazily, only what is read leaves the registry.
+            image = build_image([busybox_layer(), data_layer(payload)], ["estargz", "estargz"],
+                                env=[f"PATH={DEFAULT_PATH}"])
+            images[name] = {"ref": registry.push(f"load/{name}", "v1", image),
+                            "repo": f"load/{name}",
+                            "bytes": sum(len(b.data) for b in image.layers),
+                            "top_bytes": len(image.layers[1].data),
+                            "layers": [b.digest for b in image.layers],
+                            "md5": hashlib.md5(payload).hexdigest(),
+                            "manifest": image.manifest.digest}
+        assert images["big"]["bytes"] > THRESHOLD_MB << 20 > images["small"]["bytes"]
+        # image_loading is left to its default ("auto").
+        node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_LAZY_ABOVE_MB=str(THRESHOLD_MB),
+                    AENV_TEMPLATE_SNAPSHOTS="false")
+        node.start()
+        try:
+            with sdk_env(node.e2b_env()):
+                yield {"node": node, "registry": registry, "images": images}
+        finally:
+            node.stop()
     finally:
-        node.stop()
         registry.stop()
     assert "node stopped cleanly" in node.log_tail(), node.log_tail()
     assert leaks(PREFIX, node.home) == []

@@ -66,19 +66,21 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     # Room for the base layer and two and a half top layers: three images do not fit.
     budget = accounted(base) + int(top_size * 2.5)
     registry = RegistryServer(tmp / "registry").start()
-    refs = {name: registry.push(f"apps/{name}", "v1", build_image(
-        [base, top_layer(name)], ["tar", how],
-        # The image's ENV, WORKDIR and USER are what its sandboxes' commands get.
-        env=[f"PATH={DEFAULT_PATH}", f"GREETING=hi from {name}"], workdir="/opt",
-        user="user" if name == "img-c" else ""))
-            for name, how in (("img-a", "gzip"), ("img-b", "zstd"), ("img-c", "tar"))}
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_CACHE_BYTES=str(budget),
-                AENV_IMAGE_IMPORT_DIR=str(tmp))
-    node.start()
-    with sdk_env(node.e2b_env()):
-        yield {"node": node, "registry": registry, "refs": refs, "budget": budget, "tmp": tmp}
-    node.stop()
-    registry.stop()
+    try:
+        refs = {name: registry.push(f"apps/{name}", "v1", build_image(
+            [base, top_layer(name)], ["tar", how],
+            # The image's ENV, WORKDIR and USER are what its sandboxes' commands get.
+            env=[f"PATH={DEFAULT_PATH}", f"GREETING=hi from {name}"], workdir="/opt",
+            user="user" if name == "img-c" else ""))
+                for name, how in (("img-a", "gzip"), ("img-b", "zstd"), ("img-c", "tar"))}
+        node = Node(tmp / "home", PREFIX, CIDR, AENV_IMAGE_CACHE_BYTES=str(budget),
+                    AENV_IMAGE_IMPORT_DIR=str(tmp))
+        node.start()
+        with sdk_env(node.e2b_env()):
+            yield {"node": node, "registry": registry, "refs": refs, "budget": budget, "tmp": tmp}
+        node.stop()
+    finally:
+        registry.stop()
     assert "node stopped cleanly" in node.log_tail(), node.log_tail()
     assert leaks(PREFIX, node.home) == []
 

@@ -34,25 +34,27 @@ GRACE_S = 2
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("local-cache")
     registry = RegistryServer(tmp / "registry").start()
-    tools = tools_layer()
-    refs = {}
-    for name in ("pin", "a", "b"):
-        top = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
-                         Entry("opt/marker", f"{name}\n".encode()),
-                         Entry("opt/blob", os.urandom(TOP))])
-        refs[name] = registry.push(f"lc/{name}", "v1", build_image(
-            [tools, top], env=[f"PATH={DEFAULT_PATH}"]))
-    # The tools layer, two top layers and some room: not a third top layer and a
-    # paused sandbox's snapshot as well.
-    budget = len(tools) + int(TOP * 2.6)
-    node = Node(tmp / "home", PREFIX, CIDR, AENV_LOCAL_CACHE_BYTES=str(budget),
-                AENV_PINNED_TEMPLATES="pinned-one", AENV_CACHE_SNAPSHOT_GRACE_S=str(GRACE_S),
-                AENV_RESIDENT_PAUSE="0", AENV_TEMPLATE_SNAPSHOTS="0")
-    node.start()
-    with sdk_env(node.e2b_env()):
-        yield {"node": node, "refs": refs, "budget": budget}
-    node.stop()
-    registry.stop()
+    try:
+        tools = tools_layer()
+        refs = {}
+        for name in ("pin", "a", "b"):
+            top = tar_layer([Entry("opt/", type=tarfile.DIRTYPE, mode=0o755),
+                             Entry("opt/marker", f"{name}\n".encode()),
+                             Entry("opt/blob", os.urandom(TOP))])
+            refs[name] = registry.push(f"lc/{name}", "v1", build_image(
+                [tools, top], env=[f"PATH={DEFAULT_PATH}"]))
+        # The tools layer, two top layers and some room: not a third top layer and a
+        # paused sandbox's snapshot as well.
+        budget = len(tools) + int(TOP * 2.6)
+        node = Node(tmp / "home", PREFIX, CIDR, AENV_LOCAL_CACHE_BYTES=str(budget),
+                    AENV_PINNED_TEMPLATES="pinned-one", AENV_CACHE_SNAPSHOT_GRACE_S=str(GRACE_S),
+                    AENV_RESIDENT_PAUSE="0", AENV_TEMPLATE_SNAPSHOTS="0")
+        node.start()
+        with sdk_env(node.e2b_env()):
+            yield {"node": node, "refs": refs, "budget": budget}
+        node.stop()
+    finally:
+        registry.stop()
     assert "node stopped cleanly" in node.log_tail(), node.log_tail()
     assert leaks(PREFIX, node.home) == []
 

@@ -62,6 +62,20 @@ def _commit_and_kill(config: dict, home: Path, sid: str, staging: Path, store,
     return "killed" if child.returncode == -signal.SIGKILL else f"exited {child.returncode}"
 
 
+def _garbage_left(store, left: set[str], old: set[str], after_kill: dict[int, set[str]],
+                  gc_start: float, stats: dict) -> str:
+    """What a collection that left garbage left: whose chunks, written when."""
+    extra = left - old
+    first, second = after_kill.get(1, set()), after_kill.get(60, set())
+    path = getattr(store.repo, "_chunk_path", None)  # posix_fs: when each was written
+    ages = sorted(os.stat(path(d)).st_mtime - gc_start for d in extra) if path else []
+    return (f"{len(extra)} extra, {len(old - left)} missing; of the extra: "
+            f"{len(extra & first)} listed after the first kill, "
+            f"{len(extra & (second - first))} only after the second, "
+            f"{len(extra - first - second)} never before the collection; "
+            f"written {ages[:1]}..{ages[-1:]} s from its start; gc: {stats}")
+
+
 def test_kill_9_mid_commit_leaves_old_or_new_state(config: dict, tmp_path: Path) -> None:
     home = tmp_path / "node"
     store = make_store(config, home, lease_ttl=LEASE_TTL)
@@ -72,10 +86,12 @@ def test_kill_9_mid_commit_leaves_old_or_new_state(config: dict, tmp_path: Path)
     new = {"pages.img": os.urandom(12 * MiB), "checkpoint.img": os.urandom(200_000)}
     staging = stage(store, "new", new)
     mid_commit = 0
+    after_kill: dict[int, set[str]] = {}
     for n in (1, 60):
         t0 = time.monotonic()
         how = _commit_and_kill(config, home, "new", staging, store, n)
         print(f"kill after {n} chunks: {how} in {time.monotonic() - t0:.2f}s")
+        after_kill[n] = {d for d, _ in store.repo.list_chunks()}
         if n == 1:
             # The dead commit's lease protects its chunks until it expires.
             early = store.gc(wait=0)
@@ -103,10 +119,12 @@ def test_kill_9_mid_commit_leaves_old_or_new_state(config: dict, tmp_path: Path)
     # Once the lease has expired the collector removes exactly the unreferenced chunks.
     assert chunk_count(store) > len(old_chunks)
     time.sleep(LEASE_TTL + 0.2)
+    gc_start = time.time()
     stats = store.gc(wait=0)
     assert stats["skipped"] is None, stats
     assert stats["expired_leases"] >= 1
-    assert {d for d, _ in store.repo.list_chunks()} == old_chunks
+    left = {d for d, _ in store.repo.list_chunks()}
+    assert left == old_chunks, _garbage_left(store, left, old_chunks, after_kill, gc_start, stats)
     assert store.repo.list_objects("leases/") == []
 
     # Retrying the same staging commits cleanly.

@@ -105,6 +105,7 @@ class Node:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        self.stop()  # a node that never became healthy is not left running
         raise RuntimeError(f"node did not become healthy:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 60) -> int:

@@ -372,6 +372,15 @@ class RegistryServer:
                                      stderr=log, stdin=subprocess.DEVNULL)
         log.close()
         try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()  # a registry that failed to start is not left running
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
+        try:
             self.port = listening_port(self.proc)
         except RuntimeError as exc:
             log_text = (self.directory / "registry.log").read_text()
@@ -383,7 +392,7 @@ class RegistryServer:
                 raise RuntimeError(f"registry exited: {log_text}")
             try:
                 httpx.get(f"{self.url}/v2/", timeout=1)
-                return self
+                return
             except httpx.HTTPError:
                 time.sleep(0.1)
         raise RuntimeError("registry did not start")
