@@ -206,11 +206,14 @@ def test_two_schedulers_with_beats_of_one_node_never_interleave(redis_url: str) 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.claimed, self.gate = asyncio.Event(), asyncio.Event()
+            fenced = self.heartbeats._fenced
 
-        async def _fenced(self, *args: Any, **kwargs: Any) -> bool:
-            self.claimed.set()
-            await self.gate.wait()
-            return await super()._fenced(*args, **kwargs)
+            async def stalled(*args: Any, **kwargs: Any) -> bool:
+                self.claimed.set()
+                await self.gate.wait()
+                return await fenced(*args, **kwargs)
+
+            self.heartbeats._fenced = stalled  # type: ignore[method-assign]
 
     async def scenario(registry: Registry) -> None:
         other = Registry(redis_url, prefix="hbd:")

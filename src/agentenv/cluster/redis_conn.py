@@ -9,6 +9,7 @@ for the new primary on each new connection).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -72,3 +73,11 @@ def connect(url: str) -> Any:
         path[0], db=int(path[1]) if len(path) == 2 else 0, password=password,
         decode_responses=True, max_connections=SENTINEL_MAX_CONNECTIONS,
         socket_connect_timeout=2.0, connection_class=_Rediscovering, **_retry())
+
+
+async def pipelined(client: Any, queue: Callable[[Any], list[Any]]) -> list[Any]:
+    """The answers of the commands ``queue`` puts on a pipeline, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    if not queue(pipe):
+        return []
+    return list(await pipe.execute())
