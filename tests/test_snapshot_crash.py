@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import zstandard
 
 from agentenv.snapshot import SnapshotNotFound, chunking
@@ -29,13 +30,27 @@ from test_snapshot_store import (  # noqa: F401  (fixtures)
 
 LEASE_TTL = 3.0
 
+# The child commits and is held (blocked, never to return) at one point of the commit:
+# before its manifest ("manifest": every kill then lands mid-commit, whatever the
+# machine's speed) or after it ("adopt": the snapshot is committed, the process not done).
 CHILD = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 from agentenv.snapshot import SnapshotStore, open_repository
-cfg, home, sid, staging, ttl = sys.argv[1:6]
+cfg, home, sid, staging, ttl, hold = sys.argv[1:7]
 store = SnapshotStore(open_repository(json.loads(cfg)), Path(home) / "cache",
                       Path(home) / "staging", threads=2, lease_ttl=float(ttl))
+
+def held(*args, **kwargs):
+    print("held", flush=True)
+    time.sleep(3600)
+
+if hold == "manifest":
+    put = store.repo.put_object
+    store.repo.put_object = lambda key, *a, **kw: (
+        held() if key.startswith("manifests/") else put(key, *a, **kw))
+else:
+    store.cache.adopt = held
 print("ready", flush=True)
 store.commit(sid, Path(staging), {"source_sandbox_id": "crashy"})
 print("done", flush=True)
@@ -43,23 +58,30 @@ print("done", flush=True)
 
 
 def _commit_and_kill(config: dict, home: Path, sid: str, staging: Path, store,
-                     kill_after_new_chunks: int) -> str:
-    """Run a commit in a child process; kill -9 it once it stored N new chunks."""
+                     kill_after_new_chunks: int, hold: str = "manifest") -> None:
+    """Run a commit in a child process held at ``hold``; kill -9 it once it stored N
+    new chunks (held before its manifest), or once it is held after its manifest."""
     before = chunk_count(store)
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, json.dumps(config), str(home), sid, str(staging),
-         str(LEASE_TTL)], stdout=subprocess.PIPE, text=True)
+         str(LEASE_TTL), hold], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and child.poll() is None:
-            if chunk_count(store) - before >= kill_after_new_chunks:
-                break
-            time.sleep(0.005 if config["backend"] == "posix_fs" else 0.05)
+        if hold == "manifest":
+            deadline = time.monotonic() + 60
+            while chunk_count(store) - before < kill_after_new_chunks:
+                assert child.poll() is None and time.monotonic() < deadline, \
+                    "the commit ended or stalled before the kill"
+                time.sleep(0.005 if config["backend"] == "posix_fs" else 0.05)
+        else:
+            assert child.stdout.readline().strip() == "held"
+        assert child.poll() is None, "the commit ended before the kill"
         os.kill(child.pid, signal.SIGKILL)
     finally:
+        if child.poll() is None:
+            child.kill()
         child.wait(10)
-    return "killed" if child.returncode == -signal.SIGKILL else f"exited {child.returncode}"
+    assert child.returncode == -signal.SIGKILL
 
 
 def _garbage_left(store, left: set[str], old: set[str], after_kill: dict[int, set[str]],
@@ -83,41 +105,28 @@ def test_kill_9_mid_commit_leaves_old_or_new_state(config: dict, tmp_path: Path)
     store.commit("old", stage(store, "old", old), {"source_sandbox_id": "crashy"})
     old_chunks = {d for d, _ in store.repo.list_chunks()}
 
+    # Killed mid-commit, after the first chunk and after 60 (of ~200): the old state.
     new = {"pages.img": os.urandom(12 * MiB), "checkpoint.img": os.urandom(200_000)}
     staging = stage(store, "new", new)
-    mid_commit = 0
     after_kill: dict[int, set[str]] = {}
     for n in (1, 60):
-        t0 = time.monotonic()
-        how = _commit_and_kill(config, home, "new", staging, store, n)
-        print(f"kill after {n} chunks: {how} in {time.monotonic() - t0:.2f}s")
+        _commit_and_kill(config, home, "new", staging, store, n)
         after_kill[n] = {d for d, _ in store.repo.list_chunks()}
+        assert len(after_kill[n]) >= len(old_chunks) + n
         if n == 1:
             # The dead commit's lease protects its chunks until it expires.
             early = store.gc(wait=0)
             assert early["skipped"] and early["deleted_chunks"] == 0
-        try:
+        # The snapshot does not exist anywhere, the staging is intact.
+        with pytest.raises(SnapshotNotFound):
             store.get("new")
-            committed = True
-        except SnapshotNotFound:
-            committed = False
-        if not committed:
-            # Old state: the snapshot does not exist anywhere, the staging is intact.
-            assert "new" not in [m.snapshot_id for m in store.list()]
-            assert read_tree(staging) == new
-            mid_commit += how == "killed" and chunk_count(store) > len(old_chunks)
-        else:
-            # New state: complete and byte-identical.
-            store.evict("new")
-            assert read_tree(store.materialize("new")) == new
-            break
-        # The old snapshot is untouched either way.
+        assert "new" not in [m.snapshot_id for m in store.list()]
+        assert read_tree(staging) == new
+        # The old snapshot is untouched.
         store.evict("old")
         assert read_tree(store.materialize("old")) == old
-    assert mid_commit >= 1, "no kill landed between the first chunk and the manifest"
 
     # Once the lease has expired the collector removes exactly the unreferenced chunks.
-    assert chunk_count(store) > len(old_chunks)
     time.sleep(LEASE_TTL + 0.2)
     gc_start = time.time()
     stats = store.gc(wait=0)
@@ -127,11 +136,15 @@ def test_kill_9_mid_commit_leaves_old_or_new_state(config: dict, tmp_path: Path)
     assert left == old_chunks, _garbage_left(store, left, old_chunks, after_kill, gc_start, stats)
     assert store.repo.list_objects("leases/") == []
 
-    # Retrying the same staging commits cleanly.
-    manifest = store.commit("new", staging, {"source_sandbox_id": "crashy"})
+    # Killed after its manifest (the same staging, retried): the new state, complete and
+    # byte-identical; its chunks are referenced, the old snapshot's too.
+    _commit_and_kill(config, home, "new", staging, store, 0, hold="adopt")
+    manifest = store.get("new")
     assert manifest.total_bytes == sum(len(v) for v in new.values())
-    store.evict("new")
     assert read_tree(store.materialize("new")) == new
+    assert store.gc(wait=0)["deleted_chunks"] == 0
+    assert {d for d, _ in store.repo.list_chunks()} == old_chunks | manifest.digests()
+    assert store.repo.list_objects("leases/") == []
     store.evict("old")
     assert read_tree(store.materialize("old")) == old
 
