@@ -28,6 +28,9 @@ from agentenv.snapshot.repository import Repository
 
 log = logging.getLogger("agentenv.snapshot")
 
+DELETE_BATCH = 1000  # chunks deleted between two checks that the gc lock still holds
+LOCK_LAPSED = "the gc lock lapsed (this process stalled past its expiry)"
+
 
 def collect_garbage(repo: Repository, *, lease_ttl: float, wait: float,
                     cached_manifest: Callable[[str], Manifest | None],
@@ -71,12 +74,22 @@ def collect_garbage(repo: Repository, *, lease_ttl: float, wait: float,
         # the mark may reference candidates, and no node is between its stamp and
         # its read of an index.
         marked.scan(repo, cached_manifest)
+        if not lock.valid():
+            stats["skipped"] = LOCK_LAPSED
+            return stats
         doomed_layers = _expire_layers(repo, marked, image_retention_s, image_budget_bytes)
         referenced = marked.referenced()
         doomed = sorted(set(chunks) - referenced)
-        repo.delete_chunks(doomed)
-        stats["deleted_chunks"] = len(doomed)
-        stats["deleted_bytes"] = sum(chunks[d] for d in doomed)
+        for i in range(0, len(doomed), DELETE_BATCH):
+            # A collector stalled past its lock's expiry may have had the lock taken
+            # over by a commit that reuses a doomed chunk: it stops deleting.
+            if not lock.valid():
+                stats["skipped"] = LOCK_LAPSED
+                break
+            batch = doomed[i:i + DELETE_BATCH]
+            repo.delete_chunks(batch)
+            stats["deleted_chunks"] += len(batch)
+            stats["deleted_bytes"] += sum(chunks[d] for d in batch)
         stats["image_layers"] = len(marked.layers) + len(doomed_layers)
         stats["deleted_image_layers"] = len(doomed_layers)
         clean = getattr(repo, "clean_tmp", None)

@@ -41,6 +41,10 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_ok = 0.0
+        # Once a refresh landed too late (someone may have seen the lease expire and
+        # acted: a collector deleting a commit's chunks, a commit taking a gc lock over),
+        # the lease is no longer valid, even after later refreshes succeed.
+        self._lapsed = False
 
     def _body(self) -> bytes:
         t = now()
@@ -49,7 +53,7 @@ class Lease:
     def acquire(self, *, exclusive: bool = False) -> None:
         t = now()
         self.repo.put_object(self.key, self._body(), exclusive=exclusive)
-        self._last_ok = t
+        self._last_ok, self._lapsed = t, False
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name=f"lease {self.key}", daemon=True)
         self._thread.start()
@@ -59,13 +63,22 @@ class Lease:
             t = now()
             try:
                 self.repo.put_object(self.key, self._body())
-                self._last_ok = t
             except SnapshotError as exc:
                 log.warning("cannot refresh %s: %s", self.key, exc)
+                continue
+            if now() >= self._last_ok + self.ttl * 0.75:
+                # Written after the margin (a stalled process, a slow repository): what
+                # was stored before may have been seen expired in between.
+                if not self._lapsed:
+                    log.warning("%s lapsed: refreshed %.1fs after the last refresh "
+                                "(ttl %.1fs)", self.key, now() - self._last_ok, self.ttl)
+                self._lapsed = True
+            self._last_ok = t
 
     def valid(self) -> bool:
-        """True while no one else can have seen this lease expire (with a safety margin)."""
-        return now() < self._last_ok + self.ttl * 0.75
+        """True while no one else can have seen this lease expire (with a safety margin)
+        and no one can have since it was taken."""
+        return not self._lapsed and now() < self._last_ok + self.ttl * 0.75
 
     def release(self) -> None:
         self._stop.set()
