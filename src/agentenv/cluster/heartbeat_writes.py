@@ -208,8 +208,13 @@ class HeartbeatWriter:
                     if entry.state in ("paused", "running"):
                         disown.append(sid)
                     continue
-                mapping = entry.mapping(nid)
                 old = Indexed.load(ix)
+                if entry.state == "creating" and old is not None and old.state != "creating":
+                    # A beat taken while the create was under way, applied after the
+                    # gateway recorded the create's answer: that record is newer (no
+                    # sandbox goes back to creating), and the listings keep showing it.
+                    continue
+                mapping = entry.mapping(nid)
                 new = indexed(sid, entry.state, entry.item, old)
                 move(pipe, self.index, old, new)
                 if new is not None:
