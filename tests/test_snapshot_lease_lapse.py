@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +106,12 @@ def test_a_commit_whose_lease_lapsed_writes_no_manifest(tmp_path: Path) -> None:
         assert held.first_chunk.wait(WAIT) and held.refresh_held.wait(WAIT)
         collector = SnapshotStore(_repo(tmp_path), tmp_path / "gc-cache",
                                   tmp_path / "gc-staging", lease_ttl=TTL)
-        deadline = threading.Event()
         stats: dict = {"expired_leases": 0}
         for _ in range(int(WAIT / 0.1)):
             stats = collector.gc(wait=0)
             if stats["expired_leases"]:
                 break
-            deadline.wait(0.1)
+            time.sleep(0.1)
         assert stats["expired_leases"] == 1 and stats["deleted_chunks"] >= 1, stats
         # The process runs again: the held refresh lands, then a timely one.
         held.released.set()
