@@ -418,3 +418,116 @@ def test_a_beat_taken_mid_create_does_not_hide_the_sandbox_the_gateway_recorded(
         await beat(registry, node)
         assert await listed(registry, node.node_id) == states(node)
     run(redis_url, scenario)
+
+
+def state_index(registry: Registry, state: str) -> Any:
+    """The sandbox IDs a listing by ``state`` reads from the index."""
+    async def read() -> set[str]:
+        members = await registry.redis.zrange(registry.index.state(state), 0, -1)
+        return {split(m)[1] for m in members}
+    return read()
+
+
+class BetweenReadAndWrite(Registry):
+    """A scheduler whose heartbeat writes wait until ``between`` (the gateway's change)
+    has run, once: what the beat read is then older than the record."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.between: Any = None
+        fenced = self.heartbeats._fenced
+
+        async def late(*args: Any, **kwargs: Any) -> int | None:
+            if self.between is not None:
+                change, self.between = self.between, None
+                await change()
+            return await fenced(*args, **kwargs)
+
+        self.heartbeats._fenced = late  # type: ignore[method-assign]
+
+
+def test_the_gateway_recording_a_create_between_a_beats_read_and_writes_wins(
+        redis_url: str) -> None:
+    """A beat that read the record before the gateway recorded the create's answer
+    (running) and wrote after it leaves the record and the index as the gateway wrote
+    them (the listings kept showing the sandbox: no state 'creating' written back), and
+    asks for a full beat, which finds the node's record as it is."""
+    async def scenario(registry: Registry) -> None:
+        late = BetweenReadAndWrite(redis_url, prefix="hbd:")
+        try:
+            node = Node(count=2)
+            await beat(late, node)
+            node.sandboxes["x"] = node.entry("x", "creating")
+            item = {**node.entry("x").item, "state": "running"}
+            late.between = lambda: registry.set_sandbox("x", node.node_id, "running",
+                                                        item=item)
+            body, sent = node.body()
+            applied = await deliver(late, body)
+            node.beats.answered(sent, {"disown": applied.disown, "full": applied.full})
+            assert applied.full and not applied.refused
+            assert (await listed(late, node.node_id))["x"] == "running"
+            assert "x" in await state_index(late, "running")
+            assert "x" not in await state_index(late, "creating")
+            node.sandboxes["x"] = node.entry("x")
+            await beat(late, node)
+            assert await listed(late, node.node_id) == states(node)
+            assert await state_index(late, "creating") == set()
+            assert await state_index(late, "running") == set(node.sandboxes)
+        finally:
+            await late.close()
+    run(redis_url, scenario, prefix="hbd:")
+
+
+def test_a_beat_older_than_a_pause_through_the_gateway_does_not_resume_it_in_the_listing(
+        redis_url: str) -> None:
+    """The gateway records a pause between a beat's read (running) and its writes: the
+    sandbox stays paused in the records and the index; the node's next beat agrees."""
+    async def scenario(registry: Registry) -> None:
+        late = BetweenReadAndWrite(redis_url, prefix="hbd:")
+        try:
+            node = Node(count=3)
+            await beat(late, node)
+            node.sandboxes["s1"] = node.entry("s1", "running", step="2")  # a change
+            late.between = lambda: registry.set_sandbox("s1", node.node_id, "paused")
+            applied = await beat(late, node)
+            assert applied.full
+            assert (await listed(late, node.node_id))["s1"] == "paused"
+            assert "s1" in await state_index(late, "paused")
+            assert "s1" not in await state_index(late, "running")
+            node.sandboxes["s1"] = node.entry("s1", "paused", step="2")
+            await beat(late, node)
+            assert await listed(late, node.node_id) == states(node)
+        finally:
+            await late.close()
+    run(redis_url, scenario, prefix="hbd:")
+
+
+def test_a_beat_between_the_gateways_read_and_write_leaves_no_stale_index_entry(
+        redis_url: str) -> None:
+    """A heartbeat applied between the gateway's read of a record and its write (the
+    gateway's write is then refused and made again from the new record): the index
+    holds the sandbox under its one state, whichever wrote last."""
+    async def scenario(registry: Registry) -> None:
+        node = Node(count=1)
+        await beat(registry, node)
+        node.sandboxes["x"] = node.entry("x", "creating")
+        guarded = registry._guarded
+        calls = {"n": 0}
+
+        async def beat_first(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                await beat(registry, node)  # writes x as creating after the gateway read
+            return await guarded(*args, **kwargs)
+
+        registry._guarded = beat_first  # type: ignore[method-assign]
+        item = {**node.entry("x").item, "state": "running"}
+        await registry.set_sandbox("x", node.node_id, "running", item=item)
+        assert calls["n"] == 2  # refused once, then written over the beat's record
+        assert (await listed(registry, node.node_id))["x"] == "running"
+        assert await state_index(registry, "creating") == set()
+        assert await state_index(registry, "running") == {"s0", "x"}
+        await registry.forget_sandbox("x")
+        assert "x" not in await listed(registry, node.node_id)
+        assert await state_index(registry, "running") == {"s0"}
+    run(redis_url, scenario)

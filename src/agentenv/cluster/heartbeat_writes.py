@@ -9,11 +9,12 @@ later one has claimed writes nothing. What a node sends is ``beats.py``'s.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from . import registry_scripts as scripts
@@ -72,7 +73,7 @@ class _Written:
 
 class Commands:
     """Redis commands queued as a pipeline's methods queue them (the few a heartbeat's
-    writes use), to run in one script (``registry_scripts.APPLY``). Long ones are cut
+    writes use), to run in one script (``registry_scripts._RUN``). Long ones are cut
     (a Lua call takes some thousands of arguments at most)."""
 
     CHUNK = 1000
@@ -97,8 +98,21 @@ class Commands:
     def zrem(self, key: str, *members: str) -> None:
         self._cut(["ZREM", key], list(members))
 
+    def set(self, key: str, value: str, px: int) -> None:
+        self.list.append(["SET", key, value, "PX", px])
+
     def delete(self, *keys: str) -> None:
         self._cut(["DEL"], list(keys))
+
+    @contextlib.contextmanager
+    def guard(self, key: str, **read: str) -> Iterator[None]:
+        """The commands queued in the block run only if the hash ``key`` still holds
+        what was read (``read``: field -> value, '' for none) when they run."""
+        at = len(self.list)
+        self.list.append([])
+        yield
+        checks = [x for field, value in read.items() for x in (field, value)]
+        self.list[at] = ["GUARD", key, len(self.list) - at - 1, *checks]
 
     def settle(self, freed: str, count: str, sandbox_ids: list[str]) -> None:
         """``sandbox_ids`` out of the set ``freed``, ``count`` less those that were in it."""
@@ -171,17 +185,16 @@ class HeartbeatWriter:
         # cluster-wide quota's: quotas.py) and where it is indexed.
         args = [a for sid, e in reported.items() for a in (sid, e.fp)]
         rows = await self._differing(args=[self.prefix, nid, *args]) if args else []
-        differ = [(sid, (owner or None, key or None, ix or None))
-                  for sid, owner, key, ix in rows]
+        differ = [(sid, (owner, key, ix, state)) for sid, owner, key, ix, state in rows]
         # The node's list (node-fp:<n>) gains what it did not have, and what is written.
         listing = set(reported) - set(previous[0]) if beat.full else set(reported)
         listing.update(sid for sid, _ in differ)
-        others = sorted({owner for _, (owner, _, _) in differ if owner and owner != nid})
+        others = sorted({owner for _, (owner, *_) in differ if owner and owner != nid})
         alive = await pipelined(self.redis,
                                 lambda p: [p.exists(self._k("alive", o)) for o in others])
         up = {o for o, a in zip(others, alive, strict=True) if a}
         gone_found = await pipelined(
-            self.redis, lambda p: [p.hmget(self._k("sbx", sid), "node", "key", "ix")
+            self.redis, lambda p: [p.hmget(self._k("sbx", sid), "node", "key", "ix", "state")
                                    for sid in gone])
         # Freed through the gateway, and this heartbeat no longer counts them: its load
         # has their room now. A diff that does not mention one leaves it as the beat it
@@ -200,7 +213,10 @@ class HeartbeatWriter:
         disown: list[str] = []
 
         def writes(pipe: Commands) -> None:
-            for sid, (owner, key, ix) in differ:
+            # Each sandbox's writes are guarded on its record as read above: one the
+            # gateway changed since (a create's answer, a pause) is newer than this beat,
+            # and kept (the node's next beats say what it became).
+            for sid, (owner, key, ix, state) in differ:
                 entry = reported[sid]
                 # A sandbox another live node has taken over (from its last pause, this
                 # node being lost meanwhile) stays with that node: this one drops its copy.
@@ -208,28 +224,31 @@ class HeartbeatWriter:
                     if entry.state in ("paused", "running"):
                         disown.append(sid)
                     continue
-                old = Indexed.load(ix)
-                if entry.state == "creating" and old is not None and old.state != "creating":
+                if entry.state == "creating" and state not in ("", "creating"):
                     # A beat taken while the create was under way, applied after the
                     # gateway recorded the create's answer: that record is newer (no
                     # sandbox goes back to creating), and the listings keep showing it.
                     continue
+                old = Indexed.load(ix)
                 mapping = entry.mapping(nid)
                 new = indexed(sid, entry.state, entry.item, old)
-                move(pipe, self.index, old, new)
-                if new is not None:
-                    mapping["ix"] = new.dump()
-                pipe.hset(self._k("sbx", sid), mapping=mapping)
-                if key and entry.state == "running":
-                    pipe.zadd(self._k("key-run", key), {sid: 0})
-                elif key:  # paused (or on its way): it holds none of its key's quota
-                    pipe.zrem(self._k("key-run", key), sid)
-            for sid, (owner, key, ix) in zip(gone, gone_found, strict=True):
-                if owner == nid:
-                    pipe.delete(self._k("sbx", sid))
-                    move(pipe, self.index, Indexed.load(ix), None)
-                    if key:  # ended on its node (a timeout): its key's room again
+                with pipe.guard(self._k("sbx", sid), node=owner, state=state, ix=ix):
+                    move(pipe, self.index, old, new)
+                    if new is not None:
+                        mapping["ix"] = new.dump()
+                    pipe.hset(self._k("sbx", sid), mapping=mapping)
+                    if key and entry.state == "running":
+                        pipe.zadd(self._k("key-run", key), {sid: 0})
+                    elif key:  # paused (or on its way): it holds none of its key's quota
                         pipe.zrem(self._k("key-run", key), sid)
+            for sid, (owner, key, ix, state) in zip(gone, gone_found, strict=True):
+                if owner == nid:
+                    with pipe.guard(self._k("sbx", sid), node=owner, state=state or "",
+                                    ix=ix or ""):
+                        pipe.delete(self._k("sbx", sid))
+                        move(pipe, self.index, Indexed.load(ix), None)
+                        if key:  # ended on its node (a timeout): its key's room again
+                            pipe.zrem(self._k("key-run", key), sid)
             # What the node lists (a disowned one is not: checked again while the node
             # still lists it).
             if gone:
@@ -242,17 +261,24 @@ class HeartbeatWriter:
             if settled:
                 pipe.settle(self._k("freed", nid), self._k("freed-n", nid), settled)
 
-        if (differ or gone or reported or settled) and not await self._fenced(nid, token,
-                                                                                 writes):
-            return Applied([], not was_alive, True, True)  # a later beat claimed the node
-        return Applied(disown, not was_alive, diffs >= FULL_CHECK_EVERY - 1)
+        skipped = 0
+        if differ or gone or reported or settled:
+            written = await self._fenced(nid, token, writes)
+            if written is None:  # a later beat claimed the node
+                return Applied([], not was_alive, True, True)
+            skipped = written
+        # A record the gateway changed under this beat was left as it wrote it: the next
+        # beat is whole, so that every record is checked against the node again soon.
+        return Applied(disown, not was_alive, skipped > 0 or diffs >= FULL_CHECK_EVERY - 1)
 
     async def _fenced(self, node_id: str, token: str, queue: Callable[[Commands], None]
-                      ) -> bool:
+                      ) -> int | None:
         """Run what ``queue`` puts on a ``Commands`` at once if the heartbeat that claimed
-        the node with ``token`` is still its last claim; False (nothing written) once a
-        later beat of the node claimed it: two beats' writes never interleave."""
+        the node with ``token`` is still its last claim: how many of its guards failed;
+        None (nothing written) once a later beat of the node claimed it: two beats'
+        writes never interleave."""
         commands = Commands()
         queue(commands)
-        return bool(await self._apply(keys=[self._k("hb", node_id)],
-                                      args=[token, json.dumps(commands.list)]))
+        claimed, failed = await self._apply(keys=[self._k("hb", node_id)],
+                                            args=[token, json.dumps(commands.list)])
+        return int(failed) if int(claimed) else None

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 from . import registry_scripts as scripts
@@ -52,7 +53,7 @@ from .common import SandboxEntry as SandboxEntry
 from .heartbeat_writes import COUNTED_STATES as COUNTED_STATES
 from .heartbeat_writes import FULL_CHECK_EVERY as FULL_CHECK_EVERY
 from .heartbeat_writes import Applied as Applied
-from .heartbeat_writes import HeartbeatWriter, record_mapping
+from .heartbeat_writes import Commands, HeartbeatWriter, record_mapping
 from .redis_conn import REDIS_MAX_CONNECTIONS as REDIS_MAX_CONNECTIONS
 from .redis_conn import connect, pipelined
 from .sandbox_index import RUN_METADATA, Indexed, Keys, indexed, move, pair_hash, split
@@ -61,6 +62,7 @@ MAX_RUN_MEMBERS = 10_000  # a run's sandboxes dropped from the listings when it 
 # How long a sandbox the gateway forgot (killed through it) is not written back by a
 # heartbeat: one sent before the kill and read after it would list it again.
 FORGOTTEN_MS = 60_000
+CHANGE_TRIES = 5  # a record changed under the gateway's write: read again
 
 
 class Registry:
@@ -76,6 +78,7 @@ class Registry:
         self._reserve_room = self.redis.register_script(scripts.RESERVE_ROOM)
         self._free = self.redis.register_script(scripts.FREE)
         self._take = self.redis.register_script(scripts.TAKE)
+        self._guarded = self.redis.register_script(scripts.GUARDED)
         self.index = Keys(prefix)
         self.heartbeats = HeartbeatWriter(self.redis, prefix, self.index)
 
@@ -243,16 +246,34 @@ class Registry:
                           item: dict[str, Any] | None = None) -> None:
         """Record a sandbox's node and state (and listing item: from a create's answer),
         moving it in the listings' indexes."""
-        old = Indexed.load(await self.redis.hget(self._k("sbx", sandbox_id), "ix"))
-        new = indexed(sandbox_id, state, item, old)
-        mapping = record_mapping(node_id, state, snapshot_id, committed,
-                         json.dumps(item) if item else "")
-        if new is not None:
-            mapping["ix"] = new.dump()
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self._k("sbx", sandbox_id), mapping=mapping)
-        move(pipe, self.index, old, new)
-        await pipe.execute()
+        raw_item = json.dumps(item) if item else ""
+
+        def change(old: Indexed | None, commands: Commands) -> None:
+            new = indexed(sandbox_id, state, item, old)
+            mapping = record_mapping(node_id, state, snapshot_id, committed, raw_item)
+            if new is not None:
+                mapping["ix"] = new.dump()
+            commands.hset(self._k("sbx", sandbox_id), mapping=mapping)
+            move(commands, self.index, old, new)
+        await self._change(sandbox_id, change)
+
+    async def _change(self, sandbox_id: str,
+                      change: Callable[[Indexed | None, Commands], None]) -> None:
+        """The gateway's change of a sandbox's record (``change``: the commands, from
+        where the record was indexed), written only over the record as read: a
+        heartbeat's writes between the read and the write would leave index entries of
+        a state it no longer has. Read again and retried; the last try writes whatever
+        is there (what the gateway writes is what its node answered)."""
+        key = self._k("sbx", sandbox_id)
+        for attempt in range(CHANGE_TRIES):
+            owner, was, raw = await self.redis.hmget(key, "node", "state", "ix")
+            read = {"node": owner or "", "state": was or "", "ix": raw or ""} \
+                if attempt < CHANGE_TRIES - 1 else {}
+            commands = Commands()
+            with commands.guard(key, **read):
+                change(Indexed.load(raw), commands)
+            if not int(await self._guarded(args=[json.dumps(commands.list)])):
+                return
 
     async def down_nodes(self) -> list[NodeStatus]:
         """The nodes marked down (past their heartbeat TTL, as the sweeper saw), read
@@ -313,12 +334,11 @@ class Registry:
     async def forget_sandbox(self, sandbox_id: str) -> None:
         """The sandbox ended (killed through the gateway): out of the listings, and
         not written back by a heartbeat its node sent before the kill."""
-        old = Indexed.load(await self.redis.hget(self._k("sbx", sandbox_id), "ix"))
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(self._k("sbx", sandbox_id))
-        pipe.set(self._k("forgotten", sandbox_id), "1", px=FORGOTTEN_MS)
-        move(pipe, self.index, old, None)
-        await pipe.execute()
+        def change(old: Indexed | None, commands: Commands) -> None:
+            commands.delete(self._k("sbx", sandbox_id))
+            commands.set(self._k("forgotten", sandbox_id), "1", px=FORGOTTEN_MS)
+            move(commands, self.index, old, None)
+        await self._change(sandbox_id, change)
 
     # -- runs (the node each lives on; leases are at most a day) ------------------
 

@@ -97,37 +97,66 @@ return {alive, beat, diffs}
 
 # The sandboxes of a heartbeat (ARGV[3..]: ID, fingerprint, ...) whose record differs
 # from it (another node's or none, or written by another heartbeat or by the gateway),
-# and that the gateway did not kill since (forgotten:<id>): {ID, node, key, ix} each
-# ('' for none). One command for a node's hundreds, not one per sandbox; the keys are
-# derived from the prefix (ARGV[1]) and node (ARGV[2]) as ROUTE's are.
+# and that the gateway did not kill since (forgotten:<id>): {ID, node, key, ix, state}
+# each ('' for none). One command for a node's hundreds, not one per sandbox; the keys
+# are derived from the prefix (ARGV[1]) and node (ARGV[2]) as ROUTE's are.
 DIFFERING = """
 local p, nid, out = ARGV[1], ARGV[2], {}
 for i = 3, #ARGV, 2 do
   local sid = ARGV[i]
-  local r = redis.call('HMGET', p .. 'sbx:' .. sid, 'node', 'key', 'ix', 'fp')
+  local r = redis.call('HMGET', p .. 'sbx:' .. sid, 'node', 'key', 'ix', 'fp', 'state')
   if (r[1] ~= nid or r[4] ~= ARGV[i + 1])
       and redis.call('EXISTS', p .. 'forgotten:' .. sid) == 0 then
-    out[#out + 1] = {sid, r[1] or '', r[2] or '', r[3] or ''}
+    out[#out + 1] = {sid, r[1] or '', r[2] or '', r[3] or '', r[5] or ''}
   end
 end
 return out
 """
 
-# A heartbeat's writes (ARGV[2]: JSON, a list of commands; SETTLE <freed> <freed-n>
-# IDs: these out of freed:<n>, its count less those that were in it) if the claim of
-# the node (KEYS[1] hb:<n>) is still its own (token ARGV[1]): 1; else nothing written,
-# 0 (a later beat of the node claimed it). Atomic, as MULTI would be, and one round
-# trip where WATCH, the check and MULTI took three.
-APPLY = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-for _, c in ipairs(cjson.decode(ARGV[2])) do
-  if c[1] == 'SETTLE' then
-    for i = 4, #c do
-      if redis.call('SREM', c[2], c[i]) == 1 then redis.call('DECR', c[3]) end
+# Runs a list of commands (decoded JSON), as a pipeline would, with two of its own:
+# - SETTLE <freed> <freed-n> IDs: these out of freed:<n>, its count less those that
+#   were in it;
+# - GUARD <key> <n> <field> <value> ...: the next n commands run only if the hash <key>
+#   still holds these values ('' for none), as read when they were made; a record
+#   written meanwhile (by the gateway, between a heartbeat's read and its writes) is
+#   left as it is. Returns how many guards failed.
+_RUN = """
+local function run(commands)
+  local skip, failed = 0, 0
+  for _, c in ipairs(commands) do
+    if skip > 0 then
+      skip = skip - 1
+    elseif c[1] == 'GUARD' then
+      for i = 4, #c, 2 do
+        if (redis.call('HGET', c[2], c[i]) or '') ~= c[i + 1] then
+          skip, failed = tonumber(c[3]), failed + 1
+          break
+        end
+      end
+    elseif c[1] == 'SETTLE' then
+      for i = 4, #c do
+        if redis.call('SREM', c[2], c[i]) == 1 then redis.call('DECR', c[3]) end
+      end
+    else
+      redis.call(unpack(c))
     end
-  else
-    redis.call(unpack(c))
   end
+  return failed
 end
-return 1
+"""
+
+# A heartbeat's writes (ARGV[2]: JSON, commands as _RUN takes them) if the claim of the
+# node (KEYS[1] hb:<n>) is still its own (token ARGV[1]): {1, guards failed}; else
+# nothing written, {0, 0} (a later beat of the node claimed it). Atomic, as MULTI would
+# be, and one round trip where WATCH, the check and MULTI took three.
+APPLY = _RUN + """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return {0, 0} end
+return {1, run(cjson.decode(ARGV[2]))}
+"""
+
+# Commands (ARGV[1], JSON, as _RUN takes them; the first a GUARD) run as one: the
+# gateway's change of a sandbox's record, made from what it read, only if the record
+# is still as read. Returns how many guards failed (0: written).
+GUARDED = _RUN + """
+return run(cjson.decode(ARGV[1]))
 """
