@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime import Runtime, RuntimeFailure
-from ..snapshot import SnapshotError, SnapshotNotFound, SnapshotStore, StorageFull
+from ..snapshot import (
+    SnapshotError,
+    SnapshotExists,
+    SnapshotNotFound,
+    SnapshotStore,
+    StorageFull,
+)
 from . import disk_pause
 from .disk_pause import TemplateListings
 from .envd_client import EnvdClient
@@ -154,8 +160,17 @@ class Captures:
                       replaces: str = "") -> None:
         async def run() -> None:
             try:
-                await asyncio.to_thread(self.snapshots.commit, snapshot_id, staging, metadata)
-                self.snapshots.staging.committed(snapshot_id)
+                try:
+                    await asyncio.to_thread(self.snapshots.commit, snapshot_id, staging,
+                                            metadata)
+                    self.snapshots.staging.committed(snapshot_id)
+                except SnapshotExists:
+                    # Committed before a crash kept the node from recording it (the
+                    # manifest is written last): the staged copy is needed no more. (It
+                    # was retried every 30 s for good, its staging kept.)
+                    log.info("pause snapshot %s was committed before the node restarted",
+                             snapshot_id)
+                    await asyncio.to_thread(self.snapshots.discard_staging, snapshot_id)
                 if replaces:
                     earlier = entry.commits.get(replaces)  # a resume did not wait for it
                     if earlier is not None:
