@@ -18,7 +18,8 @@ Recorded per arm (a node configuration):
 
 Arms (``ARMS``), run one after the other on the same machine: ``cold`` (memory to
 compressed swap 5 s after a freeze), ``default`` (after 60 s, or 1 s when memory is
-short) and ``idle`` (envd sleeps after 5 s idle, two defaults ago).
+short), ``awake`` (never frozen: what the gap costs with nothing saved while idle) and
+``idle`` (envd sleeps after 5 s idle, two defaults ago).
 
     PYTHONPATH=src:bench python bench/bench_episodes.py            # quick (make bench)
     PYTHONPATH=src:bench python bench/bench_episodes.py --sandboxes 300 --steps 1000 \
@@ -49,6 +50,9 @@ ARMS = {
     "cold": {"AENV_COLD_MEMORY_AFTER_S": "5"},
     # the default: the same after 60 s frozen, or 1 s while memory is short
     "default": {},
+    # never frozen, memory kept, envd awake: what a step after a gap costs with nothing
+    # saved while idle (each idle sandbox then costs 1-3 % of a core)
+    "awake": {"AENV_IDLE_FREEZE_S": "0", "AENV_COLD_MEMORY_AFTER_S": "0"},
     # envd sleeps after 5 s idle (the default two versions ago)
     "idle": {"AENV_ENVD_DORMANT_AFTER_S": "5", "AENV_ENVD_DORMANCY_MB": "-1",
              "AENV_COLD_MEMORY_AFTER_S": "0"},
