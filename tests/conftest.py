@@ -84,7 +84,8 @@ SLOW_FILES = ("test_envd_dormant.py", "test_cluster.py", "test_crash_safety.py",
               "test_pause_filesystem.py", "test_images_estargz.py", "test_images_lazy.py",
               "test_cold_memory.py", "test_cluster_gateways.py", "test_images_create.py",
               "test_fuzz_api.py", "test_template_start.py", "test_cluster_room.py",
-              "test_cluster_sim.py", "test_snapshot_store.py", "test_images_node.py")
+              "test_cluster_sim.py", "test_snapshot_store.py", "test_images_node.py",
+              "test_snapshot_image_gc.py", "test_fs_reset.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
