@@ -87,6 +87,7 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     assert BASE_TAR.exists(), "make templates builds the deployment base (build-deploy-base.sh)"
+    DockerEngine.reap_abandoned(Path("/tmp"), "aenv-docker-*")  # a killed run's
     forward_before = host_forward()
     tag = f"{os.getpid() % 1296:x}"
     net = int(free_cidr(240, 10, os.getpid()).split(".")[1])

@@ -8,11 +8,15 @@ rules, bridges and published ports live and die with that namespace, and Compose
 files run as written (bridge networks, service names, published ports at .2).
 Everything else of it is under ``root``: data, exec state, socket, pidfile, logs.
 ``stop`` leaves nothing: containers, dockerd and its containerd, mounts, the netns.
+An engine whose owner died first (a test run killed mid-file) is stopped the same way
+by the next run's ``reap_abandoned``: ``owner.json`` under its root names the owner
+process (pid and start time) and the engine's netns and link.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -43,8 +47,29 @@ class DockerEngine:
             raise RuntimeError(f"docker {' '.join(args[:2])}: {r.stderr.decode()[-2000:]}")
         return r
 
+    @classmethod
+    def reap_abandoned(cls, parent: Path, pattern: str) -> list[str]:
+        """Stop every engine under ``parent``/``pattern`` whose owner process is gone;
+        returns the roots stopped."""
+        reaped = []
+        for owner_file in sorted(parent.glob(f"{pattern}/{OWNER_FILE}")):
+            try:
+                owner = json.loads(owner_file.read_text())
+                pid, started = int(owner["pid"]), int(owner["start"])
+                engine = cls(owner_file.parent, str(owner["netns"]), str(owner["link"]), 0)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if _start_time(pid) == started:
+                continue  # its owner still runs (another test run on this machine)
+            engine.stop()
+            reaped.append(str(engine.root))
+        return reaped
+
     def start(self, wait: float = 60) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        me = os.getpid()
+        (self.root / OWNER_FILE).write_text(json.dumps(
+            {"pid": me, "start": _start_time(me), "netns": self.netns, "link": self.link}))
         self._remove_netns()  # a crashed run's, ours by name
         _ip("netns", "add", self.netns)
         _ip("link", "add", self.link, "type", "veth", "peer", "name", "eth0", "netns", self.netns)
@@ -73,18 +98,20 @@ class DockerEngine:
     def stop(self) -> list[str]:
         """Stops everything; returns what could not be removed (empty: all gone)."""
         left: list[str] = []
-        if self.proc is not None and self.proc.poll() is None:
+        daemon = self._daemon()
+        if daemon is not None:
             with contextlib.suppress(Exception):
                 ids = self.docker("ps", "-aq", check=False, timeout=30).stdout.decode().split()
                 if ids:
                     self.docker("rm", "-f", *ids, check=False, timeout=60)
-            children = _children(self.proc.pid)  # nsenter's dockerd, its containerd
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+            children = _children(daemon)  # dockerd's containerd
+            # (dockerd leads a session of its own: nsenter execs it)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(daemon, signal.SIGTERM)
+            if not self._gone(daemon, 30):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(daemon, signal.SIGKILL)
+                self._gone(daemon, 10)
             for pid in children:  # containerd runs in a session of its own
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -96,9 +123,55 @@ class DockerEngine:
             left.append(f"dir {self.root}")
         return left
 
+    def _daemon(self) -> int | None:
+        """dockerd's pid while it runs: ours, or from the pidfile of an abandoned one
+        (checked against its command line, so a reused pid is never signalled)."""
+        if self.proc is not None:
+            return self.proc.pid if self.proc.poll() is None else None
+        try:
+            pid = int((self.root / "dockerd.pid").read_text())
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return None
+        return pid if b"dockerd" in argv[0] and str(self.root).encode() in b" ".join(argv) \
+            else None
+
+    def _gone(self, pid: int, within: float) -> bool:
+        if self.proc is not None:
+            try:
+                self.proc.wait(within)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        deadline = time.monotonic() + within
+        while _state(pid) not in (None, "Z"):  # (not our child: init reaps it)
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def _remove_netns(self) -> None:
         _ip("link", "del", self.link, check=False)
         _ip("netns", "del", self.netns, check=False)
+
+
+OWNER_FILE = "owner.json"
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None: no such process)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (None: no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _ip(*args: str, check: bool = True) -> None:
