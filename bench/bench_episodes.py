@@ -7,7 +7,10 @@ the N. Beside them in the same run, ``--warm`` reference sandboxes do the same s
 with no gap (always awake): the floor a step after a gap is measured against.
 
 Recorded per arm (a node configuration):
-- step latency after a gap, p50 / p99 / max, per kind and overall, and the warm floor;
+- step latency after a gap, p50 / p99 / max, per kind and overall, and the warm floor
+  per kind; and what the gap adds: each step's latency less its kind's warm p50 (the
+  overall p50s compare medians of a mix of three kinds, 35-250 ms apart, so they move
+  with the mix as much as with the gap);
 - idle cost once every sandbox has had its first step and sat idle (before the
   episodes): the RAM the host holds for each (its memory cgroup, plus its share of
   the zram swap's RAM), host PSS over all runsc processes (each address space once),
@@ -132,7 +135,7 @@ async def episodes(ids: list[str], warm_ids: list[str], args: argparse.Namespace
     gmin, gmax = args.gap
     budget = {"left": args.steps}
     after_gap: dict[str, list[float]] = {k: [] for k in KINDS}
-    warm: list[float] = []
+    warm: dict[str, list[float]] = {k: [] for k in KINDS}
     pss_samples: list[float] = []
     host_samples: list[float] = []
     stop = asyncio.Event()
@@ -162,7 +165,7 @@ async def episodes(ids: list[str], warm_ids: list[str], args: argparse.Namespace
             t0 = time.perf_counter()
             try:
                 await step(sbx, kind, n)
-                warm.append(time.perf_counter() - t0)
+                warm[kind].append(time.perf_counter() - t0)
             except Exception as exc:
                 failures.append(f"warm {sid} {kind}: {type(exc).__name__}: {exc}"[:200])
             n += 1
@@ -187,8 +190,14 @@ async def episodes(ids: list[str], warm_ids: list[str], args: argparse.Namespace
     await asyncio.gather(*side)
     wall = time.monotonic() - t0
     every = [x for xs in after_gap.values() for x in xs]
+    floor = {k: statistics.median(v) for k, v in warm.items() if v}
+    excess = [x - floor[k] for k, xs in after_gap.items() if k in floor for x in xs]
     return {"after_gap": stats(every), **{f"after_gap_{k}": stats(v) for k, v in after_gap.items()},
-            "warm": stats(warm), "episode_wall_s": round(wall, 1),
+            "warm": stats([x for xs in warm.values() for x in xs]),
+            **{f"warm_{k}": stats(v) for k, v in warm.items()},
+            # what the gap adds to a step, against the warm p50 of the step's own kind
+            "gap_excess": {"p50_ms": pct(excess, 0.5), "p99_ms": pct(excess, 0.99)},
+            "episode_wall_s": round(wall, 1),
             "cpu_pct_all_during": round((cpu_ns(prefix) - cpu0) / 1e9 / wall * 100, 1),
             "node_cpu_pct_during": round((process_cpu_s(node_pid) - node_cpu0) / wall * 100, 1),
             "host_MiB_per_sandbox_during": round(statistics.median(host_samples), 1)
@@ -269,20 +278,22 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
              "60 s frozen, or 1 s while the host is short of memory (here it is not: envds "
              "awake and resident, as the previous default); `idle` = envd sleeps after 5 s "
              "idle (the default two versions ago).", "",
-             "| arm | step after gap p50 / p99 / max ms | warm p50 / p99 ms | true p50 "
-             "| python p50 | file p50 | idle host MiB each (RAM + zram) | idle PSS MiB each "
+             "| arm | step after gap p50 / p99 / max ms | warm p50 / p99 ms "
+             "| gap adds p50 / p99 ms | true p50 after gap / warm | python | file "
+             "| idle host MiB each (RAM + zram) | idle PSS MiB each "
              "| idle CPU % of a core (all) | host MiB each during | node CPU % during "
              "| dormant idle / end | failures | load |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-             "| --- |"]
+             "| --- | --- |"]
     for r in rows:
         g, w, i = r.get("after_gap", {}), r.get("warm", {}), r.get("idle", {})
+        x = r.get("gap_excess", {})
+        kinds = " | ".join(f"{r.get(f'after_gap_{k}', {}).get('p50_ms')} / "
+                           f"{r.get(f'warm_{k}', {}).get('p50_ms')}" for k in KINDS)
         lines.append(
             f"| {r['arm']} | {g.get('p50_ms')} / {g.get('p99_ms')} / {g.get('max_ms')} "
-            f"| {w.get('p50_ms')} / {w.get('p99_ms')} "
-            f"| {r.get('after_gap_true', {}).get('p50_ms')} "
-            f"| {r.get('after_gap_python', {}).get('p50_ms')} "
-            f"| {r.get('after_gap_file', {}).get('p50_ms')} "
+            f"| {w.get('p50_ms')} / {w.get('p99_ms')} | {x.get('p50_ms')} / {x.get('p99_ms')} "
+            f"| {kinds} "
             f"| {i.get('host_MiB_per_sandbox')} ({i.get('usage_MiB_per_sandbox')} + "
             f"{i.get('zram_MiB_per_sandbox')}) | {i.get('pss_MiB_per_sandbox')} "
             f"| {i.get('idle_cpu_pct_all')} | {r.get('host_MiB_per_sandbox_during')} "
