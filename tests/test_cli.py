@@ -80,7 +80,10 @@ def test_auth_prompts(node: Node, cli_env, tmp_path: Path) -> None:
     child = pexpect.spawn(CLI[0], [*CLI[1:], "auth"], env=env, timeout=30)
     child.expect("Server URL")
     child.sendline(node.url)
-    child.expect("API key")
+    # typer's prompt writes "API key:" itself, then getpass turns echo off, flushing what was typed
+    # (TCSAFLUSH), and writes its own " ": a key sent before that space was lost, and the
+    # CLI waited for it (a fresh clone's run, with the key echoed).
+    child.expect_exact("API key: ")
     child.sendline(node.api_key)
     child.expect(pexpect.EOF)
     child.close()
