@@ -186,8 +186,13 @@ def test_a_sandbox_at_its_limit_is_held_while_envd_frees_memory(
     cg = _cgroup(node, sid)
     own_limit = int((cg / "memory.limit_in_bytes").read_text())
     try:
+        # envd comes back after 7 s: the hog must reach the limit before (a loaded run's
+        # took more than 4 s, and envd's guard killed it short of the limit, nothing held),
+        # and the hold must not outlast the node's patience (OomHold.GIVE_UP_S, 10 s).
+        # (Nothing inside can wait on the hold itself: a held sandbox forks nothing; `sleep`
+        # runs already and `kill` is bash's own.)
         with pytest.raises(CommandExitException) as hog:
-            sbx.commands.run(STOP_ENVD.replace("RESUME", "4") + "python3 -c 'import time; b = "
+            sbx.commands.run(STOP_ENVD.replace("RESUME", "7") + "python3 -c 'import time; b = "
                              "[bytearray(50 << 20) for _ in range(12)]; time.sleep(30)'; exit $?",
                              user="root", timeout=90, request_timeout=90)
         assert hog.value.exit_code == 137, hog.value
