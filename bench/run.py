@@ -83,9 +83,6 @@ def episodes_figures(result: dict) -> Figures:
     arms = {row["arm"]: row for row in result["rows"]}
     arm = next((arms[name] for name in ("default", "memory") if name in arms),
                result["rows"][0])
-    after_gap, warm = arm["after_gap"]["p50_ms"], arm["warm"]["p50_ms"]
-    if "gap_excess" not in arm:  # a result from before the per-kind floor
-        return f"{after_gap} ms{_ratio(after_gap, warm)} ({arm['arm']} arm)", f"{warm} ms"
     excess = arm["gap_excess"]
     floors = " / ".join(f"{arm[f'warm_{k}']['p50_ms']}" for k in ("true", "python", "file"))
     return (f"+{excess['p50_ms']} ms p50, +{excess['p99_ms']} ms p99 ({arm['arm']} arm)",
