@@ -362,3 +362,46 @@ def test_a_write_reports_create_chmod_write_every_time(sbx: Sandbox) -> None:
         assert writes[0].entry.path == "/home/user/watch3/f1.txt"
     finally:
         entry_handle.stop()
+
+
+# envd's own processes: those started through the bundle's loader (argv[0] /.aenv/lib/...).
+_ENVD_PIDS = ("for p in /proc/[0-9]*; do [ \"$(head -c 11 $p/cmdline 2>/dev/null)\" = "
+              "/.aenv/lib/ ] && echo ${p#/proc/}; done; true")
+
+
+def test_quick_file_operations_fork_no_worker_and_a_fifo_does_not_hang_envd(
+        sbx: Sandbox) -> None:
+    """The default mode's writes, reads, stats and mkdirs are envd's own (issue 27): a
+    file step after a think gap no longer forks a file worker, ~250 ms under load. Done
+    on envd's event loop, a FIFO or a device at the path must fail, not block it."""
+    def envd_processes() -> list[str]:
+        return sbx.commands.run(_ENVD_PIDS, user="root").stdout.split()
+
+    sbx.files.remove("/home/user/quick")  # a worker's operation: one may be up now
+    for pid in envd_processes():
+        if pid != "1":
+            sbx.commands.run(f"kill -9 {pid} || true", user="root")
+    assert envd_processes() == ["1"]
+    sbx.files.write("/home/user/quick/a/b.txt", "x")  # its parents made as well
+    assert sbx.files.read("/home/user/quick/a/b.txt") == "x"
+    assert sbx.files.exists("/home/user/quick/a")
+    assert sbx.files.get_info("/home/user/quick/a/b.txt").owner == "user"
+    assert sbx.files.make_dir("/home/user/quick/c")
+    sbx.files.write_files([{"path": "/home/user/quick/d.txt", "data": "y"}])
+    assert envd_processes() == ["1"]
+    # Still the user's, as E2B's envd makes them: parents, file and directory alike.
+    owners = sbx.commands.run("stat -c '%U' /home/user/quick /home/user/quick/a "
+                              "/home/user/quick/a/b.txt /home/user/quick/c").stdout
+    assert owners.split() == ["user"] * 4, owners
+
+    sbx.commands.run("mkfifo /home/user/quick/pipe")
+    t0 = time.monotonic()
+    with pytest.raises(InvalidArgumentException, match="not a regular file"):
+        sbx.files.read("/home/user/quick/pipe", request_timeout=15)
+    with pytest.raises(InvalidArgumentException, match="not a regular file"):
+        sbx.files.write("/home/user/quick/pipe", "x", request_timeout=15)
+    with pytest.raises(InvalidArgumentException, match="not a regular file"):
+        sbx.files.read("/dev/zero", request_timeout=15)
+    assert time.monotonic() - t0 < 10
+    assert sbx.commands.run("echo alive", timeout=15).stdout == "alive\n"
+    sbx.files.remove("/home/user/quick")

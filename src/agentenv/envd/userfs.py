@@ -39,12 +39,23 @@ new root and ``chroot``s into it before it serves anything else; the reset's kil
 pass spares them. Ending and re-forking a copy of envd cost most of a files
 reset's CPU; following costs one round trip. A worker of the strict mode has
 dropped to its user's credentials and cannot chroot: it is ended and forked anew.
+
+In the default mode the quick operations (``LOCAL_OPS``: opening a file to read or
+write, a stat, a mkdir) skip the worker: envd is root already and does them in its
+own process, on its event loop, as E2B's envd does in the request's goroutine. Each
+is a few system calls, bounded by the path's length, and a FIFO or device fails
+rather than blocks (O_NONBLOCK). The step after a think gap is why (issue 27): an
+idle worker exits after ``WORKER_IDLE_S``, and forking the next one (a copy of envd)
+made a file write after a gap ~250 ms under load, against ~30 ms. What may run long
+(a recursive remove, a listing, a watch, a move across filesystems) stays in a
+worker, so it never stalls envd's other requests. None runs while envd's root moves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -53,7 +64,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .layers import stat_of
-from .userfs_fork import fork_worker
+from .userfs_fork import fork_worker, load_libc
+from .userfs_ops import LocalOps
 from .userfs_protocol import MAX_FDS, MAX_FRAME, Refused, WorkerGone
 
 WORKERS_PER_USER = 2
@@ -61,6 +73,8 @@ MAX_WORKERS = 8
 # A worker idle this long exits (a copy-on-write fork of envd: it costs the pages
 # written while it lives; a new one is forked in a few ms).
 WORKER_IDLE_S = 30.0
+# Done by envd itself in the default mode (root's): bounded, and never blocking.
+LOCAL_OPS = frozenset({"open_read", "open_write", "stat", "entry", "mkdir"})
 
 
 class Worker:
@@ -181,6 +195,10 @@ class UserFS:
         self.generation = 0
         self.moving = False  # no worker is handed out meanwhile
         self._tasks: set[asyncio.Task] = set()
+        # envd runs as root (in a sandbox, always): the default mode's quick operations
+        # are its own (LOCAL_OPS); its operation table is made at the first.
+        self.local = os.geteuid() == 0
+        self._ops: LocalOps | None = None
 
     @staticmethod
     def key(uid: int, gid: int, name: str) -> tuple[int, int, tuple[int, ...]]:
@@ -296,6 +314,8 @@ class UserFS:
         Raises OSError (as the user got it), Refused, or WorkerGone.
         """
         req = {"op": op, **args}
+        if op in LOCAL_OPS and key == ROOT_KEY and self.local:
+            return await self._local(req, fds)
         for attempt in (0, 1):
             w = await self._acquire(key)
             ok = False
@@ -330,6 +350,29 @@ class UserFS:
                 raise Refused(*reply["refused"])
             raise WorkerGone("malformed reply from a file worker")
         raise WorkerGone("no file worker")  # pragma: no cover
+
+    async def _local(self, req: dict[str, Any], fds: tuple[int, ...]
+                     ) -> tuple[Any, list[int]]:
+        """``req`` done in envd's own process (see the module's doc), once envd's root
+        has stopped moving; the result as a worker's reply would carry it."""
+        while self.moving:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+        if self._ops is None:
+            self._ops = LocalOps(load_libc())
+        try:
+            result, got = getattr(self._ops, "op_" + req["op"])(req, list(fds))
+        except (OSError, Refused):
+            raise
+        except Exception as e:  # a bug: the error a worker would have reported
+            raise OSError(errno.EIO, f"{type(e).__name__}: {e}") from None
+        # The reply's shape exactly (lists, not tuples), as callers get from a worker.
+        return json.loads(json.dumps(result)), list(got)
 
     def close(self) -> None:
         """Every idle worker ended and out of the counts (envd goes dormant); a busy

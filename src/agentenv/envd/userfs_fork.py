@@ -25,7 +25,7 @@ from .userfs_protocol import MAX_FRAME
 _LIBC = None
 
 
-def _libc():
+def load_libc():
     """libc through ctypes, loaded once in envd: a worker inherits it, so it never
     dlopens after the fork (a lock another envd thread held then would stay held)."""
     global _LIBC
@@ -54,7 +54,7 @@ def _child_main(sock: socket.socket, uid: int, gid: int, groups: list[int]) -> N
         _close_all_but(keep)
         # Everything to import, before the user may no longer read envd's files
         # (both normally loaded in envd already: prepare_forks).
-        libc = _libc()
+        libc = load_libc()
         from .userfs_ops import WorkerServer
         # Not dumpable before the drop as well as after it: at no moment may a process
         # of the user's attach to it while it holds a copy of envd's memory.
@@ -103,7 +103,7 @@ def prepare_forks() -> None:
     while a worker lives is a page copied."""
     from . import userfs_ops  # noqa: F401
 
-    _libc()
+    load_libc()
     gc.collect()
     gc.freeze()
 
@@ -115,7 +115,7 @@ def fork_worker(key: tuple[int, int, tuple[int, ...]]) -> tuple[socket.socket, i
     while it lives (see prepare_forks).
     """
     uid, gid, groups = key
-    _libc()
+    load_libc()
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     _tune(parent)
     _tune(child)

@@ -1,7 +1,9 @@
 """What a file worker does, as its user: the operations and the loop serving them.
 
-Runs only in a forked worker that has already dropped to the user's credentials
-(see userfs_fork), so the kernel checks every path as for the user's own commands.
+Runs in a forked worker that has already dropped to the user's credentials (see
+userfs_fork), so the kernel checks every path as for the user's own commands; the
+default mode's quick operations also run in envd itself, as root (``LocalOps``, see
+userfs).
 Each operation returns a result and any descriptors (open files, an inotify
 instance) to hand back to envd over the socket.
 """
@@ -391,3 +393,14 @@ class WorkerServer:
         path = req["path"]
         return os.path.isdir(path) and os.access(path, os.X_OK), ()
 
+
+
+class LocalOps(WorkerServer):
+    """The operations envd does in its own process (userfs.LOCAL_OPS, the default
+    mode's quick ones): none of them sends a frame before its result."""
+
+    def __init__(self, libc) -> None:  # no socket: the result is returned, not sent
+        self.libc = libc
+
+    def send(self, obj: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
+        raise RuntimeError("an operation done in envd sent a frame")
