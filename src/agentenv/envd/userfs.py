@@ -232,13 +232,17 @@ class UserFS:
                     self.total += 1
                     return w
             # every worker this user may have, or every worker at all, is busy
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            finally:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
+            await self._next_wake()
+
+    async def _next_wake(self) -> None:
+        """Until the pool next changes (``_wake``: a worker released, the root moved)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(fut)
 
     def _retire_lru(self) -> None:
         best = None
@@ -356,13 +360,7 @@ class UserFS:
         """``req`` done in envd's own process (see the module's doc), once envd's root
         has stopped moving; the result as a worker's reply would carry it."""
         while self.moving:
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            finally:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
+            await self._next_wake()
         if self._ops is None:
             self._ops = LocalOps(load_libc())
         try:
