@@ -144,3 +144,11 @@ def base_template_with(node, template_id: str, **fields) -> str:
     if not (tdir / "rootfs").exists():
         (tdir / "rootfs").symlink_to(SHARED_HOME / "images" / "templates" / "base" / "rootfs")
     return template_id
+
+
+def envd_processes(sbx: Sandbox) -> list[str]:
+    """envd's own processes (pid 1 and any file workers): those started through the
+    bundle's loader (argv[0] /.aenv/lib/...)."""
+    return sbx.commands.run(
+        "for p in /proc/[0-9]*; do [ \"$(head -c 11 $p/cmdline 2>/dev/null)\" = "
+        "/.aenv/lib/ ] && echo ${p#/proc/}; done; true", user="root").stdout.split()

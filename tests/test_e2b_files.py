@@ -13,6 +13,7 @@ from e2b import FileType, InvalidArgumentException, NotFoundException, Sandbox
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from agentenv.testing import Node
+from sandbox_helpers import envd_processes
 
 MIB = 1 << 20
 
@@ -364,31 +365,24 @@ def test_a_write_reports_create_chmod_write_every_time(sbx: Sandbox) -> None:
         entry_handle.stop()
 
 
-# envd's own processes: those started through the bundle's loader (argv[0] /.aenv/lib/...).
-_ENVD_PIDS = ("for p in /proc/[0-9]*; do [ \"$(head -c 11 $p/cmdline 2>/dev/null)\" = "
-              "/.aenv/lib/ ] && echo ${p#/proc/}; done; true")
-
 
 def test_quick_file_operations_fork_no_worker_and_a_fifo_does_not_hang_envd(
         sbx: Sandbox) -> None:
     """The default mode's writes, reads, stats and mkdirs are envd's own (issue 27): a
     file step after a think gap no longer forks a file worker, ~250 ms under load. Done
     on envd's event loop, a FIFO or a device at the path must fail, not block it."""
-    def envd_processes() -> list[str]:
-        return sbx.commands.run(_ENVD_PIDS, user="root").stdout.split()
-
     sbx.files.remove("/home/user/quick")  # a worker's operation: one may be up now
-    for pid in envd_processes():
+    for pid in envd_processes(sbx):
         if pid != "1":
             sbx.commands.run(f"kill -9 {pid} || true", user="root")
-    assert envd_processes() == ["1"]
+    assert envd_processes(sbx) == ["1"]
     sbx.files.write("/home/user/quick/a/b.txt", "x")  # its parents made as well
     assert sbx.files.read("/home/user/quick/a/b.txt") == "x"
     assert sbx.files.exists("/home/user/quick/a")
     assert sbx.files.get_info("/home/user/quick/a/b.txt").owner == "user"
     assert sbx.files.make_dir("/home/user/quick/c")
     sbx.files.write_files([{"path": "/home/user/quick/d.txt", "data": "y"}])
-    assert envd_processes() == ["1"]
+    assert envd_processes(sbx) == ["1"]
     # Still the user's, as E2B's envd makes them: parents, file and directory alike.
     owners = sbx.commands.run("stat -c '%U' /home/user/quick /home/user/quick/a "
                               "/home/user/quick/a/b.txt /home/user/quick/c").stdout

@@ -24,6 +24,7 @@ from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from agentenv.testing import Node
 from agentenv.testing.nodes import SHARED_HOME
+from sandbox_helpers import envd_processes
 
 STRICT = "base-strict"
 ROOT_SECRET = "root secret\n"
@@ -356,9 +357,6 @@ def test_fifo_planted_by_the_user_does_not_hang_envd(node: Node) -> None:
 
 
 # -- issue 17: what an idle sandbox holds of envd's; a worker is the user's, sealed -----
-# envd's processes: those started through the bundle's loader (argv[0] /.aenv/lib/...).
-_ENVD_PIDS = ("for p in /proc/[0-9]*; do [ \"$(head -c 11 $p/cmdline 2>/dev/null)\" = "
-              "/.aenv/lib/ ] && echo ${p#/proc/}; done; true")
 
 
 _PEEK = """
@@ -379,9 +377,9 @@ def test_an_idle_sandbox_runs_envd_alone_and_a_file_worker_is_sealed(node: Node)
     try:
         # Fresh: envd (pid 1) and nothing else of its own (no start-up zygote, which
         # held ~12 MiB of every idle sandbox's memory).
-        assert _root(sandbox, _ENVD_PIDS).split() == ["1"]
+        assert envd_processes(sandbox) == ["1"]
         sandbox.files.write("/home/user/w.txt", "x", user="user")
-        workers = [p for p in _root(sandbox, _ENVD_PIDS).split() if p != "1"]
+        workers = [p for p in envd_processes(sandbox) if p != "1"]
         assert len(workers) == 1, workers
         pid = workers[0]
         status = _root(sandbox, f"cat /proc/{pid}/status")
