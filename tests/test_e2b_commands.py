@@ -7,9 +7,11 @@ import time
 
 import pytest
 from e2b import CommandExitException, Sandbox, SandboxNotRunningException, TimeoutException
+from e2b.exceptions import InvalidArgumentException
 from e2b.sandbox.commands.command_handle import PtySize
 
 from agentenv.testing import Node
+from sandbox_helpers import envd_processes
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,37 @@ def test_cwd_and_users(sbx: Sandbox) -> None:
     sbx.commands.run("touch /home/user/owned-by-user")
     owner = sbx.commands.run("stat -c %U /home/user/owned-by-user").stdout.strip()
     assert owner == "user"
+
+
+def test_cwd_is_entered_as_the_user_without_a_file_worker(sbx: Sandbox) -> None:
+    """A command's cwd is entered with the user's own rights, after envd drops root (as
+    Go's os/exec orders it for E2B's envd), and refused before the command runs. That
+    takes no file worker: a command with a cwd after a think gap forked one, ~420 ms
+    under load (issue 27). A PTY changes directory as root, so it is still checked
+    first; a refused start leaves no process, listed or running, and no descriptor."""
+    for pid in envd_processes(sbx):
+        if pid != "1":
+            sbx.commands.run(f"kill -9 {pid} || true", user="root")
+    sbx.commands.run("mkdir -p /tmp/closed && chmod 700 /tmp/closed && touch /tmp/afile",
+                     user="root")
+    fds = sbx.commands.run("ls /proc/1/fd | wc -l", user="root").stdout
+    for cwd in ("/root", "/tmp/closed", "/tmp/afile", "/no/such/dir"):
+        for _ in range(3):
+            with pytest.raises(InvalidArgumentException, match="may not enter"):
+                sbx.commands.run("touch /tmp/ran", cwd=cwd, user="user")
+    assert sbx.commands.run("test -e /tmp/ran || echo never ran").stdout == "never ran\n"
+    assert sbx.commands.run("ls /proc/1/fd | wc -l", user="root").stdout == fds
+    assert sbx.commands.run("pwd; id -un", cwd="/tmp").stdout == "/tmp\nuser\n"
+    assert sbx.commands.run("pwd", cwd="/tmp/closed", user="root").stdout == "/tmp/closed\n"
+    handle = sbx.commands.run("sleep 30", cwd="/home/user", background=True)
+    try:
+        assert [p.pid for p in sbx.commands.list()] == [handle.pid]
+        assert envd_processes(sbx) == ["1"]
+    finally:
+        handle.kill()
+    with pytest.raises(InvalidArgumentException, match="may not enter"):
+        sbx.pty.create(PtySize(rows=24, cols=80), cwd="/tmp/closed", user="user")
+    assert sbx.commands.run("echo alive", cwd="/home/user").stdout == "alive\n"
 
 
 def test_user_command_gets_its_groups_and_no_privileges(sbx: Sandbox) -> None:

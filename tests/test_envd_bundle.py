@@ -136,6 +136,40 @@ def test_exec_as_sets_credentials_then_execs_like_execvp(bundle, scratch):
         assert refused.returncode == 126 and not (d / "ran").exists()
 
 
+def test_exec_as_enters_the_cwd_as_the_user_and_reports_it(bundle, scratch):
+    """-C DIR FD: the directory is entered once the credentials are the user's, and
+    the outcome is one byte on FD (0, else the errno) before CMD runs or not."""
+    helper = str(bundle / "bin" / "exec-as")
+    closed = scratch / "closed"
+    closed.mkdir(mode=0o700, exist_ok=True)
+    (scratch / "afile").write_text("")
+    open_dir = scratch / "open"
+    open_dir.mkdir(mode=0o755, exist_ok=True)
+    scratch.chmod(0o755)
+
+    def enter(where: Path, uid: str, *cmd: str) -> tuple[bytes, subprocess.CompletedProcess]:
+        r, w = os.pipe()
+        try:
+            done = subprocess.run([helper, "-C", str(where), str(w), uid, uid, "-", *cmd],
+                                  pass_fds=(w,), capture_output=True, text=True, timeout=30)
+        finally:
+            os.close(w)
+        with os.fdopen(r, "rb") as report:
+            return report.read(), done
+
+    word, done = enter(open_dir, "65534", "pwd")
+    assert (word, done.returncode, done.stdout) == (b"\0", 0, f"{open_dir}\n")
+    for where, err in ((closed, errno.EACCES), (scratch / "afile", errno.ENOTDIR),
+                       (scratch / "none", errno.ENOENT)):
+        word, done = enter(where, "65534", "touch", str(scratch / "ran"))
+        assert (word, done.returncode) == (bytes([err]), 126), (where, done.stderr)
+    assert not (scratch / "ran").exists()
+    word, done = enter(closed, "0", "pwd")  # root may
+    assert (word, done.stdout) == (b"\0", f"{closed}\n")
+    word, done = enter(closed, "x", "pwd")  # bad credentials: FD closed unwritten
+    assert (word, done.returncode) == (b"", 126)
+
+
 def test_bundled_python_in_busybox(bundle, rootfs):
     argv, env = envd_command()
     code = ("import ssl, ctypes, zlib, lzma, bz2, hashlib, sys; "

@@ -1,7 +1,14 @@
-/* exec-as UID GID GROUPS CMD [ARG...]: set the supplementary groups (GROUPS is a
- * comma-separated list of gids, or "-" for none), the real/effective/saved gid and
- * uid, then execute CMD as execvp(3) would (a PATH search when CMD has no '/', a
- * file without a #! line run by /bin/sh).
+/* exec-as [-C DIR FD] UID GID GROUPS CMD [ARG...]: set the supplementary groups
+ * (GROUPS is a comma-separated list of gids, or "-" for none), the real/effective/saved
+ * gid and uid, then execute CMD as execvp(3) would (a PATH search when CMD has no '/',
+ * a file without a #! line run by /bin/sh).
+ *
+ * With -C, change into DIR once the credentials are the user's, so the user's own
+ * permissions decide whether it may be entered (the order of Go's os/exec, which
+ * E2B's envd uses), and report the outcome as one byte on descriptor FD before
+ * closing it: 0 when entered, else the errno (then exit 126 without running CMD).
+ * envd reads that byte before it answers the request, so a refused cwd is still the
+ * request's error; a credential failure closes FD unwritten.
  *
  * envd starts a user's command through this (see spawn.py) because CPython can vfork
  * only when it changes no credentials. It is built without libc (x86_64 Linux raw
@@ -11,6 +18,8 @@
  * as shells and setpriv report them. */
 
 #define SYS_write 1
+#define SYS_close 3
+#define SYS_chdir 80
 #define SYS_execve 59
 #define SYS_exit 60
 #define SYS_setresuid 117
@@ -130,8 +139,17 @@ void cmain(long *sp) {
     long argc = sp[0];
     char **argv = (char **)(sp + 1);
     char **envp = argv + argc + 1;
+    const char *dir = 0;
+    long report = -1;
+    if (argc >= 4 && argv[1][0] == '-' && argv[1][1] == 'C' && !argv[1][2]) {
+        dir = argv[2];
+        report = one_id(argv[3]);
+        if (report < 0 || !*dir) die("bad -C ", argv[3], 0);
+        argv += 3;
+        argc -= 3;
+    }
     if (argc < 5) {
-        say("usage: exec-as UID GID GROUPS|- CMD [ARG...]\n");
+        say("usage: exec-as [-C DIR FD] UID GID GROUPS|- CMD [ARG...]\n");
         sys3(SYS_exit, 126, 0, 0);
     }
     long uid = one_id(argv[1]), gid = one_id(argv[2]);
@@ -151,6 +169,14 @@ void cmain(long *sp) {
     if (r == 0) r = sys3(SYS_setresgid, gid, gid, gid);
     if (r == 0) r = sys3(SYS_setresuid, uid, uid, uid);
     if (r != 0) die("setting credentials", "", -r);
+    if (dir) {
+        unsigned char err = 0;
+        long c = sys3(SYS_chdir, (long)dir, 0, 0);
+        if (c < 0) err = c < -255 ? 255 : (unsigned char)-c;
+        sys3(SYS_write, report, (long)&err, 1);
+        sys3(SYS_close, report, 0, 0);
+        if (err) sys3(SYS_exit, 126, 0, 0);
+    }
     run(argv + 4, envp);
 }
 

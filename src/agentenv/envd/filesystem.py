@@ -18,6 +18,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
+from .running import resolve_future
 from .state import PathError, State, User, UserError, resolve_path
 from .userfs import UserFS, fs_key, owner, user_key
 from .userfs_protocol import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, MAX_WATCH_DIRS, Refused, WorkerGone
@@ -160,7 +161,7 @@ class Watcher:
     async def _readable(self) -> None:
         fd = self.fd
         fut = self._loop.create_future()
-        self._loop.add_reader(fd, _resolve, fut)
+        self._loop.add_reader(fd, resolve_future, fut)
         try:
             await fut
         finally:
@@ -472,9 +473,3 @@ class FilesystemService:
 
 
 __all__ = ["MAX_WATCHERS", "FilesystemService", "entry_pb", "user_key"]
-
-
-def _resolve(fut: asyncio.Future) -> None:
-    """A descriptor is ready: wake whoever awaits ``fut`` (once)."""
-    if not fut.done():
-        fut.set_result(None)

@@ -7,6 +7,7 @@ CPython can vfork instead of copying envd.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -19,11 +20,27 @@ from aenv_envd_protos.process import process_pb as pb
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from .running import Proc, Registry
-from .spawn import as_user
+from .running import Proc, Registry, resolve_future
+from .spawn import as_user, exec_as
 from .state import State, User
 
 MAX_PTY_DIM = 4096
+# How long envd waits for exec-as to say whether it entered the cwd: it is a few system
+# calls; past this the command is taken as started and its exit tells the rest.
+ENTER_REPORT_S = 10.0
+
+
+def cwd_refused(cwd: str, user: User) -> ConnectError:
+    return ConnectError(Code.INVALID_ARGUMENT,
+                        f"cwd '{cwd}' does not exist, is not a directory, or "
+                        f"'{user.name}' may not enter it")
+
+
+def enters_cwd_as_user(request: pb.StartRequest) -> bool:
+    """Whether spawn_process itself has the cwd entered as the user (exec-as, after the
+    credentials drop). Otherwise the caller checks it first: a PTY command, or no
+    exec-as, changes directory before dropping root."""
+    return request.pty is None and exec_as() is not None and os.geteuid() == 0
 
 
 def _null_stdin() -> int:
@@ -45,9 +62,29 @@ def set_winsize(fd: int, rows: int, cols: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
-def spawn_process(state: State, registry: Registry, request: pb.StartRequest, user: User,
-                  cwd: str | None) -> Proc:
-    """Start ``request``'s command as ``user`` (pipes, or a PTY) and register it."""
+async def spawn_process(state: State, registry: Registry, request: pb.StartRequest,
+                        user: User, cwd: str | None) -> Proc:
+    """Start ``request``'s command as ``user`` (pipes, or a PTY) and register it.
+
+    Raises ConnectError INVALID_ARGUMENT when the command cannot be started, including
+    a cwd the user may not enter (see enters_cwd_as_user)."""
+    # A requested cwd is entered as the user; the default one (the template's workdir,
+    # else home) as envd always has, even where the user could not enter it.
+    requested = cwd is not None
+    if cwd is None:
+        cwd = state.default_cwd(user)
+    proc, report = _start(state, registry, request, user, cwd, requested)
+    registry.add(proc)  # now: it may end (and be reaped) while we wait below
+    if report is not None and await _entered_error(report):
+        proc.discard()
+        raise cwd_refused(cwd, user)
+    return proc
+
+
+def _start(state: State, registry: Registry, request: pb.StartRequest, user: User,
+           cwd: str, enter_as_user: bool) -> tuple[Proc, int | None]:
+    """The child started (a vfork where it can), and the read end of exec-as's report
+    on entering ``cwd`` when it enters it as the user."""
     cfg = request.process
     if cfg is None or not cfg.cmd:
         raise ConnectError(Code.INVALID_ARGUMENT, "process config with a cmd is required")
@@ -56,8 +93,6 @@ def spawn_process(state: State, registry: Registry, request: pb.StartRequest, us
         cmd = "/bin/sh"  # the SDK always asks for bash; minimal rootfses have only sh
     argv = [cmd, *cfg.args]
     env = state.process_env(user, dict(cfg.envs))
-    if cwd is None:
-        cwd = state.default_cwd(user)
     creds: dict[str, Any] = {}
     if os.geteuid() == 0:
         try:
@@ -72,6 +107,7 @@ def spawn_process(state: State, registry: Registry, request: pb.StartRequest, us
                            f"envd is not root and cannot run commands as '{user.name}'")
     use_stdin = request.stdin if request.has_field("stdin") else True
     pty = request.pty
+    report: int | None = None  # exec-as's word on the cwd (read end)
     try:
         if pty is not None:
             master, slave = os.openpty()
@@ -87,17 +123,28 @@ def spawn_process(state: State, registry: Registry, request: pb.StartRequest, us
                         else None, {master: "pty"}, None, master)
         else:
             # Through exec-as or setpriv when the user changes: a vfork, not a fork.
-            spawn_argv = argv
+            spawn_argv, report_w = argv, None
+            popen_cwd: str | None = cwd
             if creds:
+                if enter_as_user and exec_as() is not None:  # see exec_as.c
+                    report, report_w = os.pipe()
                 via = as_user(argv, user.uid, user.gid, creds["extra_groups"],
-                              env.get("PATH", ""))
+                              env.get("PATH", ""),
+                              (cwd, report_w) if report_w is not None else None)
                 if via is not None:
                     spawn_argv, creds = via, {}
+                    if report_w is not None:
+                        popen_cwd = None
             stdin_src = subprocess.PIPE if use_stdin else _null_stdin()
-            popen = subprocess.Popen(
-                spawn_argv, stdin=stdin_src,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
-                start_new_session=True, **creds)
+            try:
+                popen = subprocess.Popen(
+                    spawn_argv, stdin=stdin_src,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=popen_cwd,
+                    start_new_session=True, pass_fds=(report_w,) if report_w is not None else (),
+                    **creds)
+            finally:
+                if report_w is not None:
+                    os.close(report_w)
             if isinstance(stdin_src, int) and stdin_src >= 0:
                 os.close(stdin_src)
             assert popen.stdout is not None and popen.stderr is not None  # both PIPE
@@ -117,6 +164,8 @@ def spawn_process(state: State, registry: Registry, request: pb.StartRequest, us
         if pty is not None:
             with contextlib.suppress(OSError, UnboundLocalError):
                 os.close(master)
+        if report is not None:
+            os.close(report)
         why = e.strerror or str(e)
         if e.filename and e.filename != cmd:
             why += f": '{e.filename}'"
@@ -124,5 +173,21 @@ def spawn_process(state: State, registry: Registry, request: pb.StartRequest, us
                            f"failed to start process '{cmd}': {why}") from None
     if pty is not None:
         os.set_blocking(master, False)
-    registry.add(proc)
-    return proc
+    return proc, report
+
+
+async def _entered_error(fd: int) -> int:
+    """The errno exec-as reports for entering the cwd (0: entered; also 0 when it ended
+    or timed out without a word: the command's own exit then says what happened)."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, resolve_future, ready)
+    try:
+        await asyncio.wait_for(ready, ENTER_REPORT_S)
+        word = os.read(fd, 1)
+    except (TimeoutError, OSError):
+        word = b""
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return word[0] if word else 0

@@ -19,7 +19,7 @@ from connectrpc.errors import ConnectError
 from protobuf import Oneof
 
 from . import durable as durable_cmds
-from .launch import set_winsize, spawn_process
+from .launch import cwd_refused, enters_cwd_as_user, set_winsize, spawn_process
 from .running import Proc, Registry, process_event
 from .state import PathError, State, User, UserError, resolve_path
 from .userfs import UserFS, user_key
@@ -92,19 +92,19 @@ class ProcessService:
         self.registry = registry
         self.userfs = userfs or UserFS()
 
-    async def _check_cwd(self, cwd: str, user: User) -> None:
-        """The requested cwd must be a directory *the user* may enter: the child
-        changes into it before dropping root, so root's view must not decide."""
+    async def _check_cwd(self, cwd: str, user: User, request: pb.StartRequest) -> None:
+        """The requested cwd must be a directory *the user* may enter. exec-as enters it
+        after dropping root (launch.enters_cwd_as_user); otherwise the child changes
+        into it as root, so root's view must not decide: a file worker of the user's
+        checks it first."""
         ok = os.path.isdir(cwd)
-        if ok and user.uid != 0 and os.geteuid() == 0:
+        if ok and user.uid != 0 and os.geteuid() == 0 and not enters_cwd_as_user(request):
             try:
                 ok, _ = await self.userfs.call(user_key(user), "cwd_ok", path=cwd)
             except (OSError, WorkerGone):
                 ok = False
         if not ok:
-            raise ConnectError(Code.INVALID_ARGUMENT,
-                               f"cwd '{cwd}' does not exist, is not a directory, or "
-                               f"'{user.name}' may not enter it")
+            raise cwd_refused(cwd, user)
 
     # -- RPCs -----------------------------------------------------------------------
     async def list(self, request: pb.ListRequest, ctx: RequestContext) -> pb.ListResponse:
@@ -123,14 +123,14 @@ class ProcessService:
                 cwd = resolve_path(cfg.cwd, user)
             except PathError as e:
                 raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
-            await self._check_cwd(cwd, user)
+            await self._check_cwd(cwd, user, request)
         deadline = _deadline(ctx)
         durable, output_bytes = durable_cmds.requested(
             ctx.request_headers, dict(cfg.envs) if cfg is not None else {})
         if durable and not self.registry.durable.can_start():
             raise ConnectError(Code.RESOURCE_EXHAUSTED,
                                f"{durable_cmds.MAX_RUNNING} durable commands already running")
-        proc = spawn_process(self.state, self.registry, request, user, cwd)
+        proc = await spawn_process(self.state, self.registry, request, user, cwd)
         if durable:  # no connection bounds it: the deadline ends the stream only
             assert cfg is not None  # spawn_process refuses a request without one
             proc.durable = durable_cmds.DurableCommand(

@@ -187,6 +187,19 @@ class Proc:
                 self._paused = False
             self._grace = self._loop.call_later(EOF_GRACE_S, self._finish_now)
 
+    def discard(self) -> None:
+        """Forget a process that never became the command (exec-as refused its cwd and
+        exits by itself): no events, no listing; its pipes closed, its pid reaped as
+        any orphan's."""
+        self.ended = True
+        self.registry.remove(self)
+        for h in (self._grace, self._deadline):
+            if h is not None:
+                h.cancel()
+        for fd in list(self._out):
+            self._close_out(fd)
+        self._close_inputs()
+
     def _finish_now(self) -> None:
         self._drain()
         for fd in list(self._out):
@@ -254,7 +267,7 @@ class Proc:
                     view = view[n:]
                 except BlockingIOError:
                     fut = self._loop.create_future()
-                    self._loop.add_writer(fd, _resolve, fut)
+                    self._loop.add_writer(fd, resolve_future, fut)
                     try:
                         await fut
                     finally:
@@ -332,7 +345,7 @@ class Registry:
                 raise ConnectError(Code.INVALID_ARGUMENT, "process selector (pid or tag) missing")
 
 
-def _resolve(fut: asyncio.Future) -> None:
+def resolve_future(fut: asyncio.Future) -> None:
     """A descriptor is ready: wake whoever awaits ``fut`` (once)."""
     if not fut.done():
         fut.set_result(None)

@@ -38,9 +38,14 @@ def setpriv_prefix() -> tuple[str, ...] | None:
     return (host,) if host else None
 
 
-def as_user(argv: list[str], uid: int, gid: int, groups: list[int], path: str) -> list[str] | None:
+def as_user(argv: list[str], uid: int, gid: int, groups: list[int], path: str,
+            enter: tuple[str, int] | None = None) -> list[str] | None:
     """argv that runs ``argv`` with these credentials via exec-as or setpriv, or None
     if neither is here.
+
+    ``enter`` (a directory, a descriptor) asks exec-as to change into the directory
+    as the user and report the outcome on the descriptor (exec_as.c); only exec-as
+    can, so pass it only when ``exec_as()`` is here.
 
     Raises FileNotFoundError / PermissionError for a command that cannot be run,
     as Popen would, since the helper would only report it after the fork.
@@ -51,8 +56,10 @@ def as_user(argv: list[str], uid: int, gid: int, groups: list[int], path: str) -
         return None
     _check_executable(argv[0], path)
     if helper is not None:
-        return [helper, str(uid), str(gid), ",".join(str(g) for g in groups) or "-", *argv]
-    assert prefix is not None
+        where = ["-C", enter[0], str(enter[1])] if enter is not None else []
+        return [helper, *where, str(uid), str(gid), ",".join(str(g) for g in groups) or "-",
+                *argv]
+    assert prefix is not None and enter is None
     group_arg = ["--groups", ",".join(str(g) for g in groups)] if groups else ["--clear-groups"]
     return [*prefix, f"--reuid={uid}", f"--regid={gid}", *group_arg, "--", *argv]
 
