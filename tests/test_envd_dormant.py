@@ -381,3 +381,33 @@ def test_a_sandbox_in_a_files_layer_sleeps_and_wakes_in_it(dnode: Node, sbx: San
     r = api.post(f"/sandboxes/{sid}/reset", json=body)
     assert r.status_code == 200 and r.json()["mode"] == "filesystem", r.text
     assert sbx.files.read("/home/user/v.txt") == "v0"
+
+
+def test_a_changed_dormancy_setting_holds_for_sandboxes_of_template_images(
+        tmp_path: Path) -> None:
+    """A template's boot image holds envd as it started, its dormancy setting included.
+    A node restarted with envd_dormant_after_s set must not restore the image it captured
+    without it (nor a peer's, through a shared repository): its sandboxes of that
+    template would never go dormant."""
+    prefix = f"dc{os.getpid() % 4096:03x}"
+    cidr = free_cidr(140, 20, os.getpid() + 7)
+    home = tmp_path / "home"
+    node = Node(home, prefix, cidr, AENV_MAX_SANDBOXES="4")
+    with serving(node):
+        Sandbox.create(template="base", timeout=120).kill()  # the image follows
+        end = time.monotonic() + 60
+        while not list((home / "snapshots" / "aliases").glob("tpl.base.*")):
+            assert time.monotonic() < end, "base's boot image was not captured"
+            time.sleep(0.2)
+        sbx = Sandbox.create(template="base", timeout=120)
+        time.sleep(3)
+        assert dormancies(node, sbx.sandbox_id) == 0  # never, as configured
+        sbx.kill()
+    again = Node(home, prefix, cidr, AENV_MAX_SANDBOXES="4", AENV_ENVD_DORMANT_AFTER_S="2")
+    with serving(again):
+        sbx = Sandbox.create(template="base", timeout=120)
+        try:
+            wait_dormant(again, sbx.sandbox_id, 1, within=20)
+            assert sbx.commands.run("echo awake").stdout == "awake\n"
+        finally:
+            sbx.kill()

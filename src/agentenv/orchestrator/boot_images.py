@@ -5,7 +5,9 @@ ready (envd up, start command running). Creating a sandbox then restores the
 image instead of booting a kernel and envd: the restore costs a fraction of a
 cold boot. The image lives in the snapshot repository under an alias derived
 from everything it depends on (template build, envd bundle, runtime version,
-resources), so a changed template or node never restores a stale one.
+resources, and envd's settings as it started: its dormancy and guards, which a
+restored envd keeps), so a changed template or node never restores a stale one,
+and nodes configured apart never restore each other's.
 
 The warm pool keeps ``size`` sandboxes per hot template already restored, each
 in its own slot; a create adopts one (a single envd call) and the pool refills
@@ -112,7 +114,7 @@ class BootImages:
             template.template_id, template.created_at, template.build_id, template.rootfs,
             template.image.manifest_digest if template.image else "",
             template.cpu_count, template.memory_mb, template.start_cmd, template.ready_cmd,
-            m.specs.bundle_name, m.runtime.kind, m.runtime.version,
+            m.specs.bundle_name, m.runtime.kind, m.runtime.version, m.specs.image_stamp(template),
         ))
         return f"tpl.{template.template_id}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 

@@ -10,6 +10,7 @@ restore that fails (or worse, half works).
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from ..config import Config
@@ -19,6 +20,7 @@ from ..envd.protocol import ENVD_PORT
 from ..resources import CPU, DISK, MEMORY, ResourceLimits
 from ..runtime import Runtime, SandboxSpec
 from ..runtime.oci import files_quota_mb
+from ..templates import Template
 from .launch import LaunchPlan
 from .models import Conflict
 
@@ -51,11 +53,8 @@ class SpecFactory:
         """The spec of the plan's sandbox (the same for boot and restore)."""
         assert self.bundle is not None, "prepare() first"
         template = plan.template
-        # The last word on what the runtime is given, whatever a record says.
-        disk_mb = self.limits.clamp(DISK, template.disk_size_mb or self.config.default_disk_mb,
-                                    1024)
-        cpu_count = self.limits.clamp(CPU, plan.cpu_count, 1)
-        memory_mb = self.limits.clamp(MEMORY, plan.memory_mb, 512)
+        disk_mb, cpu_count, memory_mb = self._resources(template, plan.cpu_count,
+                                                        plan.memory_mb)
         return SandboxSpec(
             sandbox_id=plan.sandbox_id,
             rootfs=template.rootfs,
@@ -66,12 +65,34 @@ class SpecFactory:
             runtime_bundle=self.bundle,
             bundle_mount=BUNDLE_MOUNT,
             init_args=self._init_argv,
-            init_env={**self._init_env, "AENV_MEMORY_LIMIT_MB": str(memory_mb),
-                      # envd's guard keeps / and /tmp together within the writable
-                      # budget (runsc has no size limit for the in-memory root layer).
-                      "AENV_DISK_LIMIT_MB": str(files_quota_mb(disk_mb, memory_mb))},
+            init_env=self._envd_env(disk_mb, memory_mb),
             disk_mb=disk_mb,
         )
+
+    def _resources(self, template: Template, cpu_count: int, memory_mb: int
+                   ) -> tuple[int, int, int]:
+        """Disk, CPUs and memory the runtime is given: the last word, whatever a record
+        says."""
+        disk_mb = self.limits.clamp(DISK, template.disk_size_mb or self.config.default_disk_mb,
+                                    1024)
+        return (disk_mb, self.limits.clamp(CPU, cpu_count, 1),
+                self.limits.clamp(MEMORY, memory_mb, 512))
+
+    def _envd_env(self, disk_mb: int, memory_mb: int) -> dict[str, str]:
+        return {**self._init_env, "AENV_MEMORY_LIMIT_MB": str(memory_mb),
+                # envd's guard keeps / and /tmp together within the writable
+                # budget (runsc has no size limit for the in-memory root layer).
+                "AENV_DISK_LIMIT_MB": str(files_quota_mb(disk_mb, memory_mb))}
+
+    def image_stamp(self, template: Template) -> str:
+        """What a template's boot image takes from this node beyond the template and the
+        bundle: envd's command line and environment as it started (its dormancy, its
+        memory and disk guards: a restored envd keeps them) and the resources it was
+        given. Nodes that differ here must not restore each other's images."""
+        disk_mb, cpu_count, memory_mb = self._resources(template, template.cpu_count,
+                                                        template.memory_mb)
+        return json.dumps([self._init_argv, sorted(self._envd_env(disk_mb, memory_mb).items()),
+                           disk_mb, cpu_count])
 
     def stamp(self) -> dict:
         """What a snapshot taken here depends on, for its metadata."""
