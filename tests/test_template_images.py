@@ -20,6 +20,7 @@ CIDR = free_cidr(220, 30, os.getpid())
 def pool_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     node = Node(tmp_path_factory.mktemp("pool") / "home", PREFIX, CIDR,
                 AENV_WARM_POOL_SIZE="2")
+    node.seed_images = False  # its first create boots and captures the image
     node.start()
     with sdk_env(node.e2b_env()):
         yield node

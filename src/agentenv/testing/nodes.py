@@ -9,16 +9,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 
+from ..snapshot.errors import SnapshotError
 from .ports import listening_socket
+from .template_images import export_images, import_images
 
 # The `aenv` entry point installed next to this interpreter (the venv's bin).
 AENV = Path(sys.executable).parent / "aenv"
 SHARED_HOME = Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))
+# Boot images of the shared templates, handed from node to node (template_images).
+IMAGE_SEED = SHARED_HOME / "cache" / "test-template-images"
 
 
 def free_cidr(first: int, count: int, seed: int) -> str:
@@ -37,6 +41,10 @@ def free_cidr(first: int, count: int, seed: int) -> str:
 
 class Node:
     """One `aenv server` process with its own home, network prefix and address pool."""
+
+    # Whether its repository takes the shared templates' boot images from the seed and
+    # gives its own back (template_images); a test of the cold path sets it False.
+    seed_images = True
 
     def __init__(self, home: Path, prefix: str, cidr: str, **env: str):
         self.home = home
@@ -61,6 +69,7 @@ class Node:
         }
         self.proc: subprocess.Popen | None = None
         self.log_path = home / "server.log"
+
         # The port is the node's from here on: bound now and handed to the server's
         # process at start (agentenv.testing.ports), bound again on a restart.
         self.host = self.env.get("AENV_HOST", "127.0.0.1")
@@ -81,8 +90,19 @@ class Node:
     def api_key(self) -> str:
         return (self.home / "secrets" / "api-key").read_text().strip()
 
+    def _share_images(self, copy: Callable[[Path, Path, Path], list[str]], *,
+                      into_seed: bool) -> None:
+        if not self.seed_images or \
+                self.env.get("AENV_SNAPSHOT_BACKEND", "posix_fs") != "posix_fs":
+            return
+        repo = Path(self.env.get("AENV_SNAPSHOT_PATH") or self.home / "snapshots")
+        src, dst = (repo, IMAGE_SEED) if into_seed else (IMAGE_SEED, repo)
+        with contextlib.suppress(OSError, SnapshotError):
+            copy(src, dst, SHARED_HOME)
+
     def start(self, wait: float = 90) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
+        self._share_images(import_images, into_seed=False)
         log = open(self.log_path, "ab")
         sock, self._listener = self._listener or listening_socket(self.host, self.port), None
         try:
@@ -109,6 +129,11 @@ class Node:
         raise RuntimeError(f"node did not become healthy:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 60) -> int:
+        code = self._stop(timeout)
+        self._share_images(export_images, into_seed=True)
+        return code
+
+    def _stop(self, timeout: float) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)
