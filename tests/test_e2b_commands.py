@@ -91,7 +91,11 @@ def test_cwd_is_entered_as_the_user_without_a_file_worker(sbx: Sandbox) -> None:
         handle.kill()
     with pytest.raises(InvalidArgumentException, match="may not enter"):
         sbx.pty.create(PtySize(rows=24, cols=80), cwd="/tmp/closed", user="user")
-    assert sbx.commands.run("echo alive", cwd="/home/user").stdout == "alive\n"
+    # A command with a cwd that ends as soon as it starts: its end still reaches the
+    # caller (envd must not serve other events between the start and the subscription).
+    for i in range(80):
+        user = ("root", "user")[i % 2]
+        assert sbx.commands.run(f"echo {i}", cwd="/tmp", user=user, timeout=15).stdout == f"{i}\n"
 
 
 def test_user_command_gets_its_groups_and_no_privileges(sbx: Sandbox) -> None:

@@ -7,10 +7,10 @@ CPython can vfork instead of copying envd.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import os
+import select
 import struct
 import subprocess
 import termios
@@ -20,14 +20,14 @@ from aenv_envd_protos.process import process_pb as pb
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from .running import Proc, Registry, resolve_future
+from .running import Proc, Registry
 from .spawn import as_user, exec_as
 from .state import State, User
 
 MAX_PTY_DIM = 4096
 # How long envd waits for exec-as to say whether it entered the cwd: it is a few system
 # calls; past this the command is taken as started and its exit tells the rest.
-ENTER_REPORT_S = 10.0
+ENTER_REPORT_S = 5.0
 
 
 def cwd_refused(cwd: str, user: User) -> ConnectError:
@@ -62,20 +62,21 @@ def set_winsize(fd: int, rows: int, cols: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
-async def spawn_process(state: State, registry: Registry, request: pb.StartRequest,
-                        user: User, cwd: str | None) -> Proc:
+def spawn_process(state: State, registry: Registry, request: pb.StartRequest, user: User,
+                  cwd: str | None) -> Proc:
     """Start ``request``'s command as ``user`` (pipes, or a PTY) and register it.
 
     Raises ConnectError INVALID_ARGUMENT when the command cannot be started, including
-    a cwd the user may not enter (see enters_cwd_as_user)."""
+    a cwd the user may not enter (see enters_cwd_as_user). The event loop does not run
+    meanwhile, so the caller subscribes to the process before any of its events."""
     # A requested cwd is entered as the user; the default one (the template's workdir,
     # else home) as envd always has, even where the user could not enter it.
     requested = cwd is not None
     if cwd is None:
         cwd = state.default_cwd(user)
     proc, report = _start(state, registry, request, user, cwd, requested)
-    registry.add(proc)  # now: it may end (and be reaped) while we wait below
-    if report is not None and await _entered_error(report):
+    registry.add(proc)
+    if report is not None and _entered_error(report):
         proc.discard()
         raise cwd_refused(cwd, user)
     return proc
@@ -176,18 +177,19 @@ def _start(state: State, registry: Registry, request: pb.StartRequest, user: Use
     return proc, report
 
 
-async def _entered_error(fd: int) -> int:
+def _entered_error(fd: int) -> int:
     """The errno exec-as reports for entering the cwd (0: entered; also 0 when it ended
-    or timed out without a word: the command's own exit then says what happened)."""
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    loop.add_reader(fd, resolve_future, ready)
+    or timed out without a word: the command's own exit then says what happened).
+
+    It blocks envd's loop while exec-as drops root and changes directory, a few system
+    calls (Popen has just blocked the same way until exec-as was executing): waiting in
+    the loop instead would let a quick command end before its caller subscribed."""
     try:
-        await asyncio.wait_for(ready, ENTER_REPORT_S)
-        word = os.read(fd, 1)
-    except (TimeoutError, OSError):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        word = os.read(fd, 1) if poller.poll(ENTER_REPORT_S * 1000) else b""
+    except OSError:
         word = b""
     finally:
-        loop.remove_reader(fd)
         os.close(fd)
     return word[0] if word else 0

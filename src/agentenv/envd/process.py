@@ -130,7 +130,7 @@ class ProcessService:
         if durable and not self.registry.durable.can_start():
             raise ConnectError(Code.RESOURCE_EXHAUSTED,
                                f"{durable_cmds.MAX_RUNNING} durable commands already running")
-        proc = await spawn_process(self.state, self.registry, request, user, cwd)
+        proc = spawn_process(self.state, self.registry, request, user, cwd)
         if durable:  # no connection bounds it: the deadline ends the stream only
             assert cfg is not None  # spawn_process refuses a request without one
             proc.durable = durable_cmds.DurableCommand(
