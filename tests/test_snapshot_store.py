@@ -509,3 +509,22 @@ def test_staging_owns_pending_pauses(tmp_path: Path) -> None:
     assert list(staging.dir.iterdir()) == []
     with pytest.raises(SnapshotError):
         staging.path("../escape")
+
+
+def test_a_posix_repository_links_another_ones_chunk(tmp_path: Path) -> None:
+    """A chunk taken from a repository on the same filesystem is the same file (no copy);
+    a chunk the source lacks is a clear error."""
+    from agentenv.snapshot.errors import ObjectMissing
+    from agentenv.snapshot.posix import PosixRepository
+
+    src, dst = PosixRepository(tmp_path / "a", fsync=False), PosixRepository(tmp_path / "b",
+                                                                               fsync=False)
+    digest = "ab" * 32
+    src.put_chunk(digest, b"chunk")
+    assert dst.link_chunk(digest, src) and dst.link_chunk(digest, src)  # twice: one link
+    assert dst.get_chunk(digest) == b"chunk"
+    assert [d for d, _ in dst.list_chunks()] == [digest]
+    first, second = (r.root / "chunks" / digest[:2] / digest for r in (src, dst))
+    assert os.stat(first).st_ino == os.stat(second).st_ino
+    with pytest.raises(ObjectMissing):
+        dst.link_chunk("cd" * 32, src)

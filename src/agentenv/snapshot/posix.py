@@ -12,6 +12,7 @@ Layout: ``chunks/<d[:2]>/<digest>``, ``manifests/``, ``aliases/``, ``leases/``,
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import threading
@@ -131,6 +132,24 @@ class PosixRepository:
             return
         with ThreadPoolExecutor(min(threads, len(dirs)), thread_name_prefix="snap-sync") as pool:
             list(pool.map(self._sync_dir, dirs))
+
+    def link_chunk(self, digest: str, source: PosixRepository) -> bool:
+        """Take ``source``'s chunk as a hard link, without copying it (chunks are named by
+        their content and never change). False where a link cannot be made (another
+        filesystem); raises ObjectMissing when ``source`` lacks it."""
+        final = self._chunk_path(digest)
+        try:
+            self._mkdir(final.parent)
+            os.link(source._chunk_path(digest), final)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            raise ObjectMissing(f"chunk {digest} is not in {source.description}") from None
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                return False
+            raise RepositoryUnavailable(f"cannot link chunk {digest}: {exc}") from exc
+        return True
 
     def get_chunk(self, digest: str) -> bytes:
         try:

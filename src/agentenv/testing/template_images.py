@@ -6,13 +6,14 @@ for ``base``, ~25 for ``code-interpreter``, in every node home of a run, while n
 that share a repository build each image once. Here a seed repository on the machine
 stands in for that sharing, for the templates every node shares (those under
 ``SHARED_HOME/images/templates``): a node's images of them are copied into the seed
-when it stops, and from the seed into a node's own repository before it starts.
+when it stops, and the newest of each from the seed into a node's own repository
+before it starts (hard links: chunks are named by their content and never change).
 
 An image's alias names everything it depends on (template build, envd bundle, runtime:
 ``orchestrator.boot_images``), so a node only ever restores an image made for what it
 runs. Copies go through the repository interface: chunks, then the manifest, then the
-alias, so a copy cut short is never used. Only a posix_fs repository in the node's
-home is seeded; a test of the cold path opts out (``Node(seed_images=False)``).
+alias, so a copy cut short is never used. Only a posix_fs repository is seeded; a test
+of the cold path opts out (``node.seed_images = False``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _copy(src: PosixRepository, dst: PosixRepository, alias: str) -> bool:
         snapshot_id = src.get_object(f"aliases/{alias}").decode().strip()
         raw = src.get_object(f"manifests/{snapshot_id}.json")
         for digest in Manifest.from_json(raw).digests():
-            if not dst.has_chunk(digest):
+            if not dst.has_chunk(digest) and not dst.link_chunk(digest, src):
                 dst.put_chunk(digest, src.get_chunk(digest))
         dst.put_object(f"manifests/{snapshot_id}.json", raw)
         dst.put_object(f"aliases/{alias}", snapshot_id.encode())
@@ -82,8 +83,24 @@ def import_images(seed: Path, repository: Path, shared_home: Path) -> list[str]:
         src = PosixRepository(seed, fsync=False)
         dst = PosixRepository(repository, fsync=False)  # a test node's: nothing to keep
         have = set(_aliases(dst))
-        return [a for a in _aliases(src)
-                if a not in have and _template_of(a) in shared and _copy(src, dst, a)]
+        return [a for a in _newest(src, shared)
+                if a not in have and _copy(src, dst, a)]
+
+
+def _newest(seed: PosixRepository, templates: set[str]) -> list[str]:
+    """The seed's newest image of each of ``templates``: the one made for the code that
+    runs now, unless another tree's run exported since."""
+    newest: dict[str, tuple[float, str]] = {}
+    for alias in _aliases(seed):
+        template = _template_of(alias)
+        if template not in templates:
+            continue
+        with contextlib.suppress(SnapshotError):
+            snapshot_id = seed.get_object(f"aliases/{alias}").decode().strip()
+            made = Manifest.from_json(seed.get_object(f"manifests/{snapshot_id}.json")).created_at
+            if template not in newest or made > newest[template][0]:
+                newest[template] = (made, alias)
+    return [alias for _, alias in newest.values()]
 
 
 def export_images(repository: Path, seed: Path, shared_home: Path) -> list[str]:
