@@ -126,18 +126,19 @@ def _start(state: State, registry: Registry, request: pb.StartRequest, user: Use
             # Through exec-as or setpriv when the user changes: a vfork, not a fork.
             spawn_argv, report_w = argv, None
             popen_cwd: str | None = cwd
-            if creds:
-                if enter_as_user and exec_as() is not None:  # see exec_as.c
-                    report, report_w = os.pipe()
-                via = as_user(argv, user.uid, user.gid, creds["extra_groups"],
-                              env.get("PATH", ""),
-                              (cwd, report_w) if report_w is not None else None)
-                if via is not None:
-                    spawn_argv, creds = via, {}
-                    if report_w is not None:
-                        popen_cwd = None
-            stdin_src = subprocess.PIPE if use_stdin else _null_stdin()
-            try:
+            stdin_src: int = subprocess.PIPE
+            try:  # report_w is the child's alone once it runs, or nobody's if it does not
+                if creds:
+                    if enter_as_user and exec_as() is not None:  # see exec_as.c
+                        report, report_w = os.pipe()
+                    via = as_user(argv, user.uid, user.gid, creds["extra_groups"],
+                                  env.get("PATH", ""),
+                                  (cwd, report_w) if report_w is not None else None)
+                    if via is not None:
+                        spawn_argv, creds = via, {}
+                        if report_w is not None:
+                            popen_cwd = None
+                stdin_src = subprocess.PIPE if use_stdin else _null_stdin()
                 popen = subprocess.Popen(
                     spawn_argv, stdin=stdin_src,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=popen_cwd,
