@@ -69,7 +69,6 @@ class Node:
         }
         self.proc: subprocess.Popen | None = None
         self.log_path = home / "server.log"
-
         # The port is the node's from here on: bound now and handed to the server's
         # process at start (agentenv.testing.ports), bound again on a restart.
         self.host = self.env.get("AENV_HOST", "127.0.0.1")

@@ -90,17 +90,21 @@ def import_images(seed: Path, repository: Path, shared_home: Path) -> list[str]:
 def _newest(seed: PosixRepository, templates: set[str]) -> list[str]:
     """The seed's newest image of each of ``templates``: the one made for the code that
     runs now, unless another tree's run exported since."""
-    newest: dict[str, tuple[float, str]] = {}
+    return [found[0][0] for template, found in _images(seed).items() if template in templates]
+
+
+def _images(seed: PosixRepository) -> dict[str, list[tuple[str, Manifest]]]:
+    """The seed's images (alias, manifest) by template, newest first; one it lost
+    meanwhile is left out."""
+    images: dict[str, list[tuple[str, Manifest]]] = {}
     for alias in _aliases(seed):
-        template = _template_of(alias)
-        if template not in templates:
-            continue
         with contextlib.suppress(SnapshotError):
             snapshot_id = seed.get_object(f"aliases/{alias}").decode().strip()
-            made = Manifest.from_json(seed.get_object(f"manifests/{snapshot_id}.json")).created_at
-            if template not in newest or made > newest[template][0]:
-                newest[template] = (made, alias)
-    return [alias for _, alias in newest.values()]
+            manifest = Manifest.from_json(seed.get_object(f"manifests/{snapshot_id}.json"))
+            images.setdefault(_template_of(alias), []).append((alias, manifest))
+    for found in images.values():
+        found.sort(key=lambda image: image[1].created_at, reverse=True)
+    return images
 
 
 def export_images(repository: Path, seed: Path, shared_home: Path) -> list[str]:
@@ -127,19 +131,12 @@ def _prune(seed: PosixRepository, templates: set[str]) -> None:
     the kept manifests name. Best effort: another run may be copying meanwhile (its
     reader skips an image that lost a chunk)."""
     with contextlib.suppress(SnapshotError):
-        images: dict[str, list[tuple[float, str, Manifest]]] = {}
-        for alias in _aliases(seed):
-            snapshot_id = seed.get_object(f"aliases/{alias}").decode().strip()
-            manifest = Manifest.from_json(seed.get_object(f"manifests/{snapshot_id}.json"))
-            images.setdefault(_template_of(alias), []).append(
-                (manifest.created_at, alias, manifest))
         kept: set[str] = set()
-        for template, found in images.items():
-            found.sort(key=lambda image: image[0], reverse=True)
+        for template, found in _images(seed).items():
             keep = KEEP_PER_TEMPLATE if template in templates else len(found)
-            for _, alias, manifest in found[keep:]:
+            for alias, manifest in found[keep:]:
                 seed.delete_object(f"aliases/{alias}")
                 seed.delete_object(f"manifests/{manifest.snapshot_id}.json")
-            for _, _, manifest in found[:keep]:
+            for _, manifest in found[:keep]:
                 kept |= manifest.digests()
         seed.delete_chunks([d for d, _ in seed.list_chunks() if d not in kept])
